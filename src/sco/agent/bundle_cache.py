@@ -1,0 +1,184 @@
+"""The node's on-disk bundle cache and the fetcher that keeps it fresh.
+
+- The cache holds the last good bundle forever (bundles never expire) and reports its age.
+- A new bundle replaces it only if it verifies against the node's keyring and is not a rollback;
+  otherwise the old one stays and the reason is recorded in ``state.json``.
+- Replacement is atomic (``sco._fs.atomic_write``): a crash mid-write leaves the old bundle.
+- The fetcher does a conditional GET (If-None-Match) every ``bundle_refresh_seconds`` (60 s) using only
+  ``http.client``, to stay inside the agent's memory budget.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sco._fs import atomic_write, remove_stale_temps
+from sco.contract.bundle import Bundle, Succession, successor
+from sco.contract.signing import Keyring
+from sco.errors import BundleError, FetchError
+
+BUNDLE_FILE = "bundle.json"
+STATE_FILE = "state.json"
+
+
+@dataclass
+class CacheState:
+    serial: int | None = None
+    sha256: str | None = None
+    accepted_at: float | None = None
+    etag: str | None = None
+    last_check_at: float | None = None
+    last_outcome: str | None = None
+    last_error: str | None = None
+    refused: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)  # last few refusals, newest last
+
+
+@dataclass(frozen=True)
+class Offer:
+    outcome: str  # "accepted" | "unchanged" | "refused" (bad bundle) | "error" (could not fetch)
+    serial: int | None
+    reason: str = ""
+
+
+class BundleCache:
+    """``<dir>/bundle.json`` (the last good signed bundle) and ``<dir>/state.json`` (bookkeeping)."""
+
+    def __init__(self, directory: Path, keyring: Keyring, clock: Callable[[], float] = time.time) -> None:
+        self.dir = Path(directory)
+        self.keyring = keyring
+        self.clock = clock
+        self.dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.dir, BUNDLE_FILE)
+        remove_stale_temps(self.dir, STATE_FILE)
+        self.state = self._read_state()
+        self.bundle: Bundle | None = None
+        self._load()
+
+    @property
+    def bundle_path(self) -> Path:
+        return self.dir / BUNDLE_FILE
+
+    def _read_state(self) -> CacheState:
+        try:
+            data = json.loads((self.dir / STATE_FILE).read_text())
+            return CacheState(**data)
+        except (FileNotFoundError, ValueError, TypeError):
+            return CacheState()
+
+    def _write_state(self) -> None:
+        atomic_write(self.dir / STATE_FILE, (json.dumps(asdict(self.state), sort_keys=True) + "\n").encode())
+
+    def _load(self) -> None:
+        try:
+            raw = self.bundle_path.read_bytes()
+        except FileNotFoundError:
+            return
+        try:
+            self.bundle = Bundle.from_bytes(raw, self.keyring, str(self.bundle_path))
+        except BundleError as e:
+            # Never silently trust a cache that no longer verifies (key removed, disk damage).
+            self._refuse(f"cached bundle does not verify: {e}")
+            return
+        if self.state.serial != self.bundle.serial:
+            # e.g. written by cloud-init at first boot; accepted now.
+            self.state.serial = self.bundle.serial
+            self.state.sha256 = self.bundle.verified.sha256
+            self.state.accepted_at = self.clock()
+            self._write_state()
+
+    def _refuse(self, reason: str, outcome: str = "refused") -> Offer:
+        """Keep the current bundle and record why; ``outcome`` is "refused" (bad bundle) or "error"."""
+        if outcome == "refused":
+            self.state.refused += 1
+        self.state.last_outcome = outcome
+        self.state.last_error = reason
+        self.state.history = [*self.state.history[-9:], {"at": self.clock(), "reason": reason}]
+        self._write_state()
+        return Offer(outcome, self.bundle.serial if self.bundle else None, reason)
+
+    def offer(self, raw: bytes, source: str = "bundle", etag: str | None = None) -> Offer:
+        """Consider ``raw`` as the next bundle: accept it atomically, or keep the old one and say why."""
+        self.state.last_check_at = self.clock()
+        try:
+            new = Bundle.from_bytes(raw, self.keyring, source)
+            verdict = successor(self.bundle, new)
+        except BundleError as e:
+            return self._refuse(str(e))
+        if verdict is Succession.REPLACE:
+            atomic_write(self.bundle_path, raw)
+            self.bundle = new
+            self.state.serial, self.state.sha256 = new.serial, new.verified.sha256
+            self.state.accepted_at = self.clock()
+            outcome = "accepted"
+        else:
+            outcome = "unchanged"
+        self.state.etag = etag
+        self.state.last_outcome, self.state.last_error = outcome, None
+        self._write_state()
+        return Offer(outcome, self.bundle.serial if self.bundle else None)
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        b = self.bundle
+        return {
+            "hall": b.hall if b else None,
+            "serial": b.serial if b else None,
+            "contracts": len(b.contracts) if b else 0,
+            "subset": bool(b and b.subset_of),
+            "issued_age_s": round(b.age_seconds(now), 1) if b and b.issued_at is not None else None,
+            "cached_age_s": round(now - self.state.accepted_at, 1) if self.state.accepted_at else None,
+            "last_check_age_s": round(now - self.state.last_check_at, 1) if self.state.last_check_at else None,
+            "last_outcome": self.state.last_outcome,
+            "last_error": self.state.last_error,
+            "refused": self.state.refused,
+        }
+
+
+def http_get(url: str, etag: str | None, timeout: float = 5.0) -> tuple[int, bytes, str | None]:
+    """A conditional GET with ``http.client``: (status, body, etag)."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https"):
+        raise FetchError(f"{url}: only http and https URLs are supported")
+    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(u.hostname or "localhost", u.port, timeout=timeout)
+    try:
+        headers = {"If-None-Match": etag} if etag else {}
+        conn.request("GET", u.path or "/", headers=headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        return resp.status, body, resp.getheader("ETag")
+    except (OSError, http.client.HTTPException) as e:
+        raise FetchError(f"{url}: {e}") from None
+    finally:
+        conn.close()
+
+
+class BundleFetcher:
+    """One refresh: conditional GET, verify, offer to the cache. Never raises on a bad bundle."""
+
+    def __init__(self, cache: BundleCache, url: str, timeout: float = 5.0) -> None:
+        self.cache, self.url, self.timeout = cache, url, timeout
+
+    def refresh(self) -> Offer:
+        try:
+            status, body, etag = http_get(self.url, self.cache.state.etag, self.timeout)
+        except FetchError as e:
+            self.cache.state.last_check_at = self.cache.clock()
+            return self.cache._refuse(f"fetch failed: {e}", outcome="error")
+        if status == 304:
+            self.cache.state.last_check_at = self.cache.clock()
+            self.cache.state.last_outcome, self.cache.state.last_error = "unchanged", None
+            self.cache._write_state()
+            return Offer("unchanged", self.cache.bundle.serial if self.cache.bundle else None)
+        if status != 200:
+            self.cache.state.last_check_at = self.cache.clock()
+            return self.cache._refuse(f"fetch failed: {self.url}: HTTP {status}", outcome="error")
+        return self.cache.offer(body, source=self.url, etag=etag)

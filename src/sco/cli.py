@@ -1,0 +1,351 @@
+"""The ``sco`` command. The one place errors become messages (one line per problem) and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sco import __version__
+from sco.errors import ConfigError, ScoError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _keyring(args: argparse.Namespace) -> Any:
+    from sco.contract.signing import Keyring, load_public
+
+    keys = [load_public(Path(p)) for p in args.trust or []]
+    if getattr(args, "trust_dir", None):
+        keys += [load_public(p) for p in sorted(Path(args.trust_dir).glob("*.pub"))]
+    if not keys:
+        raise ConfigError("no trusted key: give --trust PUBKEY (repeatable) or --trust-dir DIR")
+    return Keyring(keys)
+
+
+def _add_trust(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust", action="append", metavar="PUBKEY", help="trusted public key file (repeatable)")
+    p.add_argument(
+        "--trust-dir", default=_env("SCO_TRUST_DIR"), metavar="DIR", help="directory of *.pub [$SCO_TRUST_DIR]"
+    )
+
+
+# --- keys -----------------------------------------------------------------------------------------
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from sco.contract.signing import generate, write_keypair
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key = generate()
+    name = args.name or key.keyid
+    write_keypair(key, out / f"{name}.key", out / f"{name}.pub")
+    print(f"keyid {key.keyid}: private {out / (name + '.key')} (0600), public {out / (name + '.pub')}")
+    return 0
+
+
+# --- contracts ------------------------------------------------------------------------------------
+
+
+def _issued_at(args: argparse.Namespace) -> int | None:
+    """Reproducible issue time: --issued-at, $SOURCE_DATE_EPOCH, or the repository's HEAD commit time."""
+    if args.issued_at is not None:
+        return int(args.issued_at)
+    if "SOURCE_DATE_EPOCH" in os.environ:
+        try:
+            return int(os.environ["SOURCE_DATE_EPOCH"])
+        except ValueError:
+            raise ConfigError("$SOURCE_DATE_EPOCH: expected an integer") from None
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(args.repo), "log", "-1", "--format=%ct", "--", "."],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from sco.contract.compiler import compile_repo
+
+    payload = compile_repo(Path(args.repo))
+    kinds = Counter(c["scheduler"] for c in payload["contracts"])
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    print(f"{args.repo}: hall {payload['hall']}: {len(payload['contracts'])} contracts ({summary}): ok")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from sco._fs import atomic_write
+    from sco.contract.bundle import peek_payload
+    from sco.contract.compiler import compile_repo
+    from sco.contract.signing import load_private, sign
+
+    keys = [load_private(Path(k)) for k in args.signing_key]
+    out = Path(args.output)
+    previous = None
+    prev_path = Path(args.previous) if args.previous else out
+    if prev_path.exists():
+        previous = peek_payload(prev_path.read_bytes())
+    payload = compile_repo(Path(args.repo), previous=previous, serial=args.serial, issued_at=_issued_at(args))
+    raw = sign(payload, keys)
+    unchanged = prev_path == out and out.exists() and out.read_bytes() == raw
+    if not unchanged:
+        atomic_write(out, raw)
+    keyids = ",".join(k.keyid for k in keys)
+    state = "unchanged" if unchanged else "written"
+    print(
+        f"{out}: hall {payload['hall']} serial {payload['serial']}: {len(payload['contracts'])} contracts, "
+        f"{len(raw)} bytes, signed by {keyids} ({state})"
+    )
+    return 0
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from sco.contract.bundle import Bundle, successor
+
+    keyring = _keyring(args)
+    bundle = Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)
+    if args.cached:
+        cached = Bundle.from_bytes(_read(args.cached), keyring, args.cached)
+        successor(cached, bundle)
+    if args.min_serial is not None and bundle.serial < args.min_serial:
+        from sco.errors import RollbackError
+
+        raise RollbackError(f"{args.bundle}: serial {bundle.serial} is below --min-serial {args.min_serial}")
+    age = bundle.age_seconds()
+    age_s = f", issued {age / 86400:.1f} days ago" if age is not None else ""
+    subset = " (launch subset)" if bundle.subset_of else ""
+    print(
+        f"{args.bundle}: ok: hall {bundle.hall} serial {bundle.serial}{subset}, "
+        f"{len(bundle.contracts)} contracts, signed by {bundle.verified.keyid}{age_s}"
+    )
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from sco.contract.bundle import Bundle
+
+    bundle = Bundle.from_bytes(_read(args.bundle), _keyring(args), args.bundle)
+    if args.contract:
+        c = bundle.contracts.get(args.contract)
+        if c is None:
+            raise ConfigError(f"{args.bundle}: no contract named {args.contract!r}")
+        print(json.dumps(c, indent=2, sort_keys=True))
+        return 0
+    print(f"hall {bundle.hall} serial {bundle.serial} digest {bundle.content_digest[:16]}")
+    print(f"{'CONTRACT':28} {'SCHEDULER':10} {'TIER':4} {'BUDGET':>6} {'FINAL':>5}  SELECTOR")
+    for name, c in sorted(bundle.contracts.items()):
+        sel = c["selector"]
+        where = sel.get("namespace") or f"account={sel.get('account')}"
+        print(
+            f"{name:28} {c['scheduler']:10} {c['tier']:<4} {c['drainBudgetSeconds']:>5}s "
+            f"{c.get('finalWriteSeconds', 0):>4}s  {where}"
+        )
+    return 0
+
+
+def cmd_user_data(args: argparse.Namespace) -> int:
+    from sco.contract.bundle import Bundle
+    from sco.contract.signing import load_private
+    from sco.contract.userdata import render
+
+    keyring = _keyring(args)
+    bundle = Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)
+    keys = [load_private(Path(k)) for k in args.signing_key]
+    from sco.contract.signing import PublicKey, load_public
+
+    trusted: list[PublicKey] = [load_public(Path(p)) for p in args.trust or []]
+    if args.trust_dir:
+        trusted += [load_public(p) for p in sorted(Path(args.trust_dir).glob("*.pub"))]
+    env = {"SCO_HALL": bundle.hall}
+    if args.distributor_url:
+        env["SCO_BUNDLE_URL"] = f"{args.distributor_url.rstrip('/')}/v1/halls/{bundle.hall}/bundle.json"
+    text = render(bundle, keys, trusted, schedulers=args.scheduler, names=args.contract, node_env=env)
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"{args.output}: {len(text)} bytes of user-data for hall {bundle.hall} serial {bundle.serial}")
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from sco.contract.distributor import bundle_path, publish
+
+    bundle = publish(_read(args.bundle), Path(args.root), _keyring(args))
+    print(f"published hall {bundle.hall} serial {bundle.serial} at {bundle_path(Path(args.root), bundle.hall)}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sco.contract.distributor import DistributorServer, parse_listen
+
+    server = DistributorServer(Path(args.root), parse_listen(args.listen), verbose=args.verbose)
+    print(f"serving {args.root} at {server.url}/v1/halls/<hall>/bundle.json", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+# --- node side ------------------------------------------------------------------------------------
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from sco.agent.bundle_cache import BundleCache, BundleFetcher
+
+    if not args.url:
+        raise ConfigError("no bundle URL: give --url or set $SCO_BUNDLE_URL")
+    cache = BundleCache(Path(args.cache_dir), _keyring(args))
+    fetcher = BundleFetcher(cache, args.url)
+    while True:
+        offer = fetcher.refresh()
+        line = {"outcome": offer.outcome, "serial": offer.serial, **({"reason": offer.reason} if offer.reason else {})}
+        print(json.dumps(line), flush=True)
+        if not args.watch:
+            return 0 if offer.outcome in ("accepted", "unchanged") else 1
+        time.sleep(args.interval)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from sco.agent.bundle_cache import BundleCache
+
+    cache = BundleCache(Path(args.cache_dir), _keyring(args))
+    print(json.dumps(cache.status(), indent=2))
+    return 0 if cache.bundle is not None else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from sco.demo import run_demo
+
+    return run_demo(Path(args.workdir) if args.workdir else None)
+
+
+# --- parser ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sco", description="Spot Capacity Orchestrator")
+    p.add_argument("--version", action="version", version=f"sco {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("keygen", help="create an Ed25519 signing key pair")
+    k.add_argument("--out-dir", default=_env("SCO_KEY_DIR", "."), help="where to write NAME.key/NAME.pub")
+    k.add_argument("--name", help="file name stem (default: the key id)")
+    k.set_defaults(func=cmd_keygen)
+
+    c = sub.add_parser("contract", help="compile, sign, verify and distribute contract bundles")
+    cs = c.add_subparsers(dest="contract_command", required=True)
+
+    x = cs.add_parser("check", help="validate a contract repository (every problem at once)")
+    x.add_argument("repo")
+    x.set_defaults(func=cmd_check)
+
+    x = cs.add_parser("compile", help="compile and sign a contract repository into a bundle")
+    x.add_argument("repo")
+    x.add_argument("-o", "--output", required=True, help="bundle file to write")
+    x.add_argument(
+        "--signing-key", action="append", required=True, metavar="KEY", help="private key (repeat to rotate)"
+    )
+    x.add_argument("--previous", help="previous bundle to continue the serial from (default: --output)")
+    x.add_argument("--serial", type=int, help="explicit serial (must exceed the previous one)")
+    x.add_argument("--issued-at", type=int, help="issue time, epoch seconds (default: git HEAD time)")
+    x.set_defaults(func=cmd_compile)
+
+    x = cs.add_parser("verify", help="verify a bundle's signature, form and serial")
+    x.add_argument("bundle")
+    _add_trust(x)
+    x.add_argument("--cached", help="bundle the node holds now: refuse a rollback against it")
+    x.add_argument("--min-serial", type=int, help="refuse a bundle below this serial")
+    x.set_defaults(func=cmd_verify)
+
+    x = cs.add_parser("show", help="list a verified bundle's contracts, or one contract")
+    x.add_argument("bundle")
+    _add_trust(x)
+    x.add_argument("--contract")
+    x.set_defaults(func=cmd_show)
+
+    x = cs.add_parser("user-data", help="render cloud-init user-data carrying a signed launch subset")
+    x.add_argument("bundle")
+    _add_trust(x)
+    x.add_argument("--signing-key", action="append", required=True, metavar="KEY")
+    x.add_argument("--scheduler", action="append", choices=["kubernetes", "spark", "slurm"])
+    x.add_argument("--contract", action="append", metavar="NAME")
+    x.add_argument("--distributor-url", default=_env("SCO_DISTRIBUTOR_URL"))
+    x.add_argument("-o", "--output")
+    x.set_defaults(func=cmd_user_data)
+
+    x = cs.add_parser("publish", help="verify a bundle and publish it under the distributor's root")
+    x.add_argument("bundle")
+    x.add_argument("--root", required=True, default=_env("SCO_DISTRIBUTOR_ROOT"))
+    _add_trust(x)
+    x.set_defaults(func=cmd_publish)
+
+    x = cs.add_parser("serve", help="serve published bundles over HTTP (ETag / If-None-Match)")
+    x.add_argument("--root", default=_env("SCO_DISTRIBUTOR_ROOT", "/var/lib/sco/distributor"))
+    x.add_argument("--listen", default=_env("SCO_DISTRIBUTOR_LISTEN", "127.0.0.1:8470"))
+    x.add_argument("-v", "--verbose", action="store_true")
+    x.set_defaults(func=cmd_serve)
+
+    n = sub.add_parser("node", help="node-side bundle cache")
+    ns = n.add_subparsers(dest="node_command", required=True)
+    x = ns.add_parser("fetch-bundle", help="fetch, verify and cache the hall's bundle")
+    x.add_argument("--url", default=_env("SCO_BUNDLE_URL"))
+    x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
+    _add_trust(x)
+    x.add_argument("--watch", action="store_true", help="keep refreshing")
+    x.add_argument("--interval", type=float, default=60.0)
+    x.set_defaults(func=cmd_fetch)
+    x = ns.add_parser("bundle-status", help="the cached bundle: serial, age, last refresh outcome")
+    x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
+    _add_trust(x)
+    x.set_defaults(func=cmd_status)
+
+    d = sub.add_parser("demo", help="the main job on the embedded local hall")
+    d.add_argument("--workdir", help="keep the demo's files here (default: a temporary directory)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Handler = args.func
+    try:
+        return func(args)
+    except ScoError as e:
+        for line in e.lines():
+            print(f"sco: error: {line}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

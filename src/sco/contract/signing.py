@@ -1,0 +1,221 @@
+"""Ed25519 keys, keyrings, and the signed-bundle envelope.
+
+This module is on the node agent's import path, so it uses only pynacl and the standard library.
+
+Envelope (the bytes of a bundle file)::
+
+    canonical({"format": "sco-bundle/v1",
+               "payload": {...},
+               "signatures": [{"keyid": "<16 hex>", "sig": "<128 lowercase hex>"}, ...]}) + b"\\n"
+
+Each signature covers ``b"sco-bundle-v1\\0" + canonical(payload)``. Verification re-encodes the parsed
+envelope and requires the exact input bytes back, and decodes signatures strictly, so changing any
+byte of a bundle file makes verification fail (not merely changing a byte of the payload).
+Several signatures allow key rotation: sign with the new and the old key while nodes trust either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey, VerifyKey
+
+from sco.contract import canonical
+from sco.errors import BundleError, KeyFileError, SignatureError, UntrustedKeyError
+
+FORMAT = "sco-bundle/v1"
+_DOMAIN = b"sco-bundle-v1\x00"
+
+
+def key_id(verify_key: VerifyKey) -> str:
+    """Short, stable name of a public key: the first 16 hex digits of its SHA-256."""
+    return hashlib.sha256(bytes(verify_key)).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PrivateKey:
+    keyid: str
+    signing_key: SigningKey
+
+    @property
+    def public(self) -> PublicKey:
+        return PublicKey(self.keyid, self.signing_key.verify_key)
+
+
+@dataclass(frozen=True)
+class PublicKey:
+    keyid: str
+    verify_key: VerifyKey
+
+
+def generate() -> PrivateKey:
+    sk = SigningKey.generate()
+    return PrivateKey(key_id(sk.verify_key), sk)
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def write_keypair(key: PrivateKey, private_path: Path, public_path: Path) -> None:
+    """Write a new key pair; refuses to overwrite an existing private key."""
+    if private_path.exists():
+        raise KeyFileError(f"{private_path}: exists; refusing to overwrite a private key")
+    priv = {"type": "ed25519-private", "keyid": key.keyid, "seed": bytes(key.signing_key).hex()}
+    pub = {"type": "ed25519-public", "keyid": key.keyid, "public": bytes(key.signing_key.verify_key).hex()}
+    _write_private(private_path, json.dumps(priv) + "\n")
+    public_path.write_text(json.dumps(pub) + "\n")
+
+
+def _read_key_json(path: Path, kind: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KeyFileError(f"{path}: no such key file") from None
+    except (OSError, ValueError) as e:
+        raise KeyFileError(f"{path}: not a key file ({e})") from None
+    if not isinstance(data, dict) or data.get("type") != kind:
+        raise KeyFileError(f"{path}: type: expected {kind!r}")
+    return data
+
+
+def _hex(path: Path, data: dict[str, Any], field: str, size: int) -> bytes:
+    value = data.get(field)
+    try:
+        raw = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != size:
+        raise KeyFileError(f"{path}: {field}: expected {size * 2} hex digits")
+    return raw
+
+
+def load_private(path: Path) -> PrivateKey:
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise KeyFileError(f"{path}: no such key file") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyFileError(f"{path}: private key is readable by group or others (chmod 600 it)")
+    data = _read_key_json(path, "ed25519-private")
+    sk = SigningKey(_hex(path, data, "seed", 32))
+    if data.get("keyid") != key_id(sk.verify_key):
+        raise KeyFileError(f"{path}: keyid: does not match the key")
+    return PrivateKey(key_id(sk.verify_key), sk)
+
+
+def load_public(path: Path) -> PublicKey:
+    data = _read_key_json(path, "ed25519-public")
+    vk = VerifyKey(_hex(path, data, "public", 32))
+    if data.get("keyid") != key_id(vk):
+        raise KeyFileError(f"{path}: keyid: does not match the key")
+    return PublicKey(key_id(vk), vk)
+
+
+class Keyring:
+    """The set of public keys a verifier trusts, by key id."""
+
+    def __init__(self, keys: Iterable[PublicKey] = ()) -> None:
+        self._keys: dict[str, VerifyKey] = {k.keyid: k.verify_key for k in keys}
+
+    @classmethod
+    def from_files(cls, paths: Iterable[Path]) -> Keyring:
+        return cls(load_public(Path(p)) for p in paths)
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> Keyring:
+        return cls.from_files(sorted(directory.glob("*.pub")))
+
+    def __contains__(self, keyid: object) -> bool:
+        return keyid in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def keyids(self) -> list[str]:
+        return sorted(self._keys)
+
+    def get(self, keyid: str) -> VerifyKey | None:
+        return self._keys.get(keyid)
+
+
+def sign(payload: dict[str, Any], keys: Iterable[PrivateKey]) -> bytes:
+    """The bytes of a bundle file: ``payload`` signed by every key in ``keys``."""
+    message = _DOMAIN + canonical.dumps(payload)
+    sigs = sorted(
+        ({"keyid": k.keyid, "sig": k.signing_key.sign(message).signature.hex()} for k in keys),
+        key=lambda s: s["keyid"],
+    )
+    if not sigs:
+        raise ValueError("at least one signing key is needed")
+    return canonical.dumps({"format": FORMAT, "payload": payload, "signatures": sigs}) + b"\n"
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A bundle whose bytes are canonical and carry a valid signature by a trusted key."""
+
+    payload: dict[str, Any]
+    keyid: str  # the trusted key whose signature was checked
+    sha256: str  # of the whole file, for ETags and logs
+    raw: bytes
+
+
+def verify(raw: bytes, keyring: Keyring, where: str = "bundle") -> Verified:
+    """Check ``raw`` is a well-formed bundle signed by a key in ``keyring``; raise BundleError if not."""
+    try:
+        envelope = json.loads(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise BundleError(f"{where}: not a bundle: {e}") from None
+    if not isinstance(envelope, dict) or envelope.get("format") != FORMAT:
+        raise BundleError(f"{where}: format: expected {FORMAT!r}")
+    payload, sigs = envelope.get("payload"), envelope.get("signatures")
+    if set(envelope) != {"format", "payload", "signatures"} or not isinstance(payload, dict):
+        raise BundleError(f"{where}: expected exactly format, payload (an object) and signatures")
+    if not isinstance(sigs, list) or not sigs:
+        raise BundleError(f"{where}: signatures: expected a non-empty list")
+    try:
+        if canonical.dumps(envelope) + b"\n" != raw:
+            raise BundleError(f"{where}: not in canonical form (the bytes were altered)")
+    except ValueError as e:
+        raise BundleError(f"{where}: {e}") from None
+    message = _DOMAIN + canonical.dumps(payload)
+    seen_ids: list[str] = []
+    for i, s in enumerate(sigs):
+        if not isinstance(s, dict) or set(s) != {"keyid", "sig"}:
+            raise BundleError(f"{where}: signatures[{i}]: expected keyid and sig")
+        keyid, sig_hex = s["keyid"], s["sig"]
+        if not isinstance(keyid, str) or not isinstance(sig_hex, str):
+            raise BundleError(f"{where}: signatures[{i}]: keyid and sig must be strings")
+        seen_ids.append(keyid)
+        vk = keyring.get(keyid)
+        if vk is None:
+            continue
+        try:
+            sig = bytes.fromhex(sig_hex)
+        except ValueError:
+            sig = b""
+        if len(sig) != 64 or sig.hex() != sig_hex:
+            raise SignatureError(f"{where}: signatures[{i}].sig: expected 128 lowercase hex digits")
+        try:
+            vk.verify(message, sig)
+        except BadSignatureError:
+            raise SignatureError(
+                f"{where}: signatures[{i}]: signature by key {keyid} does not match the bundle (tampered?)"
+            ) from None
+        return Verified(payload, keyid, hashlib.sha256(raw).hexdigest(), raw)
+    raise UntrustedKeyError(
+        f"{where}: signed by {', '.join(seen_ids)}, none of which is trusted "
+        f"(trusted: {', '.join(keyring.keyids) or 'none'})"
+    )

@@ -1,0 +1,68 @@
+"""cloud-init user-data for a new reclaimable instance.
+
+Carries what the node needs from its first second, before the first refresh: the trusted keys and a
+signed subset bundle (hall policy plus the contracts it may run). The agent therefore never runs work
+with an unknown drain budget, even if the distributor is unreachable at boot.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import yaml
+
+from sco.contract.bundle import Bundle, subset_payload
+from sco.contract.signing import PrivateKey, PublicKey, sign
+from sco.errors import BundleError
+
+# Nova refuses user_data above 65535 bytes once base64-encoded.
+NOVA_USER_DATA_LIMIT = 65535
+TRUST_DIR = "/etc/sco/trusted"
+CACHE_PATH = "/var/lib/sco/bundle/bundle.json"
+
+
+def render(
+    bundle: Bundle,
+    signing_keys: list[PrivateKey],
+    trusted: list[PublicKey],
+    *,
+    schedulers: list[str] | None = None,
+    names: list[str] | None = None,
+    node_env: dict[str, str] | None = None,
+) -> str:
+    payload = subset_payload(bundle, schedulers=schedulers, names=names)
+    subset = sign(payload, signing_keys)
+    files = [
+        {
+            "path": f"{TRUST_DIR}/{k.keyid}.pub",
+            "permissions": "0644",
+            "content": (
+                f'{{"type": "ed25519-public", "keyid": "{k.keyid}", "public": "{bytes(k.verify_key).hex()}"}}\n'
+            ),
+        }
+        for k in trusted
+    ]
+    files.append(
+        {
+            "path": CACHE_PATH,
+            "permissions": "0644",
+            "encoding": "b64",
+            "content": base64.b64encode(subset).decode("ascii"),
+        }
+    )
+    if node_env:
+        files.append(
+            {
+                "path": "/etc/sco/agent.env",
+                "permissions": "0644",
+                "content": "".join(f"{k}={v}\n" for k, v in sorted(node_env.items())),
+            }
+        )
+    text = "#cloud-config\n" + yaml.safe_dump({"write_files": files}, sort_keys=False, width=1 << 20)
+    encoded = len(base64.b64encode(text.encode()))
+    if encoded > NOVA_USER_DATA_LIMIT:
+        raise BundleError(
+            f"user-data is {encoded} bytes base64-encoded, above Nova's limit of {NOVA_USER_DATA_LIMIT}: "
+            f"narrow it with --scheduler or --contract ({len(payload['contracts'])} contracts selected)"
+        )
+    return text
