@@ -14,9 +14,7 @@ from pathlib import Path
 _CHUNK = 64 * 1024
 
 
-def atomic_write(
-    path: Path, data: bytes, mode: int = 0o644, chunk_hook: Callable[[int], None] | None = None
-) -> None:
+def atomic_write(path: Path, data: bytes, mode: int = 0o644, chunk_hook: Callable[[int], None] | None = None) -> None:
     """Replace ``path`` with ``data`` atomically. ``chunk_hook(bytes_written)`` is for crash tests."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")

@@ -37,7 +37,10 @@ def _keyring(args: argparse.Namespace) -> Any:
 def _add_trust(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust", action="append", metavar="PUBKEY", help="trusted public key file (repeatable)")
     p.add_argument(
-        "--trust-dir", default=_env("SCO_TRUST_DIR"), metavar="DIR", help="directory of *.pub [$SCO_TRUST_DIR]"
+        "--trust-dir",
+        default=_env("SCO_TRUST_DIR"),
+        metavar="DIR",
+        help="directory of *.pub [$SCO_TRUST_DIR]",
     )
 
 
@@ -227,7 +230,11 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     fetcher = BundleFetcher(cache, args.url)
     while True:
         offer = fetcher.refresh()
-        line = {"outcome": offer.outcome, "serial": offer.serial, **({"reason": offer.reason} if offer.reason else {})}
+        line = {
+            "outcome": offer.outcome,
+            "serial": offer.serial,
+            **({"reason": offer.reason} if offer.reason else {}),
+        }
         print(json.dumps(line), flush=True)
         if not args.watch:
             return 0 if offer.outcome in ("accepted", "unchanged") else 1

@@ -133,7 +133,7 @@ class BundleCache:
             "serial": b.serial if b else None,
             "contracts": len(b.contracts) if b else 0,
             "subset": bool(b and b.subset_of),
-            "issued_age_s": round(b.age_seconds(now), 1) if b and b.issued_at is not None else None,
+            "issued_age_s": round(now - b.issued_at, 1) if b and b.issued_at is not None else None,
             "cached_age_s": round(now - self.state.accepted_at, 1) if self.state.accepted_at else None,
             "last_check_age_s": round(now - self.state.last_check_at, 1) if self.state.last_check_at else None,
             "last_outcome": self.state.last_outcome,

@@ -28,10 +28,8 @@ from sco.contract.model import (
 )
 from sco.errors import ContractError, Problem
 
-try:  # libyaml when present: ~10x faster on large repositories
-    _Loader: type[yaml.SafeLoader] = yaml.CSafeLoader
-except AttributeError:  # pragma: no cover
-    _Loader = yaml.SafeLoader
+# libyaml when present: ~10x faster on large repositories
+_Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 _KINDS: dict[str, type[BaseModel]] = {"WorkloadContract": Contract, "HallPolicy": HallPolicy}
 
@@ -92,8 +90,7 @@ def _loc(loc: tuple[int | str, ...]) -> str:
 
 def _problems(where: str, err: ValidationError) -> list[Problem]:
     return [
-        Problem(where, _loc(e["loc"]), e["msg"].removeprefix("Value error, "))
-        for e in err.errors(include_url=False)
+        Problem(where, _loc(e["loc"]), e["msg"].removeprefix("Value error, ")) for e in err.errors(include_url=False)
     ]
 
 
@@ -205,8 +202,7 @@ def _feasibility(policy: Loaded, contracts: list[Loaded]) -> list[Problem]:
                             Problem(
                                 b.where,
                                 "spec.selector",
-                                f"selects the same workloads as contract "
-                                f"{a.model.metadata.name!r} ({a.where})",  # type: ignore[attr-defined]
+                                f"selects the same workloads as contract {a.model.metadata.name!r} ({a.where})",  # type: ignore[attr-defined]
                             )
                         )
 

@@ -72,9 +72,13 @@ def write_keypair(key: PrivateKey, private_path: Path, public_path: Path) -> Non
     if private_path.exists():
         raise KeyFileError(f"{private_path}: exists; refusing to overwrite a private key")
     priv = {"type": "ed25519-private", "keyid": key.keyid, "seed": bytes(key.signing_key).hex()}
-    pub = {"type": "ed25519-public", "keyid": key.keyid, "public": bytes(key.signing_key.verify_key).hex()}
     _write_private(private_path, json.dumps(priv) + "\n")
-    public_path.write_text(json.dumps(pub) + "\n")
+    public_path.write_text(public_key_text(key.public))
+
+
+def public_key_text(key: PublicKey) -> str:
+    """The contents of a ``.pub`` file."""
+    return json.dumps({"type": "ed25519-public", "keyid": key.keyid, "public": bytes(key.verify_key).hex()}) + "\n"
 
 
 def _read_key_json(path: Path, kind: str) -> dict[str, Any]:
@@ -101,13 +105,9 @@ def _hex(path: Path, data: dict[str, Any], field: str, size: int) -> bytes:
 
 
 def load_private(path: Path) -> PrivateKey:
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise KeyFileError(f"{path}: no such key file") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KeyFileError(f"{path}: private key is readable by group or others (chmod 600 it)")
     data = _read_key_json(path, "ed25519-private")
+    if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyFileError(f"{path}: private key is readable by group or others (chmod 600 it)")
     sk = SigningKey(_hex(path, data, "seed", 32))
     if data.get("keyid") != key_id(sk.verify_key):
         raise KeyFileError(f"{path}: keyid: does not match the key")

@@ -12,7 +12,7 @@ import base64
 import yaml
 
 from sco.contract.bundle import Bundle, subset_payload
-from sco.contract.signing import PrivateKey, PublicKey, sign
+from sco.contract.signing import PrivateKey, PublicKey, public_key_text, sign
 from sco.errors import BundleError
 
 # Nova refuses user_data above 65535 bytes once base64-encoded.
@@ -36,9 +36,7 @@ def render(
         {
             "path": f"{TRUST_DIR}/{k.keyid}.pub",
             "permissions": "0644",
-            "content": (
-                f'{{"type": "ed25519-public", "keyid": "{k.keyid}", "public": "{bytes(k.verify_key).hex()}"}}\n'
-            ),
+            "content": public_key_text(k),
         }
         for k in trusted
     ]

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import shutil
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sco.contract.signing import Keyring, PrivateKey, generate
+from sco.demo import sample_repo
+
+SAMPLE = sample_repo()
+
+
+@pytest.fixture
+def key() -> PrivateKey:
+    return generate()
+
+
+@pytest.fixture
+def keyring(key: PrivateKey) -> Keyring:
+    return Keyring([key.public])
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A writable copy of the sample contract repository."""
+    dst = tmp_path / "repo"
+    shutil.copytree(SAMPLE, dst)
+    return dst
+
+
+WriteFn = Callable[[str, str], Path]
+
+
+@pytest.fixture
+def write(repo: Path) -> WriteFn:
+    def _write(rel: str, text: str) -> Path:
+        p = repo / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text))
+        return p
+
+    return _write
+
+
+def contract_yaml(name: str, **spec_overrides: str) -> str:
+    """A valid kubernetes contract; ``spec_overrides`` replace whole spec lines by key."""
+    spec = {
+        "scheduler": "kubernetes",
+        "selector": "{namespace: " + name + "}",
+        "tier": "3",
+        "drainBudgetSeconds": "30",
+        "finalWriteSeconds": "5",
+        "checkpoint": "{mode: none}",
+        "requeue": "{policy: always}",
+    }
+    spec.update(spec_overrides)
+    body = "\n".join(f"  {k}: {v}" for k, v in spec.items())
+    return f"apiVersion: sco.dev/v1\nkind: WorkloadContract\nmetadata:\n  name: {name}\nspec:\n{body}\n"
