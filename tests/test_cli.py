@@ -58,7 +58,7 @@ def test_tampered_untrusted_rolled_back_and_infeasible_fail_clearly(tmp_path: Pa
     tampered = tmp_path / "t.json"
     tampered.write_bytes(b1.read_bytes().replace(b'"drainBudgetSeconds":60', b'"drainBudgetSeconds":99', 1))
     p = sco("contract", "verify", tampered, "--trust", keys / "old.pub")
-    assert p.returncode == 3 and p.stderr.count("\n") == 1 and "does not match the bundle" in p.stderr
+    assert p.returncode == 3 and p.stderr.count("\n") == 1 and "payloadSha256: does not match the payload" in p.stderr
     no_traceback(p)
 
     p = sco("contract", "verify", b1, "--trust", keys / "new.pub")

@@ -174,3 +174,14 @@ def test_duplicate_names_and_policy_count(repo: Path, write: WriteFn) -> None:
 def test_hidden_directories_are_skipped(repo: Path, write: WriteFn) -> None:
     write(".git/junk.yaml", "not: [valid")
     compile_repo(repo)
+
+
+def test_parallel_and_serial_loading_give_the_same_payload(tmp_path: Path) -> None:
+    from benchmarks.bench_contracts import make_repo
+
+    repo = make_repo(tmp_path, n=300)  # 3 files of 100 documents plus the policy
+    for i in range(20):  # and enough files to take the pool path
+        (repo / "contracts" / f"single-{i:02d}.yaml").write_text(
+            contract_yaml(f"single-{i:02d}", selector=f"{{namespace: single-{i:02d}}}")
+        )
+    assert compile_repo(repo, workers=1) == compile_repo(repo, workers=2)

@@ -106,10 +106,9 @@ def successor(cached: Bundle | None, new: Bundle) -> Succession:
 def peek_payload(raw: bytes) -> dict[str, Any] | None:
     """The payload of a bundle file without verifying it, or None (for picking the next serial only)."""
     try:
-        env = json.loads(raw)
-        payload = env["payload"]
+        payload = json.loads(raw.split(b"\n", 2)[1])
         return payload if isinstance(payload, dict) else None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, IndexError):
         return None
 
 

@@ -10,25 +10,22 @@ import json
 from typing import Any
 
 
-def _check(value: Any, path: str) -> None:
-    if isinstance(value, bool) or value is None or isinstance(value, int | str):
-        return
-    if isinstance(value, float):
-        raise ValueError(f"{path or '<root>'}: floats are not allowed in canonical JSON")
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            _check(item, f"{path}[{i}]")
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ValueError(f"{path or '<root>'}: key {k!r} is not a string")
-            _check(v, f"{path}.{k}" if path else k)
-        return
-    raise ValueError(f"{path or '<root>'}: {type(value).__name__} is not JSON")
+def _no_floats(text: str) -> float:
+    raise ValueError(f"floats are not allowed in canonical JSON (found {text})")
 
 
 def dumps(value: Any) -> bytes:
-    """The canonical encoding of ``value`` (no trailing newline)."""
-    _check(value, "")
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    """The canonical encoding of ``value`` (no trailing newline). Raises ValueError on floats or non-JSON."""
+    try:
+        out = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    if "." in out or "e" in out or "E" in out:
+        # Cheap pre-filter; only text that could hold a float is parsed again to be sure.
+        json.loads(out, parse_float=_no_floats)
+    return out.encode("ascii")
+
+
+def loads(raw: bytes | str) -> Any:
+    """Parse JSON, refusing floats (a canonical document never has them)."""
+    return json.loads(raw, parse_float=_no_floats)

@@ -1,15 +1,20 @@
 """Contract compiler: a repository of YAML files -> one canonical bundle payload.
 
-Every problem in every file is reported at once (file and field path), then feasibility is checked
-across contracts: the drain budget and final write fit the notice window less the margin, tier-1 floors
-fit the reserved capacity, no two contracts select the same workloads, Slurm contracts are requeueable,
-Spark contracts enable decommissioning.
+Stage one, per file: parse YAML, validate each document against the models (``sco.contract.model``),
+resolve it to the plain dict the bundle carries. Files are independent, so large repositories are
+processed by a pool of worker processes (YAML construction is CPU-bound Python).
+Stage two, across files, on the resolved dicts: one hall policy, unique names, and feasibility: the drain
+budget and final write fit the notice window less the margin, tier-1 floors fit the reserved capacity, no
+two contracts select the same workloads, Slurm contracts are requeueable, Spark contracts enable
+decommissioning. Every problem in every file is reported at once, each with its file and field path.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections import defaultdict
-from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,62 +23,35 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from sco.contract.bundle import content_digest
-from sco.contract.model import (
-    API_VERSION,
-    SELECTOR_TAGS,
-    Contract,
-    HallPolicy,
-    KubernetesSelector,
-    SlurmSelector,
-)
+from sco.contract.model import API_VERSION, SELECTOR_TAGS, Contract, HallPolicy
 from sco.errors import ContractError, Problem
 
-# libyaml when present: ~10x faster on large repositories
+# libyaml when present: its parser is C, though PyYAML still constructs objects in Python.
 _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 _KINDS: dict[str, type[BaseModel]] = {"WorkloadContract": Contract, "HallPolicy": HallPolicy}
+PARALLEL_MIN_FILES = 16  # below this a pool costs more than it saves
 
 
 @dataclass(frozen=True)
-class Source:
-    """One YAML document of the repository."""
+class Resolved:
+    """One valid document, as the bundle will carry it."""
 
-    where: str  # "contracts/etl.yaml", or "contracts/etl.yaml#2" for the second document of a file
-    doc: Any
-
-
-@dataclass(frozen=True)
-class Loaded:
-    where: str
-    model: BaseModel
+    kind: str  # "WorkloadContract" | "HallPolicy"
+    where: str  # "contracts/etl.yaml", or "contracts/etl.yaml#2" for a file's second document
+    name: str
+    body: dict[str, Any]
 
 
-def iter_sources(repo: Path) -> Iterator[Source | Problem]:
-    """Every YAML document under ``repo`` (hidden directories such as .git skipped), in path order."""
-    if not repo.is_dir():
-        yield Problem(str(repo), "", "not a directory")
-        return
-    files = sorted(
-        p
+def list_files(repo: Path) -> list[str]:
+    """Every YAML file under ``repo`` (hidden directories such as .git skipped), in path order."""
+    return sorted(
+        p.relative_to(repo).as_posix()
         for p in repo.rglob("*")
         if p.suffix in (".yaml", ".yml")
         and p.is_file()
         and not any(part.startswith(".") for part in p.relative_to(repo).parts)
     )
-    for path in files:
-        rel = path.relative_to(repo).as_posix()
-        try:
-            docs = [d for d in yaml.load_all(path.read_text(encoding="utf-8"), Loader=_Loader) if d is not None]
-        except yaml.MarkedYAMLError as e:
-            mark = e.problem_mark
-            line = f"line {mark.line + 1}: " if mark is not None else ""
-            yield Problem(rel, "", f"{line}invalid YAML: {e.problem}")
-            continue
-        except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
-            yield Problem(rel, "", f"cannot read: {e}")
-            continue
-        for i, doc in enumerate(docs):
-            yield Source(rel if len(docs) == 1 else f"{rel}#{i + 1}", doc)
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
@@ -94,131 +72,155 @@ def _problems(where: str, err: ValidationError) -> list[Problem]:
     ]
 
 
-def load(repo: Path) -> tuple[list[Loaded], list[Problem]]:
-    loaded: list[Loaded] = []
+def _resolve(where: str, model: BaseModel) -> Resolved:
+    if isinstance(model, HallPolicy):
+        return Resolved("HallPolicy", where, model.metadata.name, model.spec.model_dump(by_alias=True, mode="json"))
+    assert isinstance(model, Contract)
+    body: dict[str, Any] = model.spec.model_dump(by_alias=True, mode="json", exclude_none=True)
+    body.update(name=model.metadata.name, owner=model.metadata.owner, source=where)
+    return Resolved("WorkloadContract", where, model.metadata.name, body)
+
+
+def load_file(repo: Path, rel: str) -> tuple[list[Resolved], list[Problem]]:
+    """Stage one for one file: every document validated and resolved, or the problems found."""
+    try:
+        docs = [d for d in yaml.load_all((repo / rel).read_text(encoding="utf-8"), Loader=_Loader) if d is not None]
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        line = f"line {mark.line + 1}: " if mark is not None else ""
+        return [], [Problem(rel, "", f"{line}invalid YAML: {e.problem}")]
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        return [], [Problem(rel, "", f"cannot read: {e}")]
+    out: list[Resolved] = []
     problems: list[Problem] = []
-    for item in iter_sources(repo):
-        if isinstance(item, Problem):
-            problems.append(item)
-            continue
-        doc = item.doc
+    for i, doc in enumerate(docs):
+        where = rel if len(docs) == 1 else f"{rel}#{i + 1}"
         if not isinstance(doc, dict):
-            problems.append(Problem(item.where, "", "expected a mapping with apiVersion and kind"))
+            problems.append(Problem(where, "", "expected a mapping with apiVersion and kind"))
             continue
         if doc.get("apiVersion") != API_VERSION:
-            problems.append(Problem(item.where, "apiVersion", f"expected {API_VERSION!r}"))
+            problems.append(Problem(where, "apiVersion", f"expected {API_VERSION!r}"))
             continue
         model = _KINDS.get(str(doc.get("kind")))
         if model is None:
-            problems.append(Problem(item.where, "kind", f"expected one of {', '.join(sorted(_KINDS))}"))
+            problems.append(Problem(where, "kind", f"expected one of {', '.join(sorted(_KINDS))}"))
             continue
         try:
-            loaded.append(Loaded(item.where, model.model_validate(doc)))
+            out.append(_resolve(where, model.model_validate(doc)))
         except ValidationError as e:
-            problems.extend(_problems(item.where, e))
-    return loaded, problems
+            problems.extend(_problems(where, e))
+    return out, problems
 
 
-def _k8s_overlap(a: KubernetesSelector, b: KubernetesSelector) -> bool:
+def _load_chunk(repo: Path, rels: list[str]) -> tuple[list[Resolved], list[Problem]]:
+    out: list[Resolved] = []
+    problems: list[Problem] = []
+    for rel in rels:
+        r, p = load_file(repo, rel)
+        out += r
+        problems += p
+    return out, problems
+
+
+def load(repo: Path, workers: int | None = None) -> tuple[list[Resolved], list[Problem]]:
+    if not repo.is_dir():
+        return [], [Problem(str(repo), "", "not a directory")]
+    files = list_files(repo)
+    workers = workers if workers is not None else (os.cpu_count() or 1)
+    if workers <= 1 or len(files) < PARALLEL_MIN_FILES:
+        return _load_chunk(repo, files)
+    # Contiguous chunks keep the output in path order, so results do not depend on the pool.
+    size = -(-len(files) // workers)
+    chunks = [files[i : i + size] for i in range(0, len(files), size)]
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+        results = list(pool.map(_load_chunk, [repo] * len(chunks), chunks))
+    out: list[Resolved] = []
+    problems: list[Problem] = []
+    for r, p in results:
+        out += r
+        problems += p
+    return out, problems
+
+
+def _k8s_overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
     # Equality-only selectors overlap unless some key is required with two different values:
     # a pod carrying the union of both label sets would match both.
-    if a.namespace != b.namespace:
+    if a["namespace"] != b["namespace"]:
         return False
-    small, big = sorted((a.match_labels, b.match_labels), key=len)
+    small, big = sorted((a.get("matchLabels", {}), b.get("matchLabels", {})), key=len)
     return all(big.get(k, v) == v for k, v in small.items())
 
 
-def _slurm_overlap(a: SlurmSelector, b: SlurmSelector) -> bool:
-    if a.account != b.account:
+def _slurm_overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a["account"] != b["account"]:
         return False
-    return not a.partitions or not b.partitions or bool(set(a.partitions) & set(b.partitions))
+    pa, pb = a.get("partitions") or [], b.get("partitions") or []
+    return not pa or not pb or bool(set(pa) & set(pb))
 
 
-def _feasibility(policy: Loaded, contracts: list[Loaded]) -> list[Problem]:
+def feasibility(policy: Resolved, contracts: list[Resolved]) -> list[Problem]:
     problems: list[Problem] = []
-    hall = policy.model
-    assert isinstance(hall, HallPolicy)
-    window, margin = hall.spec.notice_window_seconds, hall.spec.safety_margin_seconds
+    spec = policy.body
+    window, margin = spec["noticeWindowSeconds"], spec["safetyMarginSeconds"]
     usable = window - margin
-    floor_vcpus: list[tuple[str, int]] = []
-    floor_mem: list[tuple[str, int]] = []
-    k8s_by_ns: dict[str, list[Loaded]] = defaultdict(list)
-    slurm_by_account: dict[str, list[Loaded]] = defaultdict(list)
+    floors: list[tuple[str, dict[str, int]]] = []
+    k8s_by_ns: dict[str, list[Resolved]] = defaultdict(list)
+    slurm_by_account: dict[str, list[Resolved]] = defaultdict(list)
 
     for c in contracts:
-        m = c.model
-        assert isinstance(m, Contract)
-        s = m.spec
-        need = s.drain_budget_seconds + s.final_write_seconds
-        if need > usable:
+        s = c.body
+        budget, final = s["drainBudgetSeconds"], s["finalWriteSeconds"]
+        if budget + final > usable:
             problems.append(
                 Problem(
                     c.where,
                     "spec.drainBudgetSeconds",
-                    f"drain budget {s.drain_budget_seconds} s + final write {s.final_write_seconds} s = {need} s "
-                    f"does not fit the notice window {window} s less the safety margin {margin} s "
-                    f"({usable} s)",
+                    f"drain budget {budget} s + final write {final} s = {budget + final} s does not fit the "
+                    f"notice window {window} s less the safety margin {margin} s ({usable} s)",
                 )
             )
-        if s.scheduler == "slurm" and s.requeue.policy == "never":
+        if s["scheduler"] == "slurm" and s["requeue"]["policy"] == "never":
             problems.append(
                 Problem(c.where, "spec.requeue.policy", "slurm contracts must be requeueable (not 'never')")
             )
-        if s.scheduler == "spark" and (s.spark is None or not s.spark.decommission):
+        if s["scheduler"] == "spark" and not s.get("spark", {}).get("decommission"):
             problems.append(
                 Problem(c.where, "spec.spark.decommission", "spark contracts must enable decommissioning (true)")
             )
-        if s.floor is not None:
-            floor_vcpus.append((m.metadata.name, s.floor.vcpus))
-            floor_mem.append((m.metadata.name, s.floor.memory_gib))
-        if isinstance(s.selector, SlurmSelector):
-            slurm_by_account[s.selector.account].append(c)
+        if "floor" in s:
+            floors.append((c.name, s["floor"]))
+        if "account" in s["selector"]:
+            slurm_by_account[s["selector"]["account"]].append(c)
         else:
-            k8s_by_ns[s.selector.namespace].append(c)
+            k8s_by_ns[s["selector"]["namespace"]].append(c)
 
-    reserved = hall.spec.reserved_capacity
-    for unit, floors, have, field in (
-        ("vCPU", floor_vcpus, reserved.vcpus, "vcpus"),
-        ("GiB", floor_mem, reserved.memory_gib, "memoryGiB"),
-    ):
-        total = sum(n for _, n in floors)
-        if total > have:
-            parts = ", ".join(f"{name} {n}" for name, n in floors)
+    reserved = spec["reservedCapacity"]
+    for unit, field in (("vCPU", "vcpus"), ("GiB", "memoryGiB")):
+        total = sum(f[field] for _, f in floors)
+        if total > reserved[field]:
+            parts = ", ".join(f"{name} {f[field]}" for name, f in floors)
             problems.append(
                 Problem(
                     policy.where,
                     f"spec.reservedCapacity.{field}",
-                    f"tier-1 floors need {total} {unit} ({parts}) but only {have} are reserved",
+                    f"tier-1 floors need {total} {unit} ({parts}) but only {reserved[field]} are reserved",
                 )
             )
 
-    def pairs(groups: dict[str, list[Loaded]], overlap: Any) -> None:
+    for groups, overlap in ((k8s_by_ns, _k8s_overlap), (slurm_by_account, _slurm_overlap)):
         for group in groups.values():
             for i, a in enumerate(group):
                 for b in group[i + 1 :]:
-                    sa, sb = a.model.spec.selector, b.model.spec.selector  # type: ignore[attr-defined]
-                    if overlap(sa, sb):
+                    if overlap(a.body["selector"], b.body["selector"]):
                         problems.append(
                             Problem(
                                 b.where,
                                 "spec.selector",
-                                f"selects the same workloads as contract {a.model.metadata.name!r} ({a.where})",  # type: ignore[attr-defined]
+                                f"selects the same workloads as contract {a.name!r} ({a.where})",
                             )
                         )
-
-    pairs(k8s_by_ns, _k8s_overlap)
-    pairs(slurm_by_account, _slurm_overlap)
     return problems
-
-
-def _resolved(c: Loaded) -> dict[str, Any]:
-    m = c.model
-    assert isinstance(m, Contract)
-    out: dict[str, Any] = m.spec.model_dump(by_alias=True, mode="json", exclude_none=True)
-    out["name"] = m.metadata.name
-    out["owner"] = m.metadata.owner
-    out["source"] = c.where
-    return out
 
 
 def compile_repo(
@@ -227,45 +229,43 @@ def compile_repo(
     previous: dict[str, Any] | None = None,
     serial: int | None = None,
     issued_at: int | None = None,
+    workers: int | None = None,
 ) -> dict[str, Any]:
     """The bundle payload for ``repo``; raises ContractError listing every problem.
 
     Serial: ``serial`` if given (it must exceed the previous one); otherwise the previous serial when the
     content is unchanged (same input, same bytes), else the previous serial + 1 (1 with no previous).
     """
-    loaded, problems = load(repo)
-    policies = [x for x in loaded if isinstance(x.model, HallPolicy)]
-    contracts = [x for x in loaded if isinstance(x.model, Contract)]
-    if len(policies) != 1:
+    loaded, problems = load(Path(repo), workers)
+    policies = [x for x in loaded if x.kind == "HallPolicy"]
+    contracts = [x for x in loaded if x.kind == "WorkloadContract"]
+    if len(policies) != 1 and not any(p.field == "" and p.where == str(repo) for p in problems):
         where = ", ".join(p.where for p in policies) or str(repo)
         problems.append(Problem(where, "kind", f"expected exactly one HallPolicy, found {len(policies)}"))
     seen: dict[str, str] = {}
     for c in contracts:
-        name = c.model.metadata.name  # type: ignore[attr-defined]
-        if name in seen:
-            problems.append(Problem(c.where, "metadata.name", f"{name!r} is already defined in {seen[name]}"))
+        if c.name in seen:
+            problems.append(Problem(c.where, "metadata.name", f"{c.name!r} is already defined in {seen[c.name]}"))
         else:
-            seen[name] = c.where
+            seen[c.name] = c.where
     if not problems:
-        problems.extend(_feasibility(policies[0], contracts))
+        problems.extend(feasibility(policies[0], contracts))
     if problems:
         raise ContractError(f"{len(problems)} problem(s) in {repo}", problems)
 
-    hall_model = policies[0].model
-    assert isinstance(hall_model, HallPolicy)
-    hall = hall_model.metadata.name
-    policy = hall_model.spec.model_dump(by_alias=True, mode="json")
-    resolved = sorted((_resolved(c) for c in contracts), key=lambda d: d["name"])
+    hall, policy = policies[0].name, policies[0].body
+    resolved = sorted((c.body for c in contracts), key=lambda d: d["name"])
     digest = content_digest(hall, policy, resolved)
 
     prev_serial = int(previous.get("serial", 0)) if previous else 0
+    unchanged = bool(previous and previous.get("contentDigest") == digest and previous.get("hall") == hall)
     if serial is not None:
-        if serial <= prev_serial and not (previous and previous.get("contentDigest") == digest):
+        if serial <= prev_serial and not unchanged:
             raise ContractError(f"--serial {serial} must be above the previous bundle's serial {prev_serial}")
         new_serial = serial
-    elif previous and previous.get("contentDigest") == digest and previous.get("hall") == hall:
+    elif unchanged:
         new_serial = prev_serial
-        if issued_at is None:
+        if issued_at is None and previous is not None:
             issued_at = previous.get("issuedAt")
     else:
         new_serial = prev_serial + 1

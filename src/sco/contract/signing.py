@@ -2,15 +2,16 @@
 
 This module is on the node agent's import path, so it uses only pynacl and the standard library.
 
-Envelope (the bytes of a bundle file)::
+A bundle file is two lines::
 
-    canonical({"format": "sco-bundle/v1",
-               "payload": {...},
+    canonical({"format": "sco-bundle/v1", "payloadBytes": N, "payloadSha256": "<64 hex>",
                "signatures": [{"keyid": "<16 hex>", "sig": "<128 lowercase hex>"}, ...]}) + b"\\n"
+    canonical(payload) + b"\\n"
 
-Each signature covers ``b"sco-bundle-v1\\0" + canonical(payload)``. Verification re-encodes the parsed
-envelope and requires the exact input bytes back, and decodes signatures strictly, so changing any
-byte of a bundle file makes verification fail (not merely changing a byte of the payload).
+Each signature covers ``b"sco-bundle-v1\\0" + sha256(payload bytes)``, so verifying a 4 MB bundle costs
+one hash and one Ed25519 check, without parsing the payload. The header must be canonical (re-encoding it
+gives the same bytes) and signatures are decoded strictly, so changing any byte of the file, not only of
+the payload, makes verification fail.
 Several signatures allow key rotation: sign with the new and the old key while nodes trust either.
 """
 
@@ -150,47 +151,84 @@ class Keyring:
         return self._keys.get(keyid)
 
 
+def _message(payload_sha256: bytes) -> bytes:
+    return _DOMAIN + payload_sha256
+
+
 def sign(payload: dict[str, Any], keys: Iterable[PrivateKey]) -> bytes:
     """The bytes of a bundle file: ``payload`` signed by every key in ``keys``."""
-    message = _DOMAIN + canonical.dumps(payload)
+    body = canonical.dumps(payload)
+    digest = hashlib.sha256(body).digest()
     sigs = sorted(
-        ({"keyid": k.keyid, "sig": k.signing_key.sign(message).signature.hex()} for k in keys),
+        ({"keyid": k.keyid, "sig": k.signing_key.sign(_message(digest)).signature.hex()} for k in keys),
         key=lambda s: s["keyid"],
     )
     if not sigs:
         raise ValueError("at least one signing key is needed")
-    return canonical.dumps({"format": FORMAT, "payload": payload, "signatures": sigs}) + b"\n"
+    header = {"format": FORMAT, "payloadSha256": digest.hex(), "payloadBytes": len(body), "signatures": sigs}
+    return canonical.dumps(header) + b"\n" + body + b"\n"
 
 
-@dataclass(frozen=True)
 class Verified:
-    """A bundle whose bytes are canonical and carry a valid signature by a trusted key."""
+    """A bundle whose header is canonical, whose payload matches its digest, signed by a trusted key.
 
-    payload: dict[str, Any]
-    keyid: str  # the trusted key whose signature was checked
-    sha256: str  # of the whole file, for ETags and logs
-    raw: bytes
+    The payload is parsed on first use: checking authenticity needs only a hash of its bytes.
+    """
+
+    def __init__(self, raw: bytes, payload_bytes: memoryview, keyid: str, where: str) -> None:
+        self.raw = raw
+        self.keyid = keyid  # the trusted key whose signature was checked
+        self.where = where
+        self._payload_bytes = payload_bytes
+        self._payload: dict[str, Any] | None = None
+
+    @property
+    def sha256(self) -> str:
+        """Of the whole file, for logs and state."""
+        return hashlib.sha256(self.raw).hexdigest()
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        if self._payload is None:
+            try:
+                value = canonical.loads(bytes(self._payload_bytes))
+            except ValueError as e:  # signed, yet not JSON: the signer is broken, not the transport
+                raise BundleError(f"{self.where}: payload: not JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise BundleError(f"{self.where}: payload: expected an object")
+            self._payload = value
+        return self._payload
+
+
+_HEADER_KEYS = {"format", "payloadSha256", "payloadBytes", "signatures"}
 
 
 def verify(raw: bytes, keyring: Keyring, where: str = "bundle") -> Verified:
     """Check ``raw`` is a well-formed bundle signed by a key in ``keyring``; raise BundleError if not."""
+    nl = raw.find(b"\n")
+    if nl < 0:
+        raise BundleError(f"{where}: not a bundle (no header line)")
+    head = raw[:nl]
     try:
-        envelope = json.loads(raw.decode("ascii"))
+        header = canonical.loads(head)
     except (UnicodeDecodeError, ValueError) as e:
-        raise BundleError(f"{where}: not a bundle: {e}") from None
-    if not isinstance(envelope, dict) or envelope.get("format") != FORMAT:
+        raise BundleError(f"{where}: not a bundle: header: {e}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise BundleError(f"{where}: format: expected {FORMAT!r}")
-    payload, sigs = envelope.get("payload"), envelope.get("signatures")
-    if set(envelope) != {"format", "payload", "signatures"} or not isinstance(payload, dict):
-        raise BundleError(f"{where}: expected exactly format, payload (an object) and signatures")
+    if set(header) != _HEADER_KEYS:
+        raise BundleError(f"{where}: header: expected exactly {', '.join(sorted(_HEADER_KEYS))}")
+    if canonical.dumps(header) != head:
+        raise BundleError(f"{where}: header: not in canonical form (the bytes were altered)")
+    size, digest_hex, sigs = header["payloadBytes"], header["payloadSha256"], header["signatures"]
+    if not isinstance(size, int) or len(raw) != nl + 1 + size + 1 or raw[-1:] != b"\n":
+        raise BundleError(f"{where}: payloadBytes: the payload is not {size} bytes followed by a newline")
+    body = memoryview(raw)[nl + 1 : nl + 1 + size]
+    digest = hashlib.sha256(body).digest()
+    if digest.hex() != digest_hex:
+        raise BundleError(f"{where}: payloadSha256: does not match the payload (the bytes were altered)")
     if not isinstance(sigs, list) or not sigs:
         raise BundleError(f"{where}: signatures: expected a non-empty list")
-    try:
-        if canonical.dumps(envelope) + b"\n" != raw:
-            raise BundleError(f"{where}: not in canonical form (the bytes were altered)")
-    except ValueError as e:
-        raise BundleError(f"{where}: {e}") from None
-    message = _DOMAIN + canonical.dumps(payload)
+    message = _message(digest)
     seen_ids: list[str] = []
     for i, s in enumerate(sigs):
         if not isinstance(s, dict) or set(s) != {"keyid", "sig"}:
@@ -214,7 +252,7 @@ def verify(raw: bytes, keyring: Keyring, where: str = "bundle") -> Verified:
             raise SignatureError(
                 f"{where}: signatures[{i}]: signature by key {keyid} does not match the bundle (tampered?)"
             ) from None
-        return Verified(payload, keyid, hashlib.sha256(raw).hexdigest(), raw)
+        return Verified(raw, body, keyid, where)
     raise UntrustedKeyError(
         f"{where}: signed by {', '.join(seen_ids)}, none of which is trusted "
         f"(trusted: {', '.join(keyring.keyids) or 'none'})"

@@ -1,0 +1,30 @@
+# make demo | make test | make lint | make bench [BENCH=name]
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BENCH ?=
+
+.PHONY: setup demo test unit lint bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/sco demo
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	cd collections/ansible_collections/sco/orchestrator && ../../../../$(VENV)/bin/ansible-lint --profile production --offline -q
+
+unit: setup
+	$(PY) -m pytest
+
+test: lint unit
+
+bench: setup
+	$(PY) -m benchmarks.run $(BENCH)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

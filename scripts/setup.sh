@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Everything the demo and the tests need, on a fresh Debian 12 machine (root, or sudo available).
+# Idempotent: re-running installs nothing new. Used by `make setup`, `make demo`, `make test` and .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates)
+
+need_apt=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$p")
+done
+if ((${#need_apt[@]})); then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  echo "setup: apt-get install ${need_apt[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: pip install -e .[dev]"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
+echo "setup: ok ($("$VENV/bin/python" --version))"
