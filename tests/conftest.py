@@ -59,3 +59,24 @@ def contract_yaml(name: str, **spec_overrides: str) -> str:
     spec.update(spec_overrides)
     body = "\n".join(f"  {k}: {v}" for k, v in spec.items())
     return f"apiVersion: sco.dev/v1\nkind: WorkloadContract\nmetadata:\n  name: {name}\nspec:\n{body}\n"
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from tests.harness import NatsServer, ensure_stream
+
+    srv = NatsServer(tmp_path / "nats").start()
+    asyncio.run(ensure_stream(srv.url))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def kube():  # type: ignore[no-untyped-def]
+    from sco.standins.kube_apiserver import KubeApiStandIn
+
+    srv = KubeApiStandIn().start()
+    yield srv
+    srv.stop()

@@ -193,7 +193,9 @@ class Spool:
                 dropped.append(r)
                 used -= r.length
         # Routine: keep newest unpublished first, then newest published.
-        routine = sorted((r for r in recs if r.priority < CRITICAL), key=lambda r: (r.seq <= self.published_seq, -r.seq))
+        routine = sorted(
+            (r for r in recs if r.priority < CRITICAL), key=lambda r: (r.seq <= self.published_seq, -r.seq)
+        )
         for r in routine:
             if used + r.length <= budget:
                 keep.add(r.seq)
@@ -235,9 +237,7 @@ class Spool:
 
     def events(self, after_seq: int = 0) -> Iterator[Event]:
         """Every intact event with seq > after_seq, oldest first, streamed from disk."""
-        for rec, payload in _walk(self.path, payloads=True):
-            if rec.seq > after_seq and payload is not None:
-                yield json.loads(payload)
+        return read_events(self.dir, after_seq)
 
     def unpublished(self, limit: int = 1000) -> list[Event]:
         """The next events to publish, oldest first; starts from where the last batch ended."""
@@ -257,3 +257,10 @@ class Spool:
             self.published_seq = seq
             self._pub_offset = self._batch_end.get(seq, self._pub_offset)
             atomic_write(self.dir / CURSOR_FILE, json.dumps({"published_seq": seq}).encode())
+
+
+def read_events(directory: Path, after_seq: int = 0) -> Iterator[Event]:
+    """The events of the spool in ``directory``, read-only (no recovery, safe beside a running agent)."""
+    for rec, payload in _walk(Path(directory) / SPOOL_FILE, payloads=True):
+        if rec.seq > after_seq and payload is not None:
+            yield json.loads(payload)

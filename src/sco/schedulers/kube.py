@@ -64,14 +64,23 @@ class KubeClient:
         if token_file is not None:
             headers["Authorization"] = f"Bearer {Path(token_file).read_text().strip()}"
         ctx = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
-        self.http = AsyncHttpClient(url, timeout=timeout, max_connections=max_connections, headers=headers,
-                                    ssl_context=ctx)
+        self.http = AsyncHttpClient(
+            url, timeout=timeout, max_connections=max_connections, headers=headers, ssl_context=ctx
+        )
 
     async def close(self) -> None:
         await self.http.close()
 
-    async def _call(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-                    query: dict[str, str] | None = None, timeout: float | None = None) -> tuple[int, bytes, Any]:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        query: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, bytes, Any]:
         try:
             r = await self.http.request(method, path, body, content_type=content_type, query=query, timeout=timeout)
         except HttpTimeout as e:
@@ -104,7 +113,9 @@ class KubeClient:
                 "spec": {"taints": taints, "unschedulable": True},
             }
             status, raw, data = await self._call(
-                "PATCH", f"/api/v1/nodes/{urllib.parse.quote(name)}", patch,
+                "PATCH",
+                f"/api/v1/nodes/{urllib.parse.quote(name)}",
+                patch,
                 content_type="application/merge-patch+json",
             )
             if status == 409:

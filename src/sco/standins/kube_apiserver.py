@@ -40,7 +40,6 @@ import urllib.parse
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -99,29 +98,26 @@ def _split_selector(sel: str) -> list[str]:
     return parts
 
 
+def _label_test(term: str) -> Callable[[dict[str, str]], bool]:
+    m = _SET_RE.match(term)
+    if m:
+        key, op = m.group(1), m.group(2)
+        values = {v.strip() for v in m.group(3).split(",") if v.strip()}
+        return (lambda lb: lb.get(key) in values) if op == "in" else (lambda lb: lb.get(key) not in values)
+    if "!=" in term:
+        k, v = (x.strip() for x in term.split("!=", 1))
+        return lambda lb: lb.get(k) != v
+    if "=" in term:
+        k, v = (x.strip() for x in re.split("==?", term, maxsplit=1))
+        return lambda lb: lb.get(k) == v
+    if term.startswith("!"):
+        absent = term[1:].strip()
+        return lambda lb: absent not in lb
+    return lambda lb: term in lb
+
+
 def label_matcher(sel: str | None) -> Callable[[dict[str, str]], bool]:
-    if not sel:
-        return lambda labels: True
-    tests: list[Callable[[dict[str, str]], bool]] = []
-    for raw in _split_selector(sel):
-        term = raw.strip()
-        m = _SET_RE.match(term)
-        if m:
-            key, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",") if v.strip()}
-            if op == "in":
-                tests.append(lambda lb, k=key, vs=values: lb.get(k) in vs)
-            else:
-                tests.append(lambda lb, k=key, vs=values: lb.get(k) not in vs)
-        elif "!=" in term:
-            k, v = (s.strip() for s in term.split("!=", 1))
-            tests.append(lambda lb, k=k, v=v: lb.get(k) != v)
-        elif "==" in term or "=" in term:
-            k, v = (s.strip() for s in re.split("==?", term, maxsplit=1))
-            tests.append(lambda lb, k=k, v=v: lb.get(k) == v)
-        elif term.startswith("!"):
-            tests.append(lambda lb, k=term[1:].strip(): k not in lb)
-        else:
-            tests.append(lambda lb, k=term: k in lb)
+    tests = [_label_test(t.strip()) for t in _split_selector(sel or "")]
     return lambda labels: all(t(labels) for t in tests)
 
 
@@ -132,17 +128,14 @@ def _field(obj: Obj, path: str) -> str:
     return "" if cur is None else str(cur)
 
 
+def _field_test(term: str) -> Callable[[Obj], bool]:
+    negate = "!=" in term
+    k, v = (x.strip() for x in (term.split("!=", 1) if negate else re.split("==?", term, maxsplit=1)))
+    return (lambda o: _field(o, k) != v) if negate else (lambda o: _field(o, k) == v)
+
+
 def field_matcher(sel: str | None) -> Callable[[Obj], bool]:
-    if not sel:
-        return lambda obj: True
-    tests: list[Callable[[Obj], bool]] = []
-    for term in sel.split(","):
-        if "!=" in term:
-            k, v = term.split("!=", 1)
-            tests.append(lambda o, k=k.strip(), v=v.strip(): _field(o, k) != v)
-        else:
-            k, v = re.split("==?", term, maxsplit=1)
-            tests.append(lambda o, k=k.strip(), v=v.strip(): _field(o, k) == v)
+    tests = [_field_test(t) for t in (sel or "").split(",") if t.strip()]
     return lambda obj: all(t(obj) for t in tests)
 
 
@@ -169,18 +162,18 @@ def strategic_merge_patch(target: Any, patch: Any, field: str = "") -> Any:
     """Strategic merge patch for the lists this stand-in serves (merged by their patchMergeKey)."""
     if isinstance(patch, list) and field in _MERGE_KEYS and isinstance(target, list):
         key = _MERGE_KEYS[field]
-        out = [copy.deepcopy(x) for x in target]
+        items = [copy.deepcopy(x) for x in target]
         for item in patch:
             if isinstance(item, dict) and item.get("$patch") == "delete":
-                out = [x for x in out if x.get(key) != item.get(key)]
+                items = [x for x in items if x.get(key) != item.get(key)]
                 continue
-            for i, x in enumerate(out):
+            for i, x in enumerate(items):
                 if x.get(key) == item.get(key):
-                    out[i] = strategic_merge_patch(x, item)
+                    items[i] = strategic_merge_patch(x, item)
                     break
             else:
-                out.append(copy.deepcopy(item))
-        return out
+                items.append(copy.deepcopy(item))
+        return items
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
     out = dict(target) if isinstance(target, dict) else {}
@@ -280,8 +273,9 @@ class Cluster:
         return str(next(self._rv))
 
     def _record(self, verb: str, obj: Obj, **extra: Any) -> None:
-        self.audit.append({"at": time.time(), "verb": verb, "kind": obj.get("kind"),
-                           "name": obj["metadata"]["name"], **extra})
+        self.audit.append(
+            {"at": time.time(), "verb": verb, "kind": obj.get("kind"), "name": obj["metadata"]["name"], **extra}
+        )
 
     def _notify(self, etype: str, obj: Obj) -> None:
         for match, q in list(self.watchers):
@@ -294,12 +288,26 @@ class Cluster:
             node: Obj = {
                 "apiVersion": "v1",
                 "kind": "Node",
-                "metadata": {"name": name, "uid": str(uuid.uuid4()), "labels": labels or {},
-                             "resourceVersion": self.rv(), "creationTimestamp": _now_iso()},
+                "metadata": {
+                    "name": name,
+                    "uid": str(uuid.uuid4()),
+                    "labels": labels or {},
+                    "resourceVersion": self.rv(),
+                    "creationTimestamp": _now_iso(),
+                },
                 "spec": {},
-                "status": {"conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": _now_iso(),
-                                           "lastTransitionTime": _now_iso(), "reason": "KubeletReady",
-                                           "message": "stand-in kubelet is posting ready status"}]},
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "Ready",
+                            "status": "True",
+                            "lastHeartbeatTime": _now_iso(),
+                            "lastTransitionTime": _now_iso(),
+                            "reason": "KubeletReady",
+                            "message": "stand-in kubelet is posting ready status",
+                        }
+                    ]
+                },
             }
             self.nodes[name] = node
             self._record("create", node)
@@ -323,12 +331,20 @@ class Cluster:
                 new = merge_patch(node, body)
             want_rv = (body.get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) else None
             if want_rv is not None and want_rv != node["metadata"]["resourceVersion"]:
-                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on nodes "{name}": the object '
-                               "has been modified; please apply your changes to the latest version and try again")
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on nodes "{name}": the object '
+                    "has been modified; please apply your changes to the latest version and try again",
+                )
             new["metadata"]["resourceVersion"] = self.rv()
             self.nodes[name] = new
-            self._record("patch", new, taints=copy.deepcopy(new["spec"].get("taints", [])),
-                         unschedulable=new["spec"].get("unschedulable", False))
+            self._record(
+                "patch",
+                new,
+                taints=copy.deepcopy(new["spec"].get("taints", [])),
+                unschedulable=new["spec"].get("unschedulable", False),
+            )
             return copy.deepcopy(new)
 
     # pods
@@ -354,8 +370,9 @@ class Cluster:
             running = bool(spec.get("nodeName"))
             pod["status"] = {
                 "phase": "Running" if running else "Pending",
-                "conditions": [{"type": "Ready", "status": "True" if running else "False",
-                                "lastTransitionTime": _now_iso()}],
+                "conditions": [
+                    {"type": "Ready", "status": "True" if running else "False", "lastTransitionTime": _now_iso()}
+                ],
                 "startTime": _now_iso(),
             }
             self.pods[key] = pod
@@ -373,8 +390,11 @@ class Cluster:
     def list_pods(self, ns: str | None, labels: str | None, fields: str | None) -> list[Obj]:
         lm, fm = label_matcher(labels), field_matcher(fields)
         with self.lock:
-            return [copy.deepcopy(p) for (pns, _), p in sorted(self.pods.items())
-                    if (ns is None or pns == ns) and lm(p["metadata"].get("labels", {})) and fm(p)]
+            return [
+                copy.deepcopy(p)
+                for (pns, _), p in sorted(self.pods.items())
+                if (ns is None or pns == ns) and lm(p["metadata"].get("labels", {})) and fm(p)
+            ]
 
     def patch_pod(self, ns: str, name: str, ctype: str, body: Any) -> Obj:
         with self.lock:
@@ -388,8 +408,11 @@ class Cluster:
             new["metadata"]["resourceVersion"] = self.rv()
             self.pods[(ns, name)] = new
             self._notify("MODIFIED", new)
-            if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers") and \
-                    new["status"].get("phase") in ("Succeeded", "Failed"):
+            if (
+                new["metadata"].get("deletionTimestamp")
+                and not new["metadata"].get("finalizers")
+                and new["status"].get("phase") in ("Succeeded", "Failed")
+            ):
                 self._remove(ns, name)
             return copy.deepcopy(new)
 
@@ -398,8 +421,9 @@ class Cluster:
 
     def pdb_status(self, pdb: Obj) -> Obj:
         ns = pdb["metadata"]["namespace"]
-        match = label_matcher(",".join(f"{k}={v}" for k, v in
-                                       (pdb["spec"].get("selector", {}).get("matchLabels") or {}).items()))
+        match = label_matcher(
+            ",".join(f"{k}={v}" for k, v in (pdb["spec"].get("selector", {}).get("matchLabels") or {}).items())
+        )
         pods = [p for (pns, _), p in self.pods.items() if pns == ns and match(p["metadata"].get("labels", {}))]
         healthy = sum(1 for p in pods if self._healthy(p))
         spec = pdb["spec"]
@@ -407,8 +431,13 @@ class Cluster:
             desired = int(spec["minAvailable"])
         else:
             desired = max(0, len(pods) - int(spec.get("maxUnavailable", 0)))
-        return {"currentHealthy": healthy, "desiredHealthy": desired, "expectedPods": len(pods),
-                "disruptionsAllowed": max(0, healthy - desired), "observedGeneration": 1}
+        return {
+            "currentHealthy": healthy,
+            "desiredHealthy": desired,
+            "expectedPods": len(pods),
+            "disruptionsAllowed": max(0, healthy - desired),
+            "observedGeneration": 1,
+        }
 
     def _pdbs_for(self, pod: Obj) -> list[Obj]:
         labels = pod["metadata"].get("labels", {})
@@ -429,22 +458,40 @@ class Cluster:
                 return status_obj(201, "", "")
             pdbs = self._pdbs_for(pod)
             if len(pdbs) > 1:
-                raise ApiError(500, "InternalError", "This pod has more than one PodDisruptionBudget, which the "
-                               "eviction subresource does not support.")
+                raise ApiError(
+                    500,
+                    "InternalError",
+                    "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.",
+                )
             if pdbs and self._healthy(pod):
                 st = self.pdb_status(pdbs[0])
                 if st["disruptionsAllowed"] <= 0:
                     self._record("evict-refused", pod, pdb=pdbs[0]["metadata"]["name"])
                     raise ApiError(
-                        429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget.",
-                        {"causes": [{"reason": "DisruptionBudget", "message":
-                                     f"The disruption budget {pdbs[0]['metadata']['name']} needs "
-                                     f"{st['desiredHealthy']} healthy pods and has {st['currentHealthy']} "
-                                     "currently"}]},
+                        429,
+                        "TooManyRequests",
+                        "Cannot evict pod as it would violate the pod's disruption budget.",
+                        {
+                            "causes": [
+                                {
+                                    "reason": "DisruptionBudget",
+                                    "message": f"The disruption budget {pdbs[0]['metadata']['name']} needs "
+                                    f"{st['desiredHealthy']} healthy pods and has {st['currentHealthy']} "
+                                    "currently",
+                                }
+                            ]
+                        },
                     )
             conds = [c for c in pod["status"]["conditions"] if c["type"] != "DisruptionTarget"]
-            conds.append({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
-                          "message": "Eviction API: evicting", "lastTransitionTime": _now_iso()})
+            conds.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "EvictionByEvictionAPI",
+                    "message": "Eviction API: evicting",
+                    "lastTransitionTime": _now_iso(),
+                }
+            )
             self.pods[(ns, name)]["status"]["conditions"] = conds
             self._record("evict", pod, grace=grace)
             self._delete(ns, name, grace)
@@ -465,10 +512,8 @@ class Cluster:
         pod = self.pods[(ns, name)]
         md, spec = pod["metadata"], pod["spec"]
         g = int(spec.get("terminationGracePeriodSeconds", 30) if grace is None else grace)
-        if md.get("deletionTimestamp"):
-            # A second delete may only shorten the grace period, as in the real server.
-            if g >= md.get("deletionGracePeriodSeconds", g):
-                return
+        if md.get("deletionTimestamp") and g >= md.get("deletionGracePeriodSeconds", g):
+            return  # a second delete may only shorten the grace period, as in the real server
         now = time.time()
         md["deletionTimestamp"] = _now_iso(now + g)
         md["deletionGracePeriodSeconds"] = g
@@ -615,12 +660,18 @@ class _Handler(BaseHTTPRequestHandler):
         return self.server.cluster
 
     def _list(self, kind: str, items: list[Obj], api_version: str = "v1") -> None:
-        self._json(200, {"kind": kind, "apiVersion": api_version,
-                         "metadata": {"resourceVersion": str(next(self.c._rv))}, "items": items})
+        self._json(
+            200,
+            {
+                "kind": kind,
+                "apiVersion": api_version,
+                "metadata": {"resourceVersion": str(next(self.c._rv))},
+                "items": items,
+            },
+        )
 
     def h_version(self, q: dict[str, str]) -> None:
-        self._json(200, {"major": "1", "minor": "30", "gitVersion": "v1.30.0-sco-standin",
-                         "platform": "linux/amd64"})
+        self._json(200, {"major": "1", "minor": "30", "gitVersion": "v1.30.0-sco-standin", "platform": "linux/amd64"})
 
     def h_list_nodes(self, q: dict[str, str]) -> None:
         lm = label_matcher(q.get("labelSelector"))

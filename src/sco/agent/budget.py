@@ -1,0 +1,51 @@
+"""Drain budgets from the cached bundle only: which contract a workload falls under, and its grace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sco.contract.bundle import Budget, Bundle
+
+
+@dataclass(frozen=True)
+class PodBudget:
+    contract: str | None
+    drain_seconds: float  # the contract's drain budget (or the pod's own grace when no contract names it)
+    final_write_seconds: float
+
+
+class KubeBudgets:
+    """Maps pods to contracts by namespace and labels (the compiler guarantees at most one match)."""
+
+    def __init__(self, bundle: Bundle | None) -> None:
+        self.bundle = bundle
+        self._by_ns: dict[str, list[tuple[dict[str, str], str]]] = {}
+        if bundle is not None:
+            for name, c in bundle.contracts.items():
+                if c["scheduler"] in ("kubernetes", "spark"):
+                    sel = c["selector"]
+                    self._by_ns.setdefault(sel["namespace"], []).append((sel.get("matchLabels") or {}, name))
+
+    def contract_for(self, pod: dict[str, Any]) -> Budget | None:
+        md = pod["metadata"]
+        labels = md.get("labels") or {}
+        for match, name in self._by_ns.get(md.get("namespace", ""), []):
+            if all(labels.get(k) == v for k, v in match.items()):
+                assert self.bundle is not None
+                return self.bundle.budget(name)
+        return None
+
+    def for_pod(self, pod: dict[str, Any]) -> PodBudget:
+        b = self.contract_for(pod)
+        if b is not None:
+            return PodBudget(b.contract, float(b.drain_seconds), float(b.final_write_seconds))
+        # Admission refuses work without a contract; a pod that got here anyway keeps its own grace,
+        # still capped by the deadline.
+        own = pod.get("spec", {}).get("terminationGracePeriodSeconds", 30)
+        return PodBudget(None, float(own), 0.0)
+
+
+def grace_seconds(budget_s: float, deadline: float, now: float, margin: float) -> int:
+    """The smaller of the budget and the time left to the deadline less the margin, whole seconds, >= 0."""
+    return max(0, int(min(budget_s, deadline - now - margin)))

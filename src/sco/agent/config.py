@@ -1,0 +1,188 @@
+"""Agent settings: a TOML file (``[agent]`` table), each key overridable by ``SCO_AGENT_<KEY>``.
+
+Checked at start: every problem is listed at once (``sco-agent --check-config`` prints them) and the agent
+refuses to start with any. No pydantic here: it would cost the agent ~10 MiB of its 40 MiB budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sco.errors import ConfigError, Problem
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    hall: str = ""
+    """Hall (site) this node belongs to; must match the bundle's hall."""
+    node: str = ""
+    """This node's name in the scheduler (Kubernetes node name or Slurm NodeName)."""
+    scheduler: str = "kubernetes"
+    """kubernetes | slurm: which drain path the node takes."""
+    state_dir: Path = Path("/var/lib/sco")
+    """Spool (state_dir/spool) and bundle cache (state_dir/bundle) live here."""
+    trust_dir: Path = Path("/etc/sco/trusted")
+    """Public keys (*.pub) the bundle must be signed by."""
+    bundle_url: str = ""
+    """Distributor URL of the hall's bundle; empty: only the bundle cloud-init wrote is used."""
+    nats_url: str = "nats://127.0.0.1:4222"
+    """Notice relay and event sink; several URLs comma-separated."""
+    notice_subject: str = "sco.notice.{hall}.{node}"
+    events_subject: str = "sco.events.{hall}.{node}"
+    metadata_url: str = "http://169.254.169.254/openstack/latest/meta_data.json"
+    """Instance metadata polled for a reclaim notice; empty disables the poll."""
+    kube_url: str = ""
+    """Kubernetes API server URL (kubernetes scheduler)."""
+    kube_token_file: str = ""
+    kube_ca_file: str = ""
+    taint_key: str = "sco.dev/reclaim"
+    spool_max_bytes: int = 64 * 1024 * 1024
+    spool_sync_interval: float = 1.0
+    """Longest a routine event stays written but not fdatasync'ed (critical ones are synced at once)."""
+    evict_concurrency: int = 16
+    """Parallel connections to the API server during a drain."""
+    # Overrides of the hall policy in the bundle (tests use short windows); 0 means "from the bundle".
+    notice_window_seconds: float = 0
+    safety_margin_seconds: float = -1
+    metadata_poll_seconds: float = 0
+    bundle_refresh_seconds: float = 0
+    scheduler_api_timeout_ms: int = 0
+    log_level: str = "info"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.state_dir / "spool"
+
+    @property
+    def bundle_dir(self) -> Path:
+        return self.state_dir / "bundle"
+
+    def subject(self, template: str) -> str:
+        return template.format(hall=self.hall, node=self.node)
+
+
+def _coerce(f: dataclasses.Field[Any], value: Any, where: str, problems: list[Problem]) -> Any:
+    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if typ == "Path":
+            return Path(str(value))
+        if typ == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if typ == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    except (TypeError, ValueError):
+        problems.append(Problem(where, f.name, f"expected {typ}, got {value!r}"))
+        return f.default
+
+
+def load(path: Path | None, env: dict[str, str] | None = None) -> AgentConfig:
+    """Read the file and the environment; raise ConfigError listing every problem."""
+    env = dict(os.environ) if env is None else env
+    problems: list[Problem] = []
+    raw: dict[str, Any] = {}
+    where = str(path) if path else "environment"
+    if path is not None:
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        unknown_tables = set(doc) - {"agent"}
+        for t in sorted(unknown_tables):
+            problems.append(Problem(where, t, "unknown table (expected [agent])"))
+        raw = dict(doc.get("agent", {}))
+    fields = {f.name: f for f in dataclasses.fields(AgentConfig)}
+    for key in sorted(set(raw) - set(fields)):
+        problems.append(Problem(where, f"agent.{key}", "unknown setting"))
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        env_key = f"SCO_AGENT_{name.upper()}"
+        if env_key in env:
+            values[name] = _coerce(f, env[env_key], env_key, problems)
+        elif name in raw:
+            values[name] = _coerce(f, raw[name], f"{where}: agent", problems)
+    cfg = AgentConfig(**values)
+    problems += check(cfg, where)
+    if problems:
+        raise ConfigError(f"{len(problems)} problem(s) in the agent configuration", problems)
+    return cfg
+
+
+def _url(value: str, schemes: tuple[str, ...]) -> bool:
+    u = urllib.parse.urlsplit(value)
+    return u.scheme in schemes and bool(u.hostname)
+
+
+def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
+    """Cross-field checks: errors at start-up, not surprises during a drain."""
+    p: list[Problem] = []
+    if not _NAME.match(cfg.hall):
+        p.append(Problem(where, "agent.hall", f"expected a DNS-style name, got {cfg.hall!r}"))
+    if not _NAME.match(cfg.node):
+        p.append(Problem(where, "agent.node", f"expected a DNS-style name, got {cfg.node!r}"))
+    if cfg.scheduler not in ("kubernetes", "slurm"):
+        p.append(Problem(where, "agent.scheduler", f"expected kubernetes or slurm, got {cfg.scheduler!r}"))
+    if cfg.scheduler == "kubernetes" and not _url(cfg.kube_url, ("http", "https")):
+        p.append(Problem(where, "agent.kube_url", "the kubernetes scheduler needs an http(s) API server URL"))
+    for u in filter(None, cfg.nats_url.split(",")):
+        if not _url(u.strip(), ("nats", "tls")):
+            p.append(Problem(where, "agent.nats_url", f"{u!r} is not a nats:// URL"))
+    if cfg.metadata_url and not _url(cfg.metadata_url, ("http", "https")):
+        p.append(Problem(where, "agent.metadata_url", f"{cfg.metadata_url!r} is not an http(s) URL"))
+    if cfg.bundle_url and not _url(cfg.bundle_url, ("http", "https")):
+        p.append(Problem(where, "agent.bundle_url", f"{cfg.bundle_url!r} is not an http(s) URL"))
+    if cfg.spool_max_bytes < 64 * 1024:
+        p.append(Problem(where, "agent.spool_max_bytes", "must be at least 65536"))
+    if not 1 <= cfg.evict_concurrency <= 256:
+        p.append(Problem(where, "agent.evict_concurrency", "must be between 1 and 256"))
+    if cfg.log_level not in ("debug", "info", "warning", "error"):
+        p.append(Problem(where, "agent.log_level", "expected debug, info, warning or error"))
+    if not cfg.trust_dir.is_dir() or not any(cfg.trust_dir.glob("*.pub")):
+        p.append(Problem(where, "agent.trust_dir", f"{cfg.trust_dir} holds no *.pub key: no bundle could verify"))
+    for name in ("kube_token_file", "kube_ca_file"):
+        value = getattr(cfg, name)
+        if value and not Path(value).is_file():
+            p.append(Problem(where, f"agent.{name}", f"{value}: no such file"))
+    try:
+        cfg.subject(cfg.notice_subject)
+        cfg.subject(cfg.events_subject)
+    except (KeyError, IndexError) as e:
+        p.append(Problem(where, "agent.notice_subject", f"unknown placeholder {e}"))
+    return p
+
+
+SAMPLE = """\
+# /etc/sco/agent.toml: the node agent's settings. Every key can be overridden by SCO_AGENT_<KEY>.
+[agent]
+hall = "local"
+node = "node-1"
+scheduler = "kubernetes"            # kubernetes | slurm
+state_dir = "/var/lib/sco"          # spool/ and bundle/ live here
+trust_dir = "/etc/sco/trusted"      # *.pub keys the bundle must be signed by
+bundle_url = "http://127.0.0.1:8470/v1/halls/local/bundle.json"
+nats_url = "nats://127.0.0.1:4222"
+metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
+kube_url = "https://127.0.0.1:6443"
+kube_token_file = ""                # a node-bound token: the agent may taint and evict on its own node only
+taint_key = "sco.dev/reclaim"
+spool_max_bytes = 67108864          # 64 MiB
+"""
+
+__all__ = ["SAMPLE", "AgentConfig", "check", "field", "load"]

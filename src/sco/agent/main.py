@@ -1,0 +1,78 @@
+"""``sco-agent``: the node agent's command.
+
+    sco-agent run --config /etc/sco/agent.toml     run the agent (systemd: Type=notify)
+    sco-agent check-config --config FILE           print every problem, exit 5 if any
+    sco-agent sample-config                        a commented agent.toml
+    sco-agent events --state-dir DIR [--after N]   the spooled events, one JSON object per line
+
+Every flag has an environment fallback: --config is $SCO_AGENT_CONFIG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from sco.errors import ScoError
+
+
+def _config_path(args: argparse.Namespace) -> Path | None:
+    value = args.config or os.environ.get("SCO_AGENT_CONFIG")
+    return Path(value) if value else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="sco-agent", description="SCO node agent")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the agent")
+    r.add_argument("--config", help="agent.toml [$SCO_AGENT_CONFIG]")
+    r.add_argument("--check-config", action="store_true", help="check the configuration and exit")
+    c = sub.add_parser("check-config", help="check the configuration and exit")
+    c.add_argument("--config", help="agent.toml [$SCO_AGENT_CONFIG]")
+    sub.add_parser("sample-config", help="print a commented agent.toml")
+    e = sub.add_parser("events", help="print spooled events as JSON lines")
+    e.add_argument("--state-dir", default=os.environ.get("SCO_AGENT_STATE_DIR", "/var/lib/sco"))
+    e.add_argument("--after", type=int, default=0, help="only events with a higher seq")
+    args = p.parse_args(argv)
+
+    from sco.agent import config
+
+    try:
+        if args.cmd == "sample-config":
+            sys.stdout.write(config.SAMPLE)
+            return 0
+        if args.cmd == "events":
+            from sco.agent.spool import Spool
+
+            spool = Spool(Path(args.state_dir) / "spool")
+            for ev in spool.events(args.after):
+                print(json.dumps(ev, sort_keys=True))
+            return 0
+        cfg = config.load(_config_path(args))
+        if args.cmd == "check-config" or args.check_config:
+            print(f"{_config_path(args) or 'environment'}: ok (node {cfg.node}, hall {cfg.hall}, {cfg.scheduler})")
+            return 0
+        logging.basicConfig(
+            level=getattr(logging, cfg.log_level.upper()),
+            format="%(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+        from sco.agent.daemon import Agent
+
+        return asyncio.run(Agent(cfg).run())
+    except ScoError as err:
+        for line in err.lines():
+            print(f"sco-agent: error: {line}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

