@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import ssl
 import urllib.parse
 from dataclasses import dataclass
@@ -69,7 +70,11 @@ class AsyncHttpClient:
             if not w.is_closing() and not r.at_eof():
                 return r, w
             w.close()
-        return await asyncio.open_connection(self.host, self.port, ssl=self.ssl)
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer
 
     async def request(
         self,

@@ -602,6 +602,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
 class _Handler(BaseHTTPRequestHandler):
     server: KubeApiStandIn
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # as Go's net/http (the real server) does; else 40 ms delayed-ACK stalls
 
     def log_message(self, format: str, *args: object) -> None:
         pass

@@ -1,0 +1,191 @@
+"""Node agent benchmarks on real parts: nats-server, the Kubernetes API stand-in, agent processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sco.agent.spool import read_events
+from sco.standins.kube_apiserver import KubeApiStandIn
+from tests.harness import AgentEnv, NatsServer, add_pod, ensure_stream, wait_for
+
+
+def _pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(p / 100 * len(s)) - 1))]
+
+
+def _taint_time(kube: KubeApiStandIn, node: str, nid: str) -> float | None:
+    for a in reversed(kube.cluster.audit):
+        if a["verb"] == "patch" and a["name"] == node and any(t.get("value") == nid for t in a.get("taints", [])):
+            return float(a["at"])
+    return None
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+class _Bed:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.nats = NatsServer(root / "nats").start()
+        asyncio.run(ensure_stream(self.nats.url))
+        self.kube = KubeApiStandIn().start()
+
+    def close(self) -> None:
+        self.kube.stop()
+        self.nats.stop()
+
+
+async def _publish_many(url: str, msgs: list[tuple[str, bytes]]) -> float:
+    import nats
+
+    nc = await nats.connect(url)
+    t = time.time()
+    for subject, data in msgs:
+        await nc.publish(subject, data)
+    await nc.flush()
+    await nc.close()
+    return t
+
+
+def bench_notice_latency(n: int = 200) -> Iterator[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        bed = _Bed(Path(tmp))
+        env = AgentEnv(Path(tmp) / "a", bed.kube, bed.nats).start()
+        env.wait_subscribed()
+        lat: list[float] = []
+        try:
+            for i in range(n):
+                nid = f"lat-{i}"
+                drained_before = sum(1 for e in read_events(env.state / "spool") if e["type"] == "drain.drained")
+                t0 = asyncio.run(_publish_many(bed.nats.url, [(f"sco.notice.local.{env.node}", env.notice(nid, 20))]))
+                t1 = wait_for(lambda nid=nid: _taint_time(bed.kube, env.node, nid), 10, "taint", 0.002)
+                lat.append((t1 - t0) * 1000)
+                wait_for(lambda d=drained_before: sum(1 for e in read_events(env.state / "spool")
+                                                      if e["type"] == "drain.drained") > d, 10, "drained", 0.01)
+                bed.kube.cluster.patch_node(env.node, "application/merge-patch+json",
+                                            {"spec": {"taints": None, "unschedulable": None}})
+        finally:
+            env.stop()
+            bed.close()
+    yield {"n": n, "p50_ms": round(statistics.median(lat), 2), "p99_ms": round(_pct(lat, 99), 2),
+           "max_ms": round(max(lat), 2)}
+
+
+def _drain_110(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    bed = _Bed(tmp)
+    env = AgentEnv(tmp / "a", bed.kube, bed.nats).start()
+    env.wait_subscribed()
+    try:
+        pid = env.proc.pid if env.proc else 0
+        time.sleep(3)
+        rss_idle = _rss_mib(pid)
+        hz = os.sysconf("SC_CLK_TCK")
+        c0, t0 = _cpu_ticks(pid), time.monotonic()
+        time.sleep(20)
+        idle_mc = (_cpu_ticks(pid) - c0) / hz / (time.monotonic() - t0) * 1000
+        # 110 pods whose shutdowns take 0.5-5 s; the web contract's 6 s budget caps their grace
+        needs = [0.5 + (i * 4.5 / 109) for i in range(110)]
+        for i, need in enumerate(needs):
+            add_pod(bed.kube, "web", f"w-{i:03d}", env.node, grace=30, prestop=need)
+        peak = [rss_idle]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak.append(_rss_mib(pid))
+                time.sleep(0.02)
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        t_notice = asyncio.run(_publish_many(bed.nats.url, [(f"sco.notice.local.{env.node}",
+                                                              env.notice("d110", 20))]))
+        out = env.outcome(25)
+        stop.set()
+        th.join()
+        assert out["type"] == "drain.drained", out
+        drain = {"pods": 110, "max_grace_s": round(max(min(n, 6) for n in needs), 2),
+                 "sum_grace_s": round(sum(min(n, 6) for n in needs), 1),
+                 "drain_s": round(out["at"] - t_notice, 3)}
+        foot = {"rss_mib_idle": round(rss_idle, 1), "rss_mib_drain": round(max(peak), 1),
+                "idle_millicores": round(idle_mc, 2)}
+        return drain, foot
+    finally:
+        env.stop()
+        bed.close()
+
+
+_cache: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+
+
+def _drain_once() -> tuple[dict[str, Any], dict[str, Any]]:
+    if "r" not in _cache:
+        with tempfile.TemporaryDirectory() as tmp:
+            _cache["r"] = _drain_110(Path(tmp))
+    return _cache["r"]
+
+
+def bench_drain_110() -> Iterator[dict[str, Any]]:
+    yield _drain_once()[0]
+
+
+def bench_footprint() -> Iterator[dict[str, Any]]:
+    yield _drain_once()[1]
+
+
+def bench_mass_reclaim(agents: int = 100) -> Iterator[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        bed = _Bed(Path(tmp))
+        envs: list[AgentEnv] = []
+        try:
+            for i in range(agents):
+                env = AgentEnv(Path(tmp) / f"a{i:03d}", bed.kube, bed.nats, node=f"node-{i:03d}")
+                add_pod(bed.kube, "web", f"w-{i:03d}", env.node, prestop=0.5)
+                envs.append(env)
+            for env in envs:
+                env.start()
+            for env in envs:
+                env.wait_subscribed()
+            msgs = [(f"sco.notice.local.{e.node}", e.notice(f"mass-{e.node}", 20)) for e in envs]
+            t0 = asyncio.run(_publish_many(bed.nats.url, msgs))
+            lat = []
+            for e in envs:
+                t1 = wait_for(lambda e=e: _taint_time(bed.kube, e.node, f"mass-{e.node}"), 20, "taint", 0.01)
+                lat.append((t1 - t0) * 1000)
+            outcomes = [e.outcome(25) for e in envs]
+            drained = sum(1 for o in outcomes if o["type"] == "drain.drained")
+        finally:
+            for e in envs:
+                e.stop()
+            bed.close()
+    yield {"agents": agents, "p50_notice_to_taint_ms": round(statistics.median(lat), 1),
+           "p99_notice_to_taint_ms": round(_pct(lat, 99), 1), "max_ms": round(max(lat), 1), "drained": drained}
+
+
+BENCHES = {
+    "agent_notice_latency": bench_notice_latency,
+    "agent_drain_110": bench_drain_110,
+    "agent_footprint": bench_footprint,
+    "mass_reclaim": bench_mass_reclaim,
+}
+__all__ = ["BENCHES", "json"]
