@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates)
+APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates systemd)
 
 need_apt=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -87,7 +87,8 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str, problems: list[Pr
             raise ValueError
         return value
     except (TypeError, ValueError):
-        problems.append(Problem(where, f.name, f"expected {typ}, got {value!r}"))
+        problems.append(Problem(where, f"agent.{f.name}" if where != "environment" else f"SCO_AGENT_{f.name.upper()}",
+                                f"expected {typ}, got {value!r}"))
         return f.default
 
 
@@ -115,9 +116,9 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> AgentConfig:
     for name, f in fields.items():
         env_key = f"SCO_AGENT_{name.upper()}"
         if env_key in env:
-            values[name] = _coerce(f, env[env_key], env_key, problems)
+            values[name] = _coerce(f, env[env_key], "environment", problems)
         elif name in raw:
-            values[name] = _coerce(f, raw[name], f"{where}: agent", problems)
+            values[name] = _coerce(f, raw[name], where, problems)
     cfg = AgentConfig(**values)
     problems += check(cfg, where)
     if problems:

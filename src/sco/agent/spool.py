@@ -14,9 +14,9 @@ Crash safety and fsync policy:
 - On open, the file is scanned: a record that is short or whose CRC does not match is a torn tail; it and
   anything after it are cut off (and counted), so the next append starts on a clean boundary.
 
-Bound: when an append would pass ``max_bytes`` (64 MiB by default) the file is rewritten keeping every
-critical record and the newest routine records up to half the bound, routine records already published
-going first; a ``spool.dropped`` record says how many were dropped. Publication progress (the last seq
+Bound: when an append would pass ``max_bytes`` (64 MiB by default) the file is rewritten within half the
+bound: routine records go before critical ones, already-published ones before unpublished ones, oldest
+first; critical records go only if they alone overflow. A ``spool.dropped`` record says what was dropped. Publication progress (the last seq
 acknowledged by JetStream) is kept in ``cursor.json``, written atomically.
 """
 
@@ -185,9 +185,11 @@ class Spool:
         keep: set[int] = {r.seq for r in critical}
         dropped: list[_Rec] = []
         if used > budget:
-            # Critical records alone overflow: the oldest already-published ones go (they are in JetStream).
-            for r in critical:
-                if used <= budget or r.seq > self.published_seq:
+            # Critical records alone overflow: the oldest already-published ones go first (they are in
+            # JetStream), then, to keep the bound hard, the oldest unpublished ones (older drains: the newest
+            # records are the current drain's state).
+            for r in sorted(critical, key=lambda r: (r.seq > self.published_seq, r.seq)):
+                if used <= budget:
                     break
                 keep.discard(r.seq)
                 dropped.append(r)
@@ -214,7 +216,12 @@ class Spool:
                 CRITICAL,
                 {
                     "routine": sum(1 for r in dropped if r.priority < CRITICAL),
-                    "critical_published": sum(1 for r in dropped if r.priority >= CRITICAL),
+                    "critical_published": sum(
+                        1 for r in dropped if r.priority >= CRITICAL and r.seq <= self.published_seq
+                    ),
+                    "critical_unpublished": sum(
+                        1 for r in dropped if r.priority >= CRITICAL and r.seq > self.published_seq
+                    ),
                     "unpublished": sum(1 for r in dropped if r.seq > self.published_seq),
                     "bytes": sum(r.length for r in dropped),
                 },
