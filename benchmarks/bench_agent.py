@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.harness import AgentEnv, NatsServer, add_pod, ensure_stream, wait_for
+
 from sco.agent.spool import read_events
 from sco.standins.kube_apiserver import KubeApiStandIn
-from tests.harness import AgentEnv, NatsServer, add_pod, ensure_stream, wait_for
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -81,15 +82,26 @@ def bench_notice_latency(n: int = 200) -> Iterator[dict[str, Any]]:
                 t0 = asyncio.run(_publish_many(bed.nats.url, [(f"sco.notice.local.{env.node}", env.notice(nid, 20))]))
                 t1 = wait_for(lambda nid=nid: _taint_time(bed.kube, env.node, nid), 10, "taint", 0.002)
                 lat.append((t1 - t0) * 1000)
-                wait_for(lambda d=drained_before: sum(1 for e in read_events(env.state / "spool")
-                                                      if e["type"] == "drain.drained") > d, 10, "drained", 0.01)
-                bed.kube.cluster.patch_node(env.node, "application/merge-patch+json",
-                                            {"spec": {"taints": None, "unschedulable": None}})
+                wait_for(
+                    lambda d=drained_before: (
+                        sum(1 for e in read_events(env.state / "spool") if e["type"] == "drain.drained") > d
+                    ),
+                    10,
+                    "drained",
+                    0.01,
+                )
+                bed.kube.cluster.patch_node(
+                    env.node, "application/merge-patch+json", {"spec": {"taints": None, "unschedulable": None}}
+                )
         finally:
             env.stop()
             bed.close()
-    yield {"n": n, "p50_ms": round(statistics.median(lat), 2), "p99_ms": round(_pct(lat, 99), 2),
-           "max_ms": round(max(lat), 2)}
+    yield {
+        "n": n,
+        "p50_ms": round(statistics.median(lat), 2),
+        "p99_ms": round(_pct(lat, 99), 2),
+        "max_ms": round(max(lat), 2),
+    }
 
 
 def _drain_110(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -118,17 +130,22 @@ def _drain_110(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        t_notice = asyncio.run(_publish_many(bed.nats.url, [(f"sco.notice.local.{env.node}",
-                                                              env.notice("d110", 20))]))
+        t_notice = asyncio.run(_publish_many(bed.nats.url, [(f"sco.notice.local.{env.node}", env.notice("d110", 20))]))
         out = env.outcome(25)
         stop.set()
         th.join()
         assert out["type"] == "drain.drained", out
-        drain = {"pods": 110, "max_grace_s": round(max(min(n, 6) for n in needs), 2),
-                 "sum_grace_s": round(sum(min(n, 6) for n in needs), 1),
-                 "drain_s": round(out["at"] - t_notice, 3)}
-        foot = {"rss_mib_idle": round(rss_idle, 1), "rss_mib_drain": round(max(peak), 1),
-                "idle_millicores": round(idle_mc, 2)}
+        drain = {
+            "pods": 110,
+            "max_grace_s": round(max(min(n, 6) for n in needs), 2),
+            "sum_grace_s": round(sum(min(n, 6) for n in needs), 1),
+            "drain_s": round(out["at"] - t_notice, 3),
+        }
+        foot = {
+            "rss_mib_idle": round(rss_idle, 1),
+            "rss_mib_drain": round(max(peak), 1),
+            "idle_millicores": round(idle_mc, 2),
+        }
         return drain, foot
     finally:
         env.stop()
@@ -178,8 +195,13 @@ def bench_mass_reclaim(agents: int = 100) -> Iterator[dict[str, Any]]:
             for e in envs:
                 e.stop()
             bed.close()
-    yield {"agents": agents, "p50_notice_to_taint_ms": round(statistics.median(lat), 1),
-           "p99_notice_to_taint_ms": round(_pct(lat, 99), 1), "max_ms": round(max(lat), 1), "drained": drained}
+    yield {
+        "agents": agents,
+        "p50_notice_to_taint_ms": round(statistics.median(lat), 1),
+        "p99_notice_to_taint_ms": round(_pct(lat, 99), 1),
+        "max_ms": round(max(lat), 1),
+        "drained": drained,
+    }
 
 
 BENCHES = {

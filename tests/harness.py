@@ -58,7 +58,8 @@ class NatsServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [str(BIN / "nats-server"), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=open(self.dir / "nats.log", "ab"),  # noqa: SIM115
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.dir / "nats.log", "ab"),  # noqa: SIM115
         )
 
         def up() -> bool:
@@ -213,8 +214,16 @@ def test_hall(root: Path, key: PrivateKey) -> bytes:
 class AgentEnv:
     """Everything one agent needs, and the agent process."""
 
-    def __init__(self, root: Path, kube: KubeApiStandIn, nats: NatsServer, node: str = "node-1",
-                 metadata: MetadataServer | None = None, nats_url: str | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        root: Path,
+        kube: KubeApiStandIn,
+        nats: NatsServer,
+        node: str = "node-1",
+        metadata: MetadataServer | None = None,
+        nats_url: str | None = None,
+        **settings: Any,
+    ) -> None:
         self.root, self.kube, self.nats, self.node = root, kube, nats, node
         self.metadata = metadata
         self.key = generate()
@@ -225,9 +234,16 @@ class AgentEnv:
         (self.state / "bundle").mkdir(parents=True, exist_ok=True)
         (self.state / "bundle" / "bundle.json").write_bytes(test_hall(root, self.key))  # as cloud-init would
         lines = {
-            "hall": "local", "node": node, "scheduler": "kubernetes", "state_dir": str(self.state),
-            "trust_dir": str(self.trust), "nats_url": nats_url or nats.url, "kube_url": kube.url,
-            "metadata_url": metadata.url if metadata else "", "log_level": "info", **settings,
+            "hall": "local",
+            "node": node,
+            "scheduler": "kubernetes",
+            "state_dir": str(self.state),
+            "trust_dir": str(self.trust),
+            "nats_url": nats_url or nats.url,
+            "kube_url": kube.url,
+            "metadata_url": metadata.url if metadata else "",
+            "log_level": "info",
+            **settings,
         }
         self.config = root / "agent.toml"
         self.config.write_text("[agent]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
@@ -237,10 +253,10 @@ class AgentEnv:
 
     def start(self) -> AgentEnv:
         self.log = open(self.root / "agent.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen([str(BIN / "sco-agent"), "run", "--config", str(self.config)],
-                                     stdout=self.log, stderr=self.log)
-        wait_for(lambda: any(e["type"] == "agent.started" for e in self.events()) or self._dead(), 15,
-                 "agent start")
+        self.proc = subprocess.Popen(
+            [str(BIN / "sco-agent"), "run", "--config", str(self.config)], stdout=self.log, stderr=self.log
+        )
+        wait_for(lambda: any(e["type"] == "agent.started" for e in self.events()) or self._dead(), 15, "agent start")
         assert self.proc.poll() is None, self.logtext()
         return self
 
@@ -279,8 +295,16 @@ class AgentEnv:
         return [e for e in self.events() if e["type"] == type_]
 
     def notice(self, nid: str, terminate_in: float, **extra: Any) -> bytes:
-        return json.dumps({"id": nid, "hall": "local", "node": self.node,
-                           "terminateAt": time.time() + terminate_in, "issuedAt": time.time(), **extra}).encode()
+        return json.dumps(
+            {
+                "id": nid,
+                "hall": "local",
+                "node": self.node,
+                "terminateAt": time.time() + terminate_in,
+                "issuedAt": time.time(),
+                **extra,
+            }
+        ).encode()
 
     def send(self, data: bytes, node: str | None = None) -> float:
         t = time.time()
@@ -288,19 +312,37 @@ class AgentEnv:
         return t
 
     def outcome(self, timeout: float) -> dict[str, Any]:
-        ev = wait_for(lambda: [e for e in self.events() if e["type"] in ("drain.drained", "drain.overrun")],
-                      timeout, "a drain outcome", 0.1)
+        ev = wait_for(
+            lambda: [e for e in self.events() if e["type"] in ("drain.drained", "drain.overrun")],
+            timeout,
+            "a drain outcome",
+            0.1,
+        )
         return dict(ev[-1])
 
 
-def add_pod(kube: KubeApiStandIn, ns: str, name: str, node: str, *, grace: int = 30, prestop: float = 0,
-            shutdown: float = 0, labels: dict[str, str] | None = None, finalizers: list[str] | None = None,
-            owner_kind: str | None = None) -> dict[str, Any]:
-    md: dict[str, Any] = {"name": name, "labels": labels or {"app": name},
-                          "annotations": {PRESTOP_ANNOTATION: str(prestop), SHUTDOWN_ANNOTATION: str(shutdown)}}
+def add_pod(
+    kube: KubeApiStandIn,
+    ns: str,
+    name: str,
+    node: str,
+    *,
+    grace: int = 30,
+    prestop: float = 0,
+    shutdown: float = 0,
+    labels: dict[str, str] | None = None,
+    finalizers: list[str] | None = None,
+    owner_kind: str | None = None,
+) -> dict[str, Any]:
+    md: dict[str, Any] = {
+        "name": name,
+        "labels": labels or {"app": name},
+        "annotations": {PRESTOP_ANNOTATION: str(prestop), SHUTDOWN_ANNOTATION: str(shutdown)},
+    }
     if finalizers:
         md["finalizers"] = finalizers
     if owner_kind:
         md["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": owner_kind, "name": "x", "uid": "u"}]
-    return kube.cluster.create_pod(ns, {"metadata": md, "spec": {"nodeName": node,
-                                                                "terminationGracePeriodSeconds": grace}})
+    return kube.cluster.create_pod(
+        ns, {"metadata": md, "spec": {"nodeName": node, "terminationGracePeriodSeconds": grace}}
+    )

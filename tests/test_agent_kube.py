@@ -57,6 +57,9 @@ def test_notice_over_nats_drains_inside_the_deadline(agent: AgentEnv, kube: Kube
     ats = sorted(e["at"] for e in agent.of("eviction.requested"))
     assert ats[-1] - ats[0] < 0.9
     assert not audit(kube, "delete")  # the scheduler's eviction did the work
+    assert agent.proc is not None
+    maps = Path(f"/proc/{agent.proc.pid}/maps").read_text()
+    assert "aiohttp" not in maps and "pydantic_core" not in maps  # the agent's memory budget
 
 
 def test_metadata_poll_alone_with_nats_down(tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer) -> None:
@@ -112,8 +115,9 @@ def test_earliest_termination_wins(agent: AgentEnv, kube: KubeApiStandIn) -> Non
 
 def test_pdb_that_never_allows_is_forced_when_budget_spent(agent: AgentEnv, kube: KubeApiStandIn) -> None:
     add_pod(kube, "guarded", "g-0", agent.node, labels={"app": "g"}, grace=30, prestop=0.5)
-    kube.cluster.create_pdb("guarded", {"metadata": {"name": "g"},
-                                        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "g"}}}})
+    kube.cluster.create_pdb(
+        "guarded", {"metadata": {"name": "g"}, "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "g"}}}}
+    )
     agent.start().wait_subscribed()
     t0 = agent.send(agent.notice("pdb-1", WINDOW))
     out = agent.outcome(WINDOW)
@@ -188,8 +192,9 @@ def test_kill9_mid_drain_resumes_without_tainting_or_evicting_twice(agent: Agent
         assert len(audit(kube, "evict", f"b-{i}")) == 1  # evicted once
 
 
-def test_nats_outage_mid_drain_events_replayed_in_order(agent: AgentEnv, kube: KubeApiStandIn,
-                                                        nats_server: NatsServer) -> None:
+def test_nats_outage_mid_drain_events_replayed_in_order(
+    agent: AgentEnv, kube: KubeApiStandIn, nats_server: NatsServer
+) -> None:
     import asyncio
 
     for i in range(3):
@@ -212,14 +217,21 @@ def test_nats_outage_mid_drain_events_replayed_in_order(agent: AgentEnv, kube: K
     assert seqs == spooled[: len(seqs)] and seqs[-1] == spooled[-1]
 
 
-def test_spool_full_keeps_outcomes_and_records_the_drop(tmp_path: Path, kube: KubeApiStandIn,
-                                                        nats_server: NatsServer) -> None:
+def test_spool_full_keeps_outcomes_and_records_the_drop(
+    tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer
+) -> None:
     from sco.agent.spool import ROUTINE, Spool
 
     meta = MetadataServer("node-1")
     # NATS unreachable: nothing gets published, so the bound must be kept by dropping unpublished events
-    env = AgentEnv(tmp_path / "a", kube, nats_server, metadata=meta, spool_max_bytes=65536,
-                   nats_url=f"nats://127.0.0.1:{free_port()}")
+    env = AgentEnv(
+        tmp_path / "a",
+        kube,
+        nats_server,
+        metadata=meta,
+        spool_max_bytes=65536,
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+    )
     try:
         spool = Spool(env.state / "spool", max_bytes=65536)
         for i in range(300):  # routine history fills most of the spool before the notice

@@ -36,8 +36,13 @@ def test_notice_parsing_and_refusals() -> None:
     from datetime import datetime
 
     t = datetime.fromisoformat("2027-01-15T08:00:00+00:00").timestamp()
-    iso = parse_nats(nats_notice(terminateAt="2027-01-15T08:00:00Z", issuedAt="2027-01-15T07:58:00Z"),
-                     hall="h", node="a", now=t - 100, window=120)
+    iso = parse_nats(
+        nats_notice(terminateAt="2027-01-15T08:00:00Z", issuedAt="2027-01-15T07:58:00Z"),
+        hall="h",
+        node="a",
+        now=t - 100,
+        window=120,
+    )
     assert iso.terminate_at - iso.issued_at == 120
     cases = {
         b"[1]": "malformed",
@@ -153,31 +158,53 @@ def test_spool_bound_drops_routine_before_critical_and_published_first(tmp_path:
 
 def test_config_lists_every_problem(tmp_path: Path) -> None:
     cfg = tmp_path / "agent.toml"
-    cfg.write_text('[agent]\nnode = "Bad Name"\nscheduler = "nomad"\nspool_max_bytes = "lots"\ncolour = 1\n'
-                   f'trust_dir = "{tmp_path}"\nnats_url = "http://x"\n[extra]\n')
+    cfg.write_text(
+        '[agent]\nnode = "Bad Name"\nscheduler = "nomad"\nspool_max_bytes = "lots"\ncolour = 1\n'
+        f'trust_dir = "{tmp_path}"\nnats_url = "http://x"\n[extra]\n'
+    )
     with pytest.raises(ConfigError) as e:
         agent_config.load(cfg, env={})
     text = "\n".join(e.value.lines())
-    for needle in ("agent.colour: unknown setting", "extra: unknown table", "agent.node: expected a DNS-style name",
-                   "agent.scheduler: expected kubernetes or slurm", "agent.spool_max_bytes: expected int",
-                   "agent.trust_dir", "agent.nats_url: 'http://x' is not a nats:// URL", "agent.hall"):
+    for needle in (
+        "agent.colour: unknown setting",
+        "extra: unknown table",
+        "agent.node: expected a DNS-style name",
+        "agent.scheduler: expected kubernetes or slurm",
+        "agent.spool_max_bytes: expected int",
+        "agent.trust_dir",
+        "agent.nats_url: 'http://x' is not a nats:// URL",
+        "agent.hall",
+    ):
         assert needle in text, needle
     (tmp_path / "k.pub").write_text("{}")
     good = agent_config.load(
-        None, env={"SCO_AGENT_HALL": "h", "SCO_AGENT_NODE": "n", "SCO_AGENT_KUBE_URL": "http://127.0.0.1:1",
-                   "SCO_AGENT_TRUST_DIR": str(tmp_path), "SCO_AGENT_SPOOL_MAX_BYTES": "1048576"})
+        None,
+        env={
+            "SCO_AGENT_HALL": "h",
+            "SCO_AGENT_NODE": "n",
+            "SCO_AGENT_KUBE_URL": "http://127.0.0.1:1",
+            "SCO_AGENT_TRUST_DIR": str(tmp_path),
+            "SCO_AGENT_SPOOL_MAX_BYTES": "1048576",
+        },
+    )
     assert good.spool_max_bytes == 1048576 and good.node == "n"
 
 
 def test_check_config_command(tmp_path: Path) -> None:
     cfg = tmp_path / "agent.toml"
     cfg.write_text('[agent]\nnode = "n1"\n')
-    p = subprocess.run([str(Path(sys.executable).parent / "sco-agent"), "check-config", "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=30, env={**os.environ, "SCO_AGENT_HALL": "h"})
+    p = subprocess.run(
+        [str(Path(sys.executable).parent / "sco-agent"), "check-config", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "SCO_AGENT_HALL": "h"},
+    )
     assert p.returncode == 5 and "Traceback" not in p.stderr
     assert "agent.kube_url: the kubernetes scheduler needs" in p.stderr
-    p = subprocess.run([str(Path(sys.executable).parent / "sco-agent"), "sample-config"], capture_output=True,
-                       text=True, timeout=30)
+    p = subprocess.run(
+        [str(Path(sys.executable).parent / "sco-agent"), "sample-config"], capture_output=True, text=True, timeout=30
+    )
     assert "[agent]" in p.stdout
 
 

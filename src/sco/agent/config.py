@@ -87,8 +87,13 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str, problems: list[Pr
             raise ValueError
         return value
     except (TypeError, ValueError):
-        problems.append(Problem(where, f"agent.{f.name}" if where != "environment" else f"SCO_AGENT_{f.name.upper()}",
-                                f"expected {typ}, got {value!r}"))
+        problems.append(
+            Problem(
+                where,
+                f"agent.{f.name}" if where != "environment" else f"SCO_AGENT_{f.name.upper()}",
+                f"expected {typ}, got {value!r}",
+            )
+        )
         return f.default
 
 

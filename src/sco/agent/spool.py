@@ -16,8 +16,8 @@ Crash safety and fsync policy:
 
 Bound: when an append would pass ``max_bytes`` (64 MiB by default) the file is rewritten within half the
 bound: routine records go before critical ones, already-published ones before unpublished ones, oldest
-first; critical records go only if they alone overflow. A ``spool.dropped`` record says what was dropped. Publication progress (the last seq
-acknowledged by JetStream) is kept in ``cursor.json``, written atomically.
+first; critical records go only if they alone overflow. A ``spool.dropped`` record says what was dropped.
+Publication progress (the last seq acknowledged by JetStream) is kept in ``cursor.json``, written atomically.
 """
 
 from __future__ import annotations
