@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates systemd)
+# slurm-wlm: the real slurmctld/slurmd the Slurm tests run; lua5.1: the job_submit.lua benchmark.
+APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates systemd procps slurm-wlm lua5.1)
 
 need_apt=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -198,10 +198,34 @@ spec:
   finalWriteSeconds: 2
   checkpoint: {mode: none}
   requeue: {policy: always}
+---
+apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: genomics-ckpt}
+spec:
+  scheduler: slurm
+  selector: {account: genomics, partitions: [spot]}
+  tier: 3
+  drainBudgetSeconds: 6
+  finalWriteSeconds: 2
+  checkpoint: {mode: signal, signal: USR1, ackSocket: false}
+  requeue: {policy: always}
+---
+apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: climate-sims}
+spec:
+  scheduler: slurm
+  selector: {account: climate}
+  tier: 2
+  drainBudgetSeconds: 4
+  finalWriteSeconds: 1
+  checkpoint: {mode: signal, signal: USR1}
+  requeue: {policy: on-checkpoint}
 """
 
 
-def test_hall(root: Path, key: PrivateKey) -> bytes:
+def hall_bundle(root: Path, key: PrivateKey) -> bytes:
     """A small hall with a 20 s notice window (tests stay fast), signed with ``key``."""
     repo = root / "repo"
     shutil.copytree(sample_repo(), repo)
@@ -217,7 +241,7 @@ class AgentEnv:
     def __init__(
         self,
         root: Path,
-        kube: KubeApiStandIn,
+        kube: KubeApiStandIn | None,
         nats: NatsServer,
         node: str = "node-1",
         metadata: MetadataServer | None = None,
@@ -232,15 +256,15 @@ class AgentEnv:
         write_keypair(self.key, root / "signing.key", self.trust / "signing.pub")
         self.state = root / "state"
         (self.state / "bundle").mkdir(parents=True, exist_ok=True)
-        (self.state / "bundle" / "bundle.json").write_bytes(test_hall(root, self.key))  # as cloud-init would
+        (self.state / "bundle" / "bundle.json").write_bytes(hall_bundle(root, self.key))  # as cloud-init would
         lines = {
             "hall": "local",
             "node": node,
-            "scheduler": "kubernetes",
+            "scheduler": "kubernetes" if kube else "slurm",
             "state_dir": str(self.state),
             "trust_dir": str(self.trust),
             "nats_url": nats_url or nats.url,
-            "kube_url": kube.url,
+            "kube_url": kube.url if kube else "",
             "metadata_url": metadata.url if metadata else "",
             "log_level": "info",
             **settings,
@@ -248,7 +272,7 @@ class AgentEnv:
         self.config = root / "agent.toml"
         self.config.write_text("[agent]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
         self.proc: subprocess.Popen[bytes] | None = None
-        if node not in kube.cluster.nodes:
+        if kube is not None and node not in kube.cluster.nodes:
             kube.cluster.add_node(node)
 
     def start(self) -> AgentEnv:

@@ -249,6 +249,48 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if cache.bundle is not None else 1
 
 
+def cmd_slurm_render(args: argparse.Namespace) -> int:
+    from sco.contract.bundle import Bundle
+    from sco.schedulers.slurm_admission import render_lua, write
+
+    keyring = _keyring(args)
+    if not args.reclaimable_partition:
+        raise ConfigError("name at least one --reclaimable-partition")
+    out = Path(args.out_dir)
+    if args.bundle:
+        sources = [lambda: Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)]
+    elif args.url:
+        from sco.agent.bundle_cache import BundleCache, BundleFetcher
+
+        cache = BundleCache(Path(args.cache_dir), keyring)
+        fetcher = BundleFetcher(cache, args.url)
+
+        def fetched() -> Bundle:
+            offer = fetcher.refresh()
+            if offer.outcome in ("refused", "error"):
+                print(f"sco: warning: {offer.outcome}: {offer.reason}; keeping serial {offer.serial}", file=sys.stderr)
+            if cache.bundle is None:
+                raise ConfigError(f"{args.url}: no verified bundle yet")
+            return cache.bundle
+
+        sources = [fetched]
+    else:
+        raise ConfigError("give a BUNDLE file or --url")
+    while True:
+        bundle = sources[0]()
+        text = render_lua(bundle.hall, bundle.serial, bundle.contracts, args.reclaimable_partition)
+        changed = write(out, text, bundle.serial)
+        n = sum(1 for c in bundle.contracts.values() if c["scheduler"] == "slurm")
+        print(
+            f"{out}: serial {bundle.serial}, {n} slurm contracts, reclaimable {','.join(args.reclaimable_partition)}"
+            f" ({'written' if changed else 'unchanged'})",
+            flush=True,
+        )
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sco.demo import run_demo
 
@@ -334,6 +376,19 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
     _add_trust(x)
     x.set_defaults(func=cmd_status)
+
+    sl = sub.add_parser("slurm", help="Slurm admission glue")
+    sls = sl.add_subparsers(dest="slurm_command", required=True)
+    x = sls.add_parser("render-contracts", help="render the verified bundle for job_submit.lua (atomically)")
+    x.add_argument("bundle", nargs="?", help="bundle file (or --url)")
+    x.add_argument("--url", default=_env("SCO_BUNDLE_URL"), help="fetch from the distributor [$SCO_BUNDLE_URL]")
+    x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
+    _add_trust(x)
+    x.add_argument("--out-dir", default=_env("SCO_SLURM_DIR", "/etc/slurm"), help="beside slurm.conf")
+    x.add_argument("--reclaimable-partition", action="append", metavar="NAME", help="repeatable")
+    x.add_argument("--watch", action="store_true")
+    x.add_argument("--interval", type=float, default=60.0)
+    x.set_defaults(func=cmd_slurm_render)
 
     d = sub.add_parser("demo", help="the main job on the embedded local hall")
     d.add_argument("--workdir", help="keep the demo's files here (default: a temporary directory)")

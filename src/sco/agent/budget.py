@@ -49,3 +49,48 @@ class KubeBudgets:
 def grace_seconds(budget_s: float, deadline: float, now: float, margin: float) -> int:
     """The smaller of the budget and the time left to the deadline less the margin, whole seconds, >= 0."""
     return max(0, int(min(budget_s, deadline - now - margin)))
+
+
+CONTRACT_COMMENT_KEY = "sco-contract"
+
+
+def contract_from_comment(comment: str) -> str | None:
+    """The contract a Slurm job names in its comment: ``sco-contract=<name>`` (whitespace or ; separated)."""
+    for tok in comment.replace(";", " ").split():
+        key, _, value = tok.partition("=")
+        if key == CONTRACT_COMMENT_KEY and value:
+            return value
+    return None
+
+
+class SlurmBudgets:
+    """Slurm jobs to contracts: the contract the job names (job_submit guarantees one on reclaimable
+    partitions), else the contract selecting its account and partition."""
+
+    def __init__(self, bundle: Bundle | None) -> None:
+        self.bundle = bundle
+        self._by_account: dict[str, list[tuple[list[str], str]]] = {}
+        if bundle is not None:
+            for name, c in bundle.contracts.items():
+                if c["scheduler"] == "slurm":
+                    sel = c["selector"]
+                    self._by_account.setdefault(sel["account"], []).append((sel.get("partitions") or [], name))
+
+    def for_job(
+        self, account: str, partition: str, comment: str, default_drain_s: float
+    ) -> tuple[Budget | None, float, float, str]:
+        """(budget or None, drain seconds, final-write seconds, signal). A job no contract covers (admission
+        refuses those on reclaimable partitions) gets ``default_drain_s``: what the deadline leaves."""
+        b: Budget | None = None
+        if self.bundle is not None:
+            named = contract_from_comment(comment)
+            if named:
+                b = self.bundle.budget(named)
+            if b is None:
+                for parts, name in self._by_account.get(account, []):
+                    if not parts or partition in parts:
+                        b = self.bundle.budget(name)
+                        break
+        if b is None:
+            return None, default_drain_s, 0.0, "USR1"
+        return b, float(b.drain_seconds), float(b.final_write_seconds), b.signal

@@ -11,7 +11,7 @@ import os
 import re
 import tomllib
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,13 @@ class AgentConfig:
     kube_token_file: str = ""
     kube_ca_file: str = ""
     taint_key: str = "sco.dev/reclaim"
+    slurm_conf: str = ""
+    """slurm.conf for the Slurm commands (SLURM_CONF); empty: the commands' default."""
+    slurm_bin_dir: str = ""
+    """Where scontrol, scancel and squeue are; empty: $PATH."""
+    slurmd_spool_dir: str = "/var/spool/slurmd"
+    """This node's SlurmdSpoolDir (%n expanded): its step sockets name the jobs when slurmctld is away."""
+    cgroup_root: str = "/sys/fs/cgroup"
     spool_max_bytes: int = 64 * 1024 * 1024
     spool_sync_interval: float = 1.0
     """Longest a routine event stays written but not fdatasync'ed (critical ones are synced at once)."""
@@ -154,6 +161,8 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.metadata_url", f"{cfg.metadata_url!r} is not an http(s) URL"))
     if cfg.bundle_url and not _url(cfg.bundle_url, ("http", "https")):
         p.append(Problem(where, "agent.bundle_url", f"{cfg.bundle_url!r} is not an http(s) URL"))
+    if cfg.scheduler == "slurm" and cfg.slurm_conf and not Path(cfg.slurm_conf).is_file():
+        p.append(Problem(where, "agent.slurm_conf", f"{cfg.slurm_conf}: no such file"))
     if cfg.spool_max_bytes < 64 * 1024:
         p.append(Problem(where, "agent.spool_max_bytes", "must be at least 65536"))
     if not 1 <= cfg.evict_concurrency <= 256:
@@ -191,4 +200,4 @@ taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
 """
 
-__all__ = ["SAMPLE", "AgentConfig", "check", "field", "load"]
+__all__ = ["SAMPLE", "AgentConfig", "check", "load"]

@@ -19,16 +19,18 @@ import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from sco import __version__
 from sco._http import AsyncHttpClient, HttpError
-from sco.agent.budget import KubeBudgets
+from sco.agent.budget import KubeBudgets, SlurmBudgets
 from sco.agent.bundle_cache import BundleCache, BundleFetcher
 from sco.agent.config import AgentConfig
 from sco.agent.kube_drain import KubernetesDrain, Resume
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
 from sco.agent.sdnotify import notify, watchdog_interval
+from sco.agent.slurm_drain import SlurmDrain, SlurmResume, report_late
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.signing import Keyring
 
@@ -57,14 +59,16 @@ class Agent:
         self.book = NoticeBook()
         self.refused: Counter[str] = Counter()
         self._refused_seen: set[str] = set()
-        self.drain: KubernetesDrain | None = None
+        self.drain: KubernetesDrain | SlurmDrain | None = None
         self.drain_task: asyncio.Task[None] | None = None
         self.outcomes: list[dict[str, Any]] = []
         self.nc: Any = None
         self._stop = asyncio.Event()
         self._wake_publisher = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._reporting: set[str] = set()
         self.kube: Any = None
+        self.slurm: Any = None
 
     # --- policy, from the bundle unless overridden -------------------------------------------------
 
@@ -130,34 +134,49 @@ class Agent:
         self.spool.append("notice.accepted", CRITICAL, **n.as_event())
         self._start_drain(n, None)
 
-    def _start_drain(self, n: Notice, resume: Resume | None) -> None:
+    def _start_drain(self, n: Notice, resume: Resume | SlurmResume | None) -> None:
         if self.cache.bundle is None:
             self.spool.append(
                 "bundle.missing",
                 CRITICAL,
                 notice=n.id,
-                reason="no verified bundle cached: pods keep their own grace, capped by the deadline",
+                reason="no verified bundle cached: work keeps its own grace, capped by the deadline",
             )
-        if self.cfg.scheduler != "kubernetes":
-            raise NotImplementedError(f"scheduler {self.cfg.scheduler}")
-        self.drain = KubernetesDrain(
-            kube=self.kube,
-            spool=self.spool,
-            budgets=KubeBudgets(self.cache.bundle),
-            node=self.cfg.node,
-            taint_key=self.cfg.taint_key,
-            notice=n,
-            margin=self.margin,
-            resume=resume,
-            clock=self.clock,
-        )
-        self.drain_task = asyncio.create_task(self._run_drain(self.drain), name=f"drain:{n.id}")
+        drain: KubernetesDrain | SlurmDrain
+        if self.cfg.scheduler == "slurm":
+            drain = SlurmDrain(
+                slurm=self.slurm,
+                spool=self.spool,
+                budgets=SlurmBudgets(self.cache.bundle),
+                node=self.cfg.node,
+                notice=n,
+                margin=self.margin,
+                slurmd_spool_dir=Path(self.cfg.slurmd_spool_dir.replace("%n", self.cfg.node)),
+                cgroup_root=Path(self.cfg.cgroup_root),
+                resume=resume if isinstance(resume, SlurmResume) else None,
+                clock=self.clock,
+            )
+        else:
+            drain = KubernetesDrain(
+                kube=self.kube,
+                spool=self.spool,
+                budgets=KubeBudgets(self.cache.bundle),
+                node=self.cfg.node,
+                taint_key=self.cfg.taint_key,
+                notice=n,
+                margin=self.margin,
+                resume=resume if isinstance(resume, Resume) else None,
+                clock=self.clock,
+            )
+        self.drain = drain
+        self.drain_task = asyncio.create_task(self._run_drain(drain), name=f"drain:{n.id}")
         self._wake_publisher.set()
 
-    async def _run_drain(self, drain: KubernetesDrain) -> None:
+    async def _run_drain(self, drain: KubernetesDrain | SlurmDrain) -> None:
         try:
             outcome = await drain.run()
             self.outcomes.append({"notice": drain.notice.id, **outcome})
+            self._report_pending()
         except Exception:
             log.exception("drain for notice %s failed", drain.notice.id)
             self.spool.append("drain.error", CRITICAL, notice=drain.notice.id)
@@ -212,6 +231,25 @@ class Agent:
         )
         log.info("resuming drain for notice %s (%.1f s to the deadline)", nid, n.terminate_at - self.clock())
         self._start_drain(n, resume)
+
+    def _report_pending(self) -> None:
+        """Start telling slurmctld what was done around it, for every report the spool has not closed."""
+        if self.cfg.scheduler != "slurm":
+            return
+        pending: dict[str, dict[str, Any]] = {}
+        for ev in self.spool.events():
+            if ev["type"] == "scheduler.report_pending":
+                pending[str(ev["notice"])] = ev
+            elif ev["type"] == "scheduler.told":
+                pending.pop(str(ev["notice"]), None)
+        for nid, ev in pending.items():
+            if nid in self._reporting:
+                continue
+            self._reporting.add(nid)
+            self._spawn(
+                report_late(self.slurm, self.spool, self.cfg.node, nid, list(ev["jobs"]), ev["reason"], self._stop),
+                f"report:{nid}",
+            )
 
     # --- root tasks --------------------------------------------------------------------------------
 
@@ -348,12 +386,17 @@ class Agent:
 
     async def run(self) -> int:
         from sco.schedulers.kube import KubeClient
+        from sco.schedulers.slurm import SlurmClient
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
-        if self.cfg.scheduler == "kubernetes":
+        if self.cfg.scheduler == "slurm":
+            self.slurm = SlurmClient(
+                slurm_conf=self.cfg.slurm_conf, bin_dir=self.cfg.slurm_bin_dir, timeout=self.api_timeout
+            )
+        else:
             self.kube = KubeClient(
                 self.cfg.kube_url,
                 token_file=self.cfg.kube_token_file or None,  # type: ignore[arg-type]
@@ -371,6 +414,7 @@ class Agent:
             spool_records=self.spool.recovery.records,
         )
         self._resume_from_spool()
+        self._report_pending()
         self._spawn(self._nats_link(), "nats")
         if self.cfg.metadata_url:
             self._spawn(self._metadata_poll(), "metadata-poll")

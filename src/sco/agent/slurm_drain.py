@@ -1,0 +1,336 @@
+"""The Slurm drain path (seed view 19, third and fourth rows).
+
+Through the scheduler: set the node DRAIN with a reason naming the notice; send each job its contract's signal
+(USR1) with ``scancel --full`` (batch shell and steps) so the application checkpoints; wait, up to the job's
+budget, for it to leave the node; requeue it so it resumes elsewhere; verify that no step of those jobs is left
+on the node ("drained"), else "overrun" listing the jobs.
+
+Around the scheduler: when slurmctld does not answer within the API timeout, stop asking. Find each job's
+processes locally (``sco.agent.jobprocs``), signal them directly, wait up to the budget, then TERM and, at the
+deadline less the margin, KILL what is left; spool the outcome; and tell slurmctld (DRAIN, requeue) once it
+answers again: the scheduler learns late, which is acceptable because the node is going anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sco.agent.budget import SlurmBudgets
+from sco.agent.jobprocs import alive, job_environment, job_processes
+from sco.agent.notices import Notice
+from sco.agent.spool import CRITICAL, ROUTINE, Spool
+from sco.schedulers.slurm import Job, SlurmClient, SlurmCommandError, SlurmUnreachable
+
+log = logging.getLogger("sco.agent.slurm")
+POLL_S = 0.1
+LEFT_STATES = {
+    "",
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "PREEMPTED",
+    "NODE_FAIL",
+    "PENDING",
+    "REQUEUED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+
+
+def _sig(name: str) -> signal.Signals:
+    return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+
+
+@dataclass
+class SlurmResume:
+    drain_set: bool = False
+    signalled: set[int] = field(default_factory=set)
+    requeued: set[int] = field(default_factory=set)
+    around: bool = False
+    received_at: float | None = None
+
+    @classmethod
+    def from_spool(cls, spool: Spool, notice_id: str) -> SlurmResume:
+        r = cls()
+        for ev in spool.events():
+            if ev.get("notice") != notice_id:
+                continue
+            t = ev["type"]
+            if t == "notice.accepted" and r.received_at is None:
+                r.received_at = float(ev["received_at"])
+            elif t == "node.drain_set":
+                r.drain_set = True
+            elif t == "job.signalled":
+                r.signalled.add(int(ev["job"]))
+            elif t == "job.requeued":
+                r.requeued.update(int(j) for j in ev["jobs"])
+            elif t == "scheduler.unreachable":
+                r.around = True
+        return r
+
+
+@dataclass
+class JobState:
+    job: Job
+    drain_s: float
+    final_s: float
+    signal: str
+    contract: str | None
+    state: str = "running"  # running | signalled | left | requeued
+    why: str = ""
+
+
+class SlurmDrain:
+    def __init__(
+        self,
+        *,
+        slurm: SlurmClient,
+        spool: Spool,
+        budgets: SlurmBudgets,
+        node: str,
+        notice: Notice,
+        margin: float,
+        slurmd_spool_dir: Path,
+        cgroup_root: Path = Path("/sys/fs/cgroup"),
+        resume: SlurmResume | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.slurm, self.spool, self.budgets = slurm, spool, budgets
+        self.node, self.notice, self.margin = node, notice, margin
+        self.deadline = notice.terminate_at
+        self.slurmd_spool_dir, self.cgroup_root = slurmd_spool_dir, cgroup_root
+        self.resume = resume or SlurmResume()
+        self.clock = clock
+        self.started_at = self.resume.received_at or notice.received_at
+        self.jobs: dict[int, JobState] = {}
+        self.outcome: dict[str, Any] | None = None
+
+    def _event(self, type_: str, priority: int = ROUTINE, **fields: Any) -> None:
+        self.spool.append(type_, priority, notice=self.notice.id, **fields)
+
+    def update_deadline(self, terminate_at: float) -> None:
+        self.deadline = min(self.deadline, terminate_at)
+
+    @property
+    def reason(self) -> str:
+        gone = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.notice.terminate_at))
+        return f"sco reclaim {self.notice.id}: instance gone at {gone}"
+
+    def _budget_end(self, js: JobState) -> float:
+        return min(self.started_at + js.drain_s, self.deadline - self.margin)
+
+    def _track(self, job: Job) -> JobState:
+        if job.id not in self.jobs:
+            default = max(0.0, self.deadline - self.margin - self.started_at)
+            b, drain_s, final_s, sig = self.budgets.for_job(job.account, job.partition, job.comment, default)
+            self.jobs[job.id] = JobState(job, drain_s, final_s, sig, b.contract if b else None)
+        return self.jobs[job.id]
+
+    async def run(self) -> dict[str, Any]:
+        try:
+            if self.resume.around:
+                raise SlurmUnreachable("slurmctld was unreachable before the restart")
+            if not self.resume.drain_set:
+                await self.slurm.drain(self.node, self.reason)
+                self._event(
+                    "node.drain_set",
+                    CRITICAL,
+                    reason=self.reason,
+                    first_action_ms=round((self.clock() - self.started_at) * 1000, 1),
+                )
+            jobs = await self.slurm.jobs_on_node(self.node)
+            for j in jobs:
+                self._track(j)
+            await asyncio.gather(*(self._through(js) for js in self.jobs.values()))
+            return await self._verify()
+        except SlurmUnreachable as e:
+            return await self._around(str(e))
+
+    async def _through(self, js: JobState) -> None:
+        jid = js.job.id
+        if jid in self.resume.requeued:
+            js.state = "requeued"
+            return
+        if jid not in self.resume.signalled:
+            try:
+                await self.slurm.signal(jid, js.signal)
+            except SlurmCommandError as e:  # e.g. finished meanwhile: nothing to signal, still requeue
+                js.why = str(e)
+            else:
+                self._event(
+                    "job.signalled",
+                    CRITICAL,
+                    job=jid,
+                    signal=js.signal,
+                    contract=js.contract,
+                    budget_s=js.drain_s,
+                    path="scheduler",
+                )
+        js.state = "signalled"
+        end = self._budget_end(js)
+        while self.clock() < end:
+            state, nodes = await self.slurm.job_state(jid)
+            if state in LEFT_STATES or self.node not in nodes.split(","):
+                js.state = "left"
+                break
+            await asyncio.sleep(POLL_S)
+        try:
+            await self.slurm.requeue([jid])
+        except SlurmCommandError as e:
+            js.why = f"requeue refused: {e}"
+            self._event("job.requeue_failed", CRITICAL, job=jid, error=str(e))
+            return
+        left_first = js.state == "left"
+        js.state = "requeued"
+        self._event(
+            "job.requeued",
+            CRITICAL,
+            jobs=[jid],
+            after_s=round(self.clock() - self.started_at, 3),
+            left_before_requeue=left_first,
+        )
+
+    async def _verify(self) -> dict[str, Any]:
+        overrun_at = self.deadline - min(1.0, self.margin / 2)
+        ours = {str(j) for j in self.jobs}
+        while True:
+            steps = await self.slurm.steps_on_node(self.node)
+            left = sorted({s.split(".")[0] for s in steps} & ours)
+            if not left:
+                return self._finish("drained", path="scheduler")
+            if self.clock() >= overrun_at:
+                return self._finish(
+                    "overrun",
+                    path="scheduler",
+                    remaining=[
+                        {"job": int(j), "why": self.jobs[int(j)].why or "steps still on the node"} for j in left
+                    ],
+                )
+            await asyncio.sleep(POLL_S)
+
+    # --- around the scheduler ----------------------------------------------------------------------
+
+    async def _around(self, error: str) -> dict[str, Any]:
+        if not self.resume.around:
+            self._event("scheduler.unreachable", CRITICAL, error=error, scheduler="slurmctld")
+        log.warning("slurmctld unreachable (%s): draining around it", error)
+        method, procs = await asyncio.to_thread(job_processes, self.node, self.slurmd_spool_dir, self.cgroup_root)
+        for jid, pids in procs.items():
+            if jid not in self.jobs:
+                # Without slurmctld, the job's own environment says its account and partition.
+                env = job_environment(pids)
+                self._track(
+                    Job(
+                        jid,
+                        env.get("SLURM_JOB_ACCOUNT", ""),
+                        env.get("SLURM_JOB_PARTITION", ""),
+                        "RUNNING",
+                        "",
+                        self.node,
+                        "",
+                    )
+                )
+            self.jobs[jid].state = "signalled"
+        for jid, pids in procs.items():
+            js = self.jobs[jid]
+            sig = _sig(js.signal)
+            sent = self._kill(pids, sig)
+            if jid not in self.resume.signalled:
+                self._event(
+                    "job.signalled",
+                    CRITICAL,
+                    job=jid,
+                    signal=js.signal,
+                    pids=sent,
+                    method=method,
+                    path="around",
+                    contract=js.contract,
+                    budget_s=js.drain_s,
+                )
+        self._event("scheduler.report_pending", CRITICAL, jobs=sorted(procs), reason=self.reason)
+        overrun_at = self.deadline - min(1.0, self.margin / 2)
+        termed: set[int] = set()
+        while True:
+            now = self.clock()
+            remaining = {jid: alive(pids) for jid, pids in procs.items()}
+            remaining = {j: p for j, p in remaining.items() if p}
+            if not remaining:
+                return self._finish("drained", path="around", method=method)
+            for jid, pids in remaining.items():
+                js = self.jobs[jid]
+                if now >= self._budget_end(js) and jid not in termed:
+                    termed.add(jid)
+                    self._kill(pids, signal.SIGTERM)
+                    self._event("job.terminated", CRITICAL, job=jid, pids=sorted(pids), path="around")
+                if now >= self.deadline - self.margin:
+                    self._kill(pids, signal.SIGKILL)
+            if now >= overrun_at:
+                return self._finish(
+                    "overrun",
+                    path="around",
+                    method=method,
+                    remaining=[{"job": j, "why": f"{len(p)} processes still alive"} for j, p in remaining.items()],
+                )
+            await asyncio.sleep(POLL_S)
+
+    @staticmethod
+    def _kill(pids: set[int], sig: signal.Signals) -> list[int]:
+        sent = []
+        for p in sorted(pids):
+            try:
+                os.kill(p, sig)
+                sent.append(p)
+            except ProcessLookupError:
+                continue
+        return sent
+
+    def _finish(self, outcome: str, **fields: Any) -> dict[str, Any]:
+        now = self.clock()
+        body = {
+            "elapsed_s": round(now - self.started_at, 3),
+            "deadline_in_s": round(self.deadline - now, 3),
+            "jobs": sorted(self.jobs),
+            **fields,
+        }
+        self._event(f"drain.{outcome}", CRITICAL, **body)
+        self.outcome = {"outcome": outcome, **body}
+        log.info("drain %s for notice %s: %s", outcome, self.notice.id, body)
+        return self.outcome
+
+
+async def report_late(
+    slurm: SlurmClient, spool: Spool, node: str, notice_id: str, jobs: list[int], reason: str, stop: asyncio.Event
+) -> None:
+    """Tell slurmctld what happened around it, once it answers: DRAIN the node, requeue the jobs."""
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            await slurm.drain(node, reason)
+            requeued, errors = [], {}
+            for j in jobs:
+                try:
+                    await slurm.requeue([j])
+                    requeued.append(j)
+                except SlurmCommandError as e:
+                    errors[str(j)] = str(e)
+            spool.append("scheduler.told", CRITICAL, notice=notice_id, requeued=requeued, errors=errors)
+            log.info("slurmctld answers again: node %s DRAIN, requeued %s", node, requeued)
+            return
+        except SlurmUnreachable:
+            pass
+        except SlurmCommandError as e:
+            log.warning("telling slurmctld: %s", e)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        delay = min(5.0, delay * 2)

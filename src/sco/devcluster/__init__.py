@@ -1,0 +1,1 @@
+"""Real daemons started on loopback for the tests and the demo (not stand-ins): a Slurm cluster."""

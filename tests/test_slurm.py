@@ -1,0 +1,250 @@
+"""The Slurm path on a real cluster: slurmctld and three slurmd on loopback (Debian's slurm-wlm 22.05).
+
+Jobs trap USR1 and write a checkpoint marker; requeued jobs find the marker and resume on another node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sco.contract.bundle import Bundle
+from sco.contract.signing import Keyring, generate
+from sco.devcluster.slurm import SlurmCluster
+from sco.schedulers.slurm_admission import render_lua, write
+from tests.harness import AgentEnv, NatsServer, hall_bundle, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+WINDOW = 20.0
+
+JOB = """#!/bin/bash
+#SBATCH --output={jobs}/out.%j
+env | grep ^SLURM_JOB > {jobs}/env.$SLURM_JOB_ID
+marker={jobs}/marker.$SLURM_JOB_ID
+trap 'echo "$(date +%s.%N) $SLURMD_NODENAME" >> $marker.usr1; exit 0' USR1
+if [ -f $marker.usr1 ]; then echo "$SLURMD_NODENAME" >> $marker.resumed; exit 0; fi
+echo "$SLURMD_NODENAME" >> $marker.start
+sleep 300 & wait $!
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    root = tmp_path_factory.mktemp("slurm")
+    key = generate()
+    bundle = Bundle.from_bytes(hall_bundle(root, key), Keyring([key.public]))
+    c = SlurmCluster(
+        root,
+        job_submit_lua=ROOT / "slurm_plugins" / "job_submit.lua",
+        cli_filter_lua=ROOT / "slurm_plugins" / "cli_filter.lua",
+        extra_conf="PartitionName=onprem Nodes=n3 MaxTime=INFINITE State=UP\n",
+    )
+    c.write_conf()
+    write(root, render_lua(bundle.hall, bundle.serial, bundle.contracts, ["spot"]), bundle.serial)
+    c.start()
+    (root / "jobs").mkdir(exist_ok=True)
+    (root / "jobs" / "job.sh").write_text(JOB.format(jobs=root / "jobs"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def clean(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    yield cluster
+    cluster.run("scancel", "--user=root", check=False)
+    for n in cluster.nodes:
+        cluster.run("scontrol", "update", f"nodename={n}", "state=RESUME", check=False)
+    if cluster.ctld is None:
+        cluster.restart_ctld()
+    cluster.thaw_ctld()
+    wait_for(lambda: all(s == "idle" for s in cluster.node_states().values()), 30, "idle nodes", 0.2)
+
+
+def submit(c: SlurmCluster, *args: str) -> int:
+    return c.sbatch(c.root / "jobs" / "job.sh", "--account=genomics", "--comment=sco-contract=genomics-ckpt", *args)
+
+
+def running_on(c: SlurmCluster, jid: int) -> str:
+    def node() -> str | None:
+        j = c.job(jid)
+        return (
+            j.get("NodeList")
+            if j.get("JobState") == "RUNNING" and (c.root / "jobs" / f"marker.{jid}.start").exists()
+            else None
+        )
+
+    return str(wait_for(node, 30, f"job {jid} running", 0.1))
+
+
+def agent_for(tmp_path: Path, nats: NatsServer, c: SlurmCluster, node: str) -> AgentEnv:
+    return AgentEnv(
+        tmp_path / f"agent-{node}",
+        None,
+        nats,
+        node=node,
+        slurm_conf=str(c.conf),
+        slurmd_spool_dir=str(c.root / "spool" / "%n"),
+    )
+
+
+def test_drain_signal_requeue_through_slurmctld(tmp_path: Path, nats_server: NatsServer, clean: SlurmCluster) -> None:
+    c = clean
+    jid = submit(c)
+    node = running_on(c, jid)
+    assert c.job(jid).get("Requeue") == "1"  # forced by job_submit.lua
+    env = agent_for(tmp_path, nats_server, c, node)
+    try:
+        env.start().wait_subscribed()
+        t0 = env.send(env.notice("slurm-1", WINDOW))
+        state = wait_for(
+            lambda: "drain" in c.node_states().get(node, "") and c.node_states()[node],
+            2.0,
+            "the node DRAIN within 2 s",
+            0.02,
+        )
+        assert state in ("draining", "drained", "drain")
+        drain_set = env.of("node.drain_set")[0]
+        assert drain_set["at"] - t0 < 2.0 and "slurm-1" in drain_set["reason"]
+        out = env.outcome(WINDOW)
+        assert out["type"] == "drain.drained" and out["path"] == "scheduler" and out["at"] < t0 + WINDOW
+        usr1 = (c.root / "jobs" / f"marker.{jid}.usr1").read_text().split()
+        assert usr1[1] == node and float(usr1[0]) - t0 < 6  # USR1 reached the job inside its 6 s budget
+        signalled = env.of("job.signalled")[0]
+        assert signalled["job"] == jid and signalled["contract"] == "genomics-ckpt" and signalled["signal"] == "USR1"
+        assert env.of("job.requeued")[0]["jobs"] == [jid]
+        resumed = wait_for(
+            lambda: (
+                (c.root / "jobs" / f"marker.{jid}.resumed").exists()
+                and (c.root / "jobs" / f"marker.{jid}.resumed").read_text().split()
+            ),
+            40,
+            "the resumed job",
+        )
+        assert resumed[0] != node  # ran again elsewhere, from its checkpoint
+        assert int(c.job(jid).get("Restarts", "0")) >= 1
+        assert "sco reclaim slurm-1" in c.run("sinfo", "-h", "-n", node, "-o", "%E")
+    finally:
+        env.stop()
+
+
+def test_around_an_unreachable_slurmctld(tmp_path: Path, nats_server: NatsServer, clean: SlurmCluster) -> None:
+    c = clean
+    jid = c.sbatch(c.root / "jobs" / "job.sh", "--account=climate", "--comment=sco-contract=climate-sims")
+    node = running_on(c, jid)
+    env = agent_for(tmp_path, nats_server, c, node)
+    try:
+        env.start().wait_subscribed()
+        c.freeze_ctld()  # slurmctld stops answering
+        t0 = env.send(env.notice("around-1", WINDOW))
+        out = env.outcome(WINDOW)
+        assert out["type"] == "drain.drained" and out["path"] == "around" and out["at"] < t0 + WINDOW
+        assert out["method"] == "stepd-tree"  # no cgroups on these machines: slurmstepd's process tree
+        unreachable = env.of("scheduler.unreachable")[0]
+        assert unreachable["at"] - t0 < 1.5  # gave up on slurmctld after the 800 ms timeout
+        sig = env.of("job.signalled")[0]
+        assert sig["path"] == "around" and sig["job"] == jid and sig["pids"]
+        assert sig["contract"] == "climate-sims"  # budget found from the job's own environment
+        usr1 = (c.root / "jobs" / f"marker.{jid}.usr1").read_text().split()
+        assert float(usr1[0]) - t0 < 4  # inside the climate-sims budget of 4 s
+        assert not env.of("scheduler.told")
+        c.thaw_ctld()  # the scheduler answers again and learns late
+        told = wait_for(lambda: env.of("scheduler.told"), 30, "slurmctld told", 0.2)
+        assert told[0]["requeued"] == [jid]
+        wait_for(lambda: "drain" in c.node_states().get(node, ""), 10, "DRAIN after the fact")
+        resumed = wait_for(
+            lambda: (
+                (c.root / "jobs" / f"marker.{jid}.resumed").exists()
+                and (c.root / "jobs" / f"marker.{jid}.resumed").read_text().split()
+            ),
+            40,
+            "resumed",
+        )
+        assert resumed[0] != node
+    finally:
+        env.stop()
+
+
+def sbatch_result(c: SlurmCluster, *args: str) -> tuple[bool, str]:
+    p = __import__("subprocess").run(
+        ["sbatch", "--parsable", *args, str(c.root / "jobs" / "job.sh")],
+        env=c.env(),
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return p.returncode == 0, (p.stdout + p.stderr).strip()
+
+
+def test_job_submit_refusals_and_acceptances(clean: SlurmCluster) -> None:
+    c = clean
+    ok, msg = sbatch_result(c, "--account=genomics")
+    assert not ok and "sco: partition spot is reclaimable: add --comment=sco-contract=<name>" in msg
+    assert "(contracts for account genomics: genomics-ckpt)" in msg
+    ok, msg = sbatch_result(c, "--account=genomics", "--comment=sco-contract=nope")
+    assert not ok and "sco: contract nope is not in bundle serial 1 (hall local)" in msg
+    ok, msg = sbatch_result(c, "--account=climate", "--comment=sco-contract=genomics-ckpt")
+    assert not ok and "is for account genomics: add --account=genomics" in msg
+    ok, msg = sbatch_result(c, "--account=genomics", "--comment=team-x sco-contract=genomics-ckpt", "--no-requeue")
+    assert ok, msg
+    job = c.job(int(msg.split(";")[0]))
+    assert job["Requeue"] == "1"  # forced on, although the user asked for --no-requeue
+    ok, msg = sbatch_result(c, "--partition=onprem")  # not reclaimable: no contract needed
+    assert ok, msg
+    c.run("scancel", "--user=root")
+
+
+def test_cli_filter_defaults_the_warning_signal(clean: SlurmCluster) -> None:
+    import subprocess
+
+    c = clean
+    script = str(c.root / "jobs" / "job.sh")
+    base = ["sbatch", "-vv", "--account=genomics", "--comment=sco-contract=genomics-ckpt"]
+    p = subprocess.run([*base, "--time=2", script], env=c.env(), capture_output=True, text=True, timeout=10)
+    assert p.returncode == 0 and "signal              : B:USR1@120" in p.stderr  # sbatch's final options
+    jid = int(p.stdout.split()[-1])
+    q = subprocess.run([*base, "--signal=B:TERM@30", script], env=c.env(), capture_output=True, text=True, timeout=10)
+    assert "signal              : B:TERM@30" in q.stderr  # a signal the user set is kept
+    # and slurmctld delivers it: 120 s before a 2 min limit means at its first time-limit check (~30 s)
+    marker = c.root / "jobs" / f"marker.{jid}.usr1"
+    wait_for(marker.exists, 75, "the default warning signal", 0.5)
+
+
+def test_render_contracts_cli(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from sco.contract.signing import write_keypair
+
+    key = generate()
+    write_keypair(key, tmp_path / "k.key", tmp_path / "k.pub")
+    b = tmp_path / "b.json"
+    b.write_bytes(hall_bundle(tmp_path, key))
+    out = tmp_path / "etc"
+    out.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "sco.cli",
+        "slurm",
+        "render-contracts",
+        str(b),
+        "--trust",
+        str(tmp_path / "k.pub"),
+        "--out-dir",
+        str(out),
+        "--reclaimable-partition",
+        "spot",
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and "2 slurm contracts" in p.stdout and "(written)" in p.stdout
+    assert (out / "sco_contracts.serial").read_text() == "1\n"
+    lua = (out / "sco_contracts.lua").read_text()
+    assert '["genomics-ckpt"] = {account = "genomics"' in lua
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.endswith("(unchanged)\n")
+    b.write_bytes(b.read_bytes().replace(b'"drainBudgetSeconds":6', b'"drainBudgetSeconds":7'))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 3 and "payloadSha256" in p.stderr
+    assert (out / "sco_contracts.lua").read_text() == lua  # nothing lost
+    __import__("json")
