@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.harness import AgentEnv, NatsServer, ensure_stream, hall_bundle, wait_for
+
 from sco.contract.bundle import Bundle
 from sco.contract.signing import Keyring, generate
 from sco.devcluster.slurm import SlurmCluster
 from sco.schedulers.slurm_admission import render_lua, write
-from tests.harness import AgentEnv, NatsServer, ensure_stream, hall_bundle, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = """#!/bin/bash

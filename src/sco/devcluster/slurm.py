@@ -74,7 +74,8 @@ class SlurmCluster:
             shutil.copy(self.cli_filter_lua, r / "cli_filter.lua")
             plugins += "CliFilterPlugins=lua\n"
         nodes = "".join(
-            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN\n"
+            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} RealMemory=1000"
+            " State=UNKNOWN\n"
             for n, p in self.node_ports.items()
         )
         partition = f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP"
