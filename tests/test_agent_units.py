@@ -234,3 +234,23 @@ def test_spool_round_trip(tmp_path_factory: pytest.TempPathFactory, prios: list[
         s.append("e", p, i=i)
     s.close()
     assert [e["i"] for e in Spool(d).events()] == list(range(len(prios)))
+
+
+def test_job_processes_from_cgroup_v1_and_v2_layouts(tmp_path: Path) -> None:
+    from sco.agent.jobprocs import from_cgroups, job_processes
+
+    me = os.getpid()
+    v2 = tmp_path / "v2" / "system.slice" / "n1_slurmstepd.scope" / "job_42" / "step_batch" / "user" / "task_0"
+    v2.mkdir(parents=True)
+    (v2 / "cgroup.procs").write_text(f"{me}\n")
+    other = tmp_path / "v2" / "system.slice" / "n2_slurmstepd.scope" / "job_43"
+    other.mkdir(parents=True)
+    (other / "cgroup.procs").write_text("1\n")
+    assert from_cgroups("n1", tmp_path / "v2") == {42: {me}}  # another node's jobs are not ours
+    v1 = tmp_path / "v1" / "freezer" / "slurm" / "uid_0" / "job_7" / "step_0"
+    v1.mkdir(parents=True)
+    (v1 / "cgroup.procs").write_text(f"{me}\n{me + 1}\n")
+    assert from_cgroups("n1", tmp_path / "v1") == {7: {me, me + 1}}
+    method, found = job_processes("n1", tmp_path / "no-spool", tmp_path / "v1")
+    assert method == "cgroup" and found == {7: {me, me + 1}}
+    assert job_processes("n1", tmp_path / "no-spool", tmp_path / "empty") == ("stepd-tree", {})

@@ -248,3 +248,39 @@ def test_render_contracts_cli(tmp_path: Path) -> None:
     assert p.returncode == 3 and "payloadSha256" in p.stderr
     assert (out / "sco_contracts.lua").read_text() == lua  # nothing lost
     __import__("json")
+
+
+LINGER = """#!/bin/bash
+marker={jobs}/marker.$SLURM_JOB_ID
+trap 'echo "$(date +%s.%N) $SLURMD_NODENAME" >> $marker.usr1' USR1
+if [ -f $marker.usr1 ]; then echo "$SLURMD_NODENAME" >> $marker.resumed; exit 0; fi
+echo "$SLURMD_NODENAME" >> $marker.start
+while true; do sleep 1 & wait $!; done
+"""
+
+
+def test_kill9_mid_slurm_drain_resumes_without_signalling_twice(
+    tmp_path: Path, nats_server: NatsServer, clean: SlurmCluster
+) -> None:
+    c = clean
+    script = c.root / "jobs" / "linger.sh"
+    script.write_text(LINGER.format(jobs=c.root / "jobs"))
+    jid = c.sbatch(script, "--account=genomics", "--comment=sco-contract=genomics-ckpt")
+    node = running_on(c, jid)
+    env = agent_for(tmp_path, nats_server, c, node)
+    try:
+        env.start().wait_subscribed()
+        t0 = env.send(env.notice("k-slurm", WINDOW))
+        wait_for(lambda: env.of("job.signalled"), 5, "the signal")
+        env.kill9()  # the job checkpointed but keeps running: the agent was waiting out its 6 s budget
+        env.start()
+        out = env.outcome(WINDOW)
+        assert out["type"] == "drain.drained" and out["at"] < t0 + WINDOW
+        assert len(env.of("drain.resumed")) == 1 and env.of("drain.resumed")[0]["signalled"] == 1
+        assert len(env.of("job.signalled")) == 1 and len(env.of("node.drain_set")) == 1
+        assert len((c.root / "jobs" / f"marker.{jid}.usr1").read_text().splitlines()) == 1  # one USR1
+        requeued = env.of("job.requeued")
+        assert [e["jobs"] for e in requeued] == [[jid]]
+        assert requeued[0]["at"] - t0 >= 5.5  # the budget (6 s) was still honoured after the restart
+    finally:
+        env.stop()

@@ -107,7 +107,14 @@ class Agent:
                 if len(self._refused_seen) > 1000:
                     self._refused_seen.clear()
                 self._refused_seen.add(digest)
-                self.spool.append("notice.refused", ROUTINE, source=source, kind=e.kind, reason=e.reason)
+                self.spool.append(
+                    "notice.refused",
+                    ROUTINE,
+                    source=source,
+                    kind=e.kind,
+                    reason=e.reason,
+                    refused_total=dict(self.refused),
+                )
                 log.warning("refused %s notice (%s): %s", source, e.kind, e.reason)
             return
         if notice is not None:
@@ -219,15 +226,21 @@ class Agent:
             "spool",
             float(open_notice["received_at"]),
         )
-        resume = Resume.from_spool(self.spool, nid)
+        resume: Resume | SlurmResume
+        done: dict[str, Any]
+        if self.cfg.scheduler == "slurm":
+            resume = SlurmResume.from_spool(self.spool, nid)
+            done = {
+                "drain_set": resume.drain_set,
+                "signalled": len(resume.signalled),
+                "requeued": len(resume.requeued),
+                "around": resume.around,
+            }
+        else:
+            resume = Resume.from_spool(self.spool, nid)
+            done = {"tainted": resume.tainted, "requested": len(resume.requested), "forced": len(resume.forced)}
         self.spool.append(
-            "drain.resumed",
-            CRITICAL,
-            notice=nid,
-            tainted=resume.tainted,
-            requested=len(resume.requested),
-            forced=len(resume.forced),
-            deadline_in_s=round(n.terminate_at - self.clock(), 3),
+            "drain.resumed", CRITICAL, notice=nid, deadline_in_s=round(n.terminate_at - self.clock(), 3), **done
         )
         log.info("resuming drain for notice %s (%.1f s to the deadline)", nid, n.terminate_at - self.clock())
         self._start_drain(n, resume)
