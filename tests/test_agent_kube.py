@@ -126,7 +126,7 @@ def test_pdb_that_never_allows_is_forced_when_budget_spent(agent: AgentEnv, kube
     assert len(blocked) == 1 and "disruption budget" in blocked[0]["reason"]
     forced = agent.of("eviction.forced")[0]
     # the guarded contract's budget is 3 s: honoured until then, then DELETE with the final-write grace (1 s)
-    assert 2.5 <= forced["at"] - t0 <= 4.5
+    assert 2.5 <= forced["at"] - t0 <= 5.5
     assert forced["grace"] == 1
     assert len(audit(kube, "evict-refused", "g-0")) >= 2  # retried with backoff
     assert audit(kube, "delete", "g-0")[0]["grace"] == 1
