@@ -18,6 +18,7 @@ from typing import Any
 
 from sco.agent.budget import KubeBudgets, PodBudget, grace_seconds
 from sco.agent.notices import Notice
+from sco.agent.resume import DrainRecord
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
 
@@ -43,30 +44,20 @@ def _key(pod: Obj) -> str:
 
 
 @dataclass
-class Resume:
+class Resume(DrainRecord):
     """What the spool says was already done for a notice."""
 
     tainted: bool = False
     requested: dict[str, int] = field(default_factory=dict)  # pod uid -> grace asked for
     forced: dict[str, int] = field(default_factory=dict)
-    received_at: float | None = None
 
-    @classmethod
-    def from_spool(cls, spool: Spool, notice_id: str) -> Resume:
-        r = cls()
-        for ev in spool.events():
-            if ev.get("notice") != notice_id:
-                continue
-            t = ev["type"]
-            if t == "notice.accepted" and r.received_at is None:
-                r.received_at = float(ev["received_at"])
-            elif t == "node.tainted":
-                r.tainted = True
-            elif t == "eviction.requested":
-                r.requested[ev["uid"]] = int(ev["grace"])
-            elif t == "eviction.forced":
-                r.forced[ev["uid"]] = int(ev["grace"])
-        return r
+    def apply(self, type_: str, ev: dict[str, Any]) -> None:
+        if type_ == "node.tainted":
+            self.tainted = True
+        elif type_ == "eviction.requested":
+            self.requested[ev["uid"]] = int(ev["grace"])
+        elif type_ == "eviction.forced":
+            self.forced[ev["uid"]] = int(ev["grace"])
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import Any
 from sco.agent.budget import SlurmBudgets
 from sco.agent.jobprocs import alive, job_environment, job_processes
 from sco.agent.notices import Notice
+from sco.agent.resume import DrainRecord
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.slurm import Job, SlurmClient, SlurmCommandError, SlurmUnreachable
 
@@ -53,31 +54,21 @@ def _sig(name: str) -> signal.Signals:
 
 
 @dataclass
-class SlurmResume:
+class SlurmResume(DrainRecord):
     drain_set: bool = False
     signalled: set[int] = field(default_factory=set)
     requeued: set[int] = field(default_factory=set)
     around: bool = False
-    received_at: float | None = None
 
-    @classmethod
-    def from_spool(cls, spool: Spool, notice_id: str) -> SlurmResume:
-        r = cls()
-        for ev in spool.events():
-            if ev.get("notice") != notice_id:
-                continue
-            t = ev["type"]
-            if t == "notice.accepted" and r.received_at is None:
-                r.received_at = float(ev["received_at"])
-            elif t == "node.drain_set":
-                r.drain_set = True
-            elif t == "job.signalled":
-                r.signalled.add(int(ev["job"]))
-            elif t == "job.requeued":
-                r.requeued.update(int(j) for j in ev["jobs"])
-            elif t == "scheduler.unreachable":
-                r.around = True
-        return r
+    def apply(self, type_: str, ev: dict[str, Any]) -> None:
+        if type_ == "node.drain_set":
+            self.drain_set = True
+        elif type_ == "job.signalled":
+            self.signalled.add(int(ev["job"]))
+        elif type_ == "job.requeued":
+            self.requeued.update(int(j) for j in ev["jobs"])
+        elif type_ == "scheduler.unreachable":
+            self.around = True
 
 
 @dataclass
