@@ -135,7 +135,8 @@ def test_user_data_and_node_fetch(tmp_path: Path, keys: Path) -> None:
         ud,
     )
     assert p.returncode == 0, p.stderr
-    assert "SCO_BUNDLE_URL=http://127.0.0.1:8470/v1/halls/local/bundle.json" in ud.read_text()
+    assert "SCO_AGENT_BUNDLE_URL=http://127.0.0.1:8470/v1/halls/local/bundle.json" in ud.read_text()
+    assert "SCO_AGENT_HALL=local" in ud.read_text()
     p = sco(
         "contract",
         "user-data",

@@ -122,7 +122,7 @@ def test_user_data_subset_is_accepted_then_upgraded(
     raw = sign(PAYLOAD, [key])
     publish(raw, server.files.root, keyring)
     full = Bundle.from_bytes(raw, keyring)
-    text = render(full, [key], [key.public], schedulers=["slurm"], node_env={"SCO_HALL": "local"})
+    text = render(full, [key], [key.public], schedulers=["slurm"], node_env={"SCO_AGENT_HALL": "local"})
     assert text.startswith("#cloud-config\n")
     files = {f["path"]: f for f in yaml.safe_load(text)["write_files"]}
     pub = json.loads(files[f"/etc/sco/trusted/{key.keyid}.pub"]["content"])

@@ -184,9 +184,10 @@ def cmd_user_data(args: argparse.Namespace) -> int:
     trusted: list[PublicKey] = [load_public(Path(p)) for p in args.trust or []]
     if args.trust_dir:
         trusted += [load_public(p) for p in sorted(Path(args.trust_dir).glob("*.pub"))]
-    env = {"SCO_HALL": bundle.hall}
+    # The agent's own settings (SCO_AGENT_<KEY>), read by its unit through EnvironmentFile=.
+    env = {"SCO_AGENT_HALL": bundle.hall}
     if args.distributor_url:
-        env["SCO_BUNDLE_URL"] = f"{args.distributor_url.rstrip('/')}/v1/halls/{bundle.hall}/bundle.json"
+        env["SCO_AGENT_BUNDLE_URL"] = f"{args.distributor_url.rstrip('/')}/v1/halls/{bundle.hall}/bundle.json"
     text = render(bundle, keys, trusted, schedulers=args.scheduler, names=args.contract, node_env=env)
     if args.output in (None, "-"):
         sys.stdout.write(text)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import tomllib
 import urllib.parse
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ class AgentConfig:
     hall: str = ""
     """Hall (site) this node belongs to; must match the bundle's hall."""
     node: str = ""
-    """This node's name in the scheduler (Kubernetes node name or Slurm NodeName)."""
+    """This node's name in the scheduler (Kubernetes node name or Slurm NodeName); empty: the short hostname."""
     scheduler: str = "kubernetes"
     """kubernetes | slurm: which drain path the node takes."""
     state_dir: Path = Path("/var/lib/sco")
@@ -131,6 +132,8 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> AgentConfig:
             values[name] = _coerce(f, env[env_key], "environment", problems)
         elif name in raw:
             values[name] = _coerce(f, raw[name], where, problems)
+    if not values.get("node"):
+        values["node"] = socket.gethostname().split(".")[0].lower()
     cfg = AgentConfig(**values)
     problems += check(cfg, where)
     if problems:
