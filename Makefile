@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH ?=
 
-.PHONY: setup demo test unit lint bench clean
+.PHONY: setup demo test unit lint bench clean testhosts
 
 setup:
 	@bash scripts/setup.sh
@@ -18,7 +18,10 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	cd collections/ansible_collections/sco/orchestrator && ../../../../$(VENV)/bin/ansible-lint --profile production --offline -q
 
-unit: setup
+testhosts: setup
+	@$(if $(filter 0,$(shell id -u)),,sudo) bash scripts/testhost-rootfs.sh
+
+unit: setup testhosts
 	$(PY) -m pytest
 
 test: lint unit

@@ -21,6 +21,7 @@ from sco.schedulers.slurm_admission import render_lua, write
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = """#!/bin/bash
+#SBATCH --output={jobs}/out.%j
 trap 'date +%s.%N >> {jobs}/usr1.$SLURM_JOB_ID; exit 0' USR1
 if [ -f {jobs}/usr1.$SLURM_JOB_ID ]; then exit 0; fi
 touch {jobs}/start.$SLURM_JOB_ID
