@@ -2,6 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH ?=
+SCO_TESTHOST_ROOTFS ?= /var/cache/sco-testhost/rootfs
+export SCO_TESTHOST_ROOTFS
 
 .PHONY: setup demo test unit lint bench clean testhosts
 
@@ -19,7 +21,7 @@ lint: setup
 	cd collections/ansible_collections/sco/orchestrator && ../../../../$(VENV)/bin/ansible-lint --profile production --offline -q
 
 testhosts: setup
-	@$(if $(filter 0,$(shell id -u)),,sudo) bash scripts/testhost-rootfs.sh
+	@$(if $(filter 0,$(shell id -u)),,sudo) bash scripts/testhost-rootfs.sh $(SCO_TESTHOST_ROOTFS)
 
 unit: setup testhosts
 	$(PY) -m pytest
