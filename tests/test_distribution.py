@@ -206,3 +206,20 @@ while True:
         assert c.bundle.serial >= last
         last = c.bundle.serial
     assert last > 1
+
+
+def test_stale_temporaries_of_live_writers_are_left_alone(tmp_path: Path) -> None:
+    from sco._fs import remove_stale_temps
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / f".bundle.json.tmp.{live.pid}").write_bytes(b"in progress")
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        )
+        (tmp_path / f".bundle.json.tmp.{dead.stdout.strip()}").write_bytes(b"left by a killed writer")
+        assert remove_stale_temps(tmp_path, "bundle.json") == 1
+        assert [p.name for p in tmp_path.iterdir()] == [f".bundle.json.tmp.{live.pid}"]
+    finally:
+        live.kill()
+        live.wait()

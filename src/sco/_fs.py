@@ -40,10 +40,27 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, chunk_hook: Callabl
         os.close(dfd)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_stale_temps(directory: Path, name: str) -> int:
-    """Delete temporaries a killed writer left behind (they are never read). Returns how many."""
+    """Delete temporaries a killed writer left behind (they are never read). Returns how many.
+
+    A temporary whose writer (the pid in its name) still runs is left alone: another process may be
+    in the middle of replacing the same file.
+    """
     n = 0
     for p in Path(directory).glob(f".{name}.tmp.*"):
+        pid = p.name.rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue
         p.unlink(missing_ok=True)
         n += 1
     return n

@@ -183,8 +183,13 @@ def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) 
         )
     )
     _wait(lambda: "subscribed to" in (work / "agent.log").read_text(), 20, "the agent's NATS subscription")
+    # Watch the agent's spool (read-only) rather than its cache directory, which the agent owns.
+    _wait(
+        lambda: any(e["type"] == "bundle.accepted" for e in read_events(state / "spool")),
+        20,
+        "the agent's first bundle",
+    )
     cache = BundleCache(state / "bundle", keyring)
-    _wait(lambda: BundleCache(state / "bundle", keyring).bundle is not None, 20, "the agent's first bundle")
     _say("agent", f"sco-agent running for {NODE}; bundle serial {published.serial} fetched and verified")
 
     terminate_at = time.time() + 120

@@ -25,7 +25,7 @@ from typing import Any
 from sco import __version__
 from sco._http import AsyncHttpClient, HttpError
 from sco.agent.budget import KubeBudgets, SlurmBudgets
-from sco.agent.bundle_cache import BundleCache, BundleFetcher
+from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.config import AgentConfig
 from sco.agent.kube_drain import KubernetesDrain, Resume
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
@@ -314,6 +314,8 @@ class Agent:
                         self.handle_raw(r.body, "metadata")
                 except HttpError as e:
                     log.debug("metadata poll: %s", e)
+                except Exception:  # one bad poll must not stop the channel that covers NATS outages
+                    log.exception("metadata poll failed")
                 interval = self._policy("metadataPollSeconds", self.cfg.metadata_poll_seconds, 5)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), interval)
@@ -324,7 +326,13 @@ class Agent:
         fetcher = BundleFetcher(self.cache, self.cfg.bundle_url)
         last = None
         while not self._stop.is_set():
-            offer = await asyncio.to_thread(fetcher.refresh)
+            try:
+                offer = await asyncio.to_thread(fetcher.refresh)
+            except Exception as e:  # disk full, permissions: keep the last good bundle, try again later
+                log.exception("bundle refresh failed")
+                offer = Offer(
+                    "error", self.cache.bundle.serial if self.cache.bundle else None, f"{type(e).__name__}: {e}"
+                )
             if offer.outcome == "accepted":
                 self.spool.append("bundle.accepted", ROUTINE, serial=offer.serial)
                 self._ready()
