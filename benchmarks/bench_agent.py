@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import tempfile
@@ -210,4 +209,3 @@ BENCHES = {
     "agent_footprint": bench_footprint,
     "mass_reclaim": bench_mass_reclaim,
 }
-__all__ = ["BENCHES", "json"]

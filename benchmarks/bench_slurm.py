@@ -7,7 +7,6 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ def bench_slurm_drain(jobs: int = 4, rounds: int = 5) -> Iterator[dict[str, Any]
         try:
             for r in range(rounds):
                 node = c.nodes[r % len(c.nodes)]
-                others = [n for n in c.nodes if n != node]
                 ids = [
                     c.sbatch(
                         jobdir / "job.sh",
@@ -75,7 +73,6 @@ def bench_slurm_drain(jobs: int = 4, rounds: int = 5) -> Iterator[dict[str, Any]
                 env.stop()
                 c.run("scancel", "--user=root", check=False)
                 c.run("scontrol", "update", f"nodename={node}", "state=RESUME")
-                del others
                 wait_for(lambda: all(s == "idle" for s in c.node_states().values()), 30, "idle", 0.2)
         finally:
             nats.stop()
@@ -161,4 +158,3 @@ def bench_job_submit_lua(contracts: int = 1000, n: int = 200_000) -> Iterator[di
 
 
 BENCHES = {"slurm_drain": bench_slurm_drain, "job_submit_lua": bench_job_submit_lua}
-__all__ = ["BENCHES", "time"]

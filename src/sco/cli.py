@@ -259,14 +259,17 @@ def cmd_slurm_render(args: argparse.Namespace) -> int:
         raise ConfigError("name at least one --reclaimable-partition")
     out = Path(args.out_dir)
     if args.bundle:
-        sources = [lambda: Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)]
+
+        def load() -> Bundle:
+            return Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)
+
     elif args.url:
         from sco.agent.bundle_cache import BundleCache, BundleFetcher
 
         cache = BundleCache(Path(args.cache_dir), keyring)
         fetcher = BundleFetcher(cache, args.url)
 
-        def fetched() -> Bundle:
+        def load() -> Bundle:
             offer = fetcher.refresh()
             if offer.outcome in ("refused", "error"):
                 print(f"sco: warning: {offer.outcome}: {offer.reason}; keeping serial {offer.serial}", file=sys.stderr)
@@ -274,11 +277,10 @@ def cmd_slurm_render(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{args.url}: no verified bundle yet")
             return cache.bundle
 
-        sources = [fetched]
     else:
         raise ConfigError("give a BUNDLE file or --url")
     while True:
-        bundle = sources[0]()
+        bundle = load()
         text = render_lua(bundle.hall, bundle.serial, bundle.contracts, args.reclaimable_partition)
         changed = write(out, text, bundle.serial)
         n = sum(1 for c in bundle.contracts.values() if c["scheduler"] == "slurm")
