@@ -1,4 +1,4 @@
-"""The collection's node_agent role through real Ansible runs over SSH to a test host (a Debian rootfs in its
+"""The collection's roles (node_agent, slurm_admission) through real Ansible runs over SSH to a test host (a Debian
 own network namespace): check mode, for real, and again (idempotent); then the agent it installed runs."""
 
 from __future__ import annotations
@@ -36,16 +36,19 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestHost]:
     h.destroy()
 
 
-def play(tmp: Path, host: TestHost, extravars: dict[str, Any], check: bool = False) -> Any:
+def play(
+    tmp: Path, host: TestHost, extravars: dict[str, Any], check: bool = False, playbook: str = "node_agent.yml"
+) -> Any:
     import ansible_runner
 
     pdd = tmp / f"runner-{len(list(tmp.glob('runner-*')))}"
     (pdd / "project").mkdir(parents=True)
-    (pdd / "project" / "node_agent.yml").write_text((REPO / "playbooks" / "node_agent.yml").read_text())
-    inventory = {"all": {"children": {"sco_nodes": {"hosts": {host.name: host.inventory_vars()}}}}}
+    (pdd / "project" / playbook).write_text((REPO / "playbooks" / playbook).read_text())
+    hosts = {"hosts": {host.name: host.inventory_vars()}}
+    inventory = {"all": {"children": {"sco_nodes": hosts, "slurm_controllers": hosts}}}
     return ansible_runner.run(
         private_data_dir=str(pdd),
-        playbook="node_agent.yml",
+        playbook=playbook,
         inventory=inventory,
         extravars=extravars,
         cmdline="--check" if check else None,
@@ -103,3 +106,33 @@ def test_node_agent_role_refuses_bad_settings(tmp_path: Path, host: TestHost) ->
     assert r.rc != 0
     failed = [e for e in r.events if e.get("event") == "runner_on_failed"]
     assert failed and "set node_agent_hall" in failed[0]["event_data"]["res"]["msg"]
+
+
+def test_slurm_admission_role(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    from tests.harness import hall_bundle
+
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    (host.root / "root" / "bundle.json").write_bytes(hall_bundle(tmp_path, key))  # as the distributor would
+    ev = {
+        "slurm_admission_bundle_file": "/root/bundle.json",
+        "slurm_admission_wheelhouse": str(wheelhouse),
+        "slurm_admission_trusted_keys": [str(tmp_path / "hall.pub")],
+        "slurm_admission_reclaimable_partitions": ["spot", "preempt"],
+    }
+    r = play(tmp_path, host, ev, playbook="slurm_admission.yml")
+    assert r.rc == 0, r.stdout.read()
+    again = play(tmp_path, host, ev, playbook="slurm_admission.yml")
+    assert again.rc == 0 and again.stats["changed"].get(host.name, 0) == 0
+    table = host.ssh("cat", "/etc/slurm/sco_contracts.lua").stdout
+    assert 'reclaimable = {["preempt"] = true, ["spot"] = true}' in table and '["genomics-ckpt"]' in table
+    assert host.ssh("cat", "/etc/slurm/sco_contracts.serial").stdout == "1\n"
+    assert (REPO / "slurm_plugins" / "job_submit.lua").read_text() == host.ssh(
+        "cat", "/etc/slurm/job_submit.lua"
+    ).stdout
+    # a tampered bundle is refused and the table on disk stays as it was
+    raw = (host.root / "root" / "bundle.json").read_bytes()
+    (host.root / "root" / "bundle.json").write_bytes(raw.replace(b'"drainBudgetSeconds":6', b'"drainBudgetSeconds":9'))
+    bad = play(tmp_path, host, ev, playbook="slurm_admission.yml")
+    assert bad.rc != 0
+    assert host.ssh("cat", "/etc/slurm/sco_contracts.lua").stdout == table
