@@ -1,5 +1,5 @@
-"""The collection's roles (node_agent, slurm_admission) through real Ansible runs over SSH to a test host (a Debian
-own network namespace): check mode, for real, and again (idempotent); then the agent it installed runs."""
+"""The collection's roles (node_agent, slurm_admission) through real Ansible runs over SSH to a test host: a Debian
+rootfs in its own network namespace. Check mode, for real, and again (idempotent); then what they installed runs."""
 
 from __future__ import annotations
 
