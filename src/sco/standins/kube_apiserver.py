@@ -221,6 +221,14 @@ def json_patch(target: Obj, ops: list[Obj]) -> Obj:
     return doc
 
 
+def apply_patch(obj: Obj, content_type: str, body: Any) -> Obj:
+    """The patch kind the Content-Type names: JSON patch, strategic merge patch, or JSON merge patch."""
+    if "json-patch" in content_type:
+        return json_patch(obj, body)
+    out: Obj = strategic_merge_patch(obj, body) if "strategic" in content_type else merge_patch(obj, body)
+    return out
+
+
 # --- the store ------------------------------------------------------------------------------------
 
 
@@ -323,12 +331,7 @@ class Cluster:
     def patch_node(self, name: str, ctype: str, body: Any) -> Obj:
         with self.lock:
             node = self.get_node(name)
-            if "json-patch" in ctype:
-                new = json_patch(node, body)
-            elif "strategic" in ctype:
-                new = strategic_merge_patch(node, body)
-            else:
-                new = merge_patch(node, body)
+            new = apply_patch(node, ctype, body)
             want_rv = (body.get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) else None
             if want_rv is not None and want_rv != node["metadata"]["resourceVersion"]:
                 raise ApiError(
@@ -399,12 +402,7 @@ class Cluster:
     def patch_pod(self, ns: str, name: str, ctype: str, body: Any) -> Obj:
         with self.lock:
             pod = self.get_pod(ns, name)
-            if "json-patch" in ctype:
-                new = json_patch(pod, body)
-            elif "strategic" in ctype:
-                new = strategic_merge_patch(pod, body)
-            else:
-                new = merge_patch(pod, body)
+            new = apply_patch(pod, ctype, body)
             new["metadata"]["resourceVersion"] = self.rv()
             self.pods[(ns, name)] = new
             self._notify("MODIFIED", new)
