@@ -194,6 +194,29 @@ class OpenStackCloud:
         self.flavors: dict[str, str] = {}
         self.timings: dict[str, float] = {}
         self.mariadb: subprocess.Popen[bytes] | None = None
+        self.attached = False
+
+    # --- a cloud started by another process (a developer's long-running one) ---------------------------
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "root": str(self.root),
+            "ports": self.ports,
+            "pg_port": self.pg.port,
+            "metadata_secret": self.metadata_secret,
+            "image_id": self.image_id,
+            "flavors": self.flavors,
+        }
+
+    @classmethod
+    def attach(cls, desc: dict[str, Any]) -> OpenStackCloud:
+        """Use a running cloud (``describe()`` of its owner); ``stop()`` on it stops nothing."""
+        c = cls(Path(desc["root"]))
+        c.ports, c.metadata_secret = desc["ports"], desc["metadata_secret"]
+        c.image_id, c.flavors = desc["image_id"], desc["flavors"]
+        c.pg = EmbeddedPostgres(root=Path(desc["root"]) / "unused", port=desc["pg_port"])
+        c.attached = True
+        return c
 
     # --- settings ---------------------------------------------------------------------------------------
 
@@ -600,6 +623,8 @@ class OpenStackCloud:
     # --- stop -------------------------------------------------------------------------------------------
 
     def stop(self) -> None:
+        if self.attached:
+            return
         for _name, p in reversed(list(self.procs.items())):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)

@@ -1,0 +1,275 @@
+"""The reclaimer: the provider side of a notice.
+
+For each instance taken back (an operator's command, a pool shrinking, a Blazar lease starting) it fixes the
+termination time T = now + window once, records it in the fleet state, publishes the notice on the hall's NATS
+relay (``sco.notice.<hall>.<node>``, the shape the agent parses), writes it into the instance's metadata (the
+agent's poll channel, for when the relay is down), and deletes the instance through Nova at T, whatever the
+agent reported. The agent's own account of its drain arrives on JetStream (``sco.events.<hall>.>``) and is
+folded into the fleet state (draining, drained or overrun), once per event however often it is redelivered.
+
+A restarted reclaimer resumes from the fleet state: every instance under reclaim still has its T there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sco.errors import ConfigError, Problem
+from sco.state.fleet import RECLAIMING, FleetState, Instance
+
+log = logging.getLogger("sco.reclaimer")
+
+NOTICE_SUBJECT = "sco.notice.{hall}.{node}"
+EVENTS_SUBJECT = "sco.events.{hall}.>"
+EVENTS_STREAM = "SCO_EVENTS"
+# What the agent's events mean for the instance's lifecycle state (and from which states they may move it).
+_DRAINING = ("node.tainted", "node.drain_set", "scheduler.unreachable", "job.signalled", "pod.evicted")
+_FOLD: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "drain.drained": ("drained", ("notified", "draining")),
+    "drain.overrun": ("overrun", ("notified", "draining")),
+    **{t: ("draining", ("notified",)) for t in _DRAINING},
+}
+_RECORDED_PREFIXES = ("notice.", "node.", "drain.", "scheduler.", "job.")
+
+
+def notice_document(notice_id: str, hall: str, node: str, terminate_at: float, issued_at: float) -> dict[str, Any]:
+    return {"id": notice_id, "hall": hall, "node": node, "terminateAt": terminate_at, "issuedAt": issued_at}
+
+
+def encode_notice(notice: dict[str, Any], signing_keys: list[Any] | None = None) -> bytes:
+    """The bytes published on the relay. Every notice goes through here, so signing is one change."""
+    if signing_keys:
+        from sco.contract import notice as contract_notice  # lands with signed notices
+
+        sign: Callable[[dict[str, Any], list[Any]], bytes] = contract_notice.sign_notice  # type: ignore[attr-defined]
+        return sign(notice, signing_keys)
+    return json.dumps(notice, separators=(",", ":"), sort_keys=True).encode()
+
+
+async def publish_notice(nc: Any, notice: dict[str, Any], signing_keys: list[Any] | None = None) -> bytes:
+    data = encode_notice(notice, signing_keys)
+    await nc.publish(NOTICE_SUBJECT.format(hall=notice["hall"], node=notice["node"]), data)
+    await nc.flush(timeout=2)
+    return data
+
+
+@dataclass
+class Reclaim:
+    instance: Instance
+    notice: dict[str, Any]
+    terminate_at: float
+    started_at: float
+    published_at: float | None = None  # None: the relay was unreachable (the metadata still carries it)
+    metadata_at: float | None = None
+    deleted_at: float | None = None  # when Nova accepted the delete
+
+
+class Reclaimer:
+    def __init__(
+        self,
+        cloud: Any,
+        state: FleetState,
+        nats_url: str,
+        *,
+        window_s: float = 120.0,
+        clock: Callable[[], float] = time.time,
+        signing_keys: list[Any] | None = None,
+        events_stream: str = EVENTS_STREAM,
+        gone_poll_s: float = 0.5,
+    ) -> None:
+        self.cloud = cloud  # an openstacksdk Connection
+        self.state = state
+        self.nats_url = nats_url
+        self.window_s = window_s
+        self.clock = clock
+        self.signing_keys = signing_keys
+        self.events_stream = events_stream
+        self.gone_poll_s = gone_poll_s
+        self.nc: Any = None
+        self.reclaims: dict[int, Reclaim] = {}
+
+    async def _connect(self) -> Any:
+        if self.nc is None or self.nc.is_closed:
+            import nats
+
+            self.nc = await nats.connect(
+                self.nats_url, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True
+            )
+        return self.nc
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.drain()
+        self.nc = None
+
+    # --- notice ----------------------------------------------------------------------------------------
+
+    def _targets(self, hall: str, nodes: list[str]) -> list[Instance]:
+        found = {i.name: i for i in self.state.instances(hall, names=nodes)}
+        problems = [Problem(f"hall {hall}", n, "no live instance of that name in the fleet state") for n in nodes if n not in found]
+        problems += [
+            Problem(f"hall {hall}", n, f"instance is {found[n].state}: nothing to reclaim")
+            for n in nodes
+            if n in found and (found[n].state not in ("active", *RECLAIMING) or not found[n].server_id)
+        ]
+        if problems:
+            raise ConfigError("cannot reclaim", problems)
+        return [found[n] for n in nodes]
+
+    async def notify(self, hall: str, nodes: list[str]) -> list[Reclaim]:
+        """Notice every node (nothing happens if any is unknown); an instance already under reclaim keeps its T."""
+        targets = self._targets(hall, nodes)
+        try:
+            nc = await self._connect()
+        except Exception as e:  # the relay is down: the metadata channel still carries every notice
+            log.warning("notice relay %s unreachable: %s", self.nats_url, e)
+            nc = None
+        out = []
+        for inst in targets:
+            out.append(await self._notify_one(hall, inst, nc))
+        return out
+
+    async def _notify_one(self, hall: str, inst: Instance, nc: Any) -> Reclaim:
+        started = self.clock()
+        if inst.state in RECLAIMING and inst.terminate_at is not None and inst.reclaim_id:
+            nid, t = inst.reclaim_id, inst.terminate_at  # repeat the same notice: the agent de-duplicates by id
+        else:
+            nid, t = f"reclaim-{uuid.uuid4().hex[:16]}", started + self.window_s
+            # Recorded before anything is sent: a crash from here on still deletes at T.
+            self.state.transition(
+                inst.id, "notified", "reclaim.scheduled", only_from=("active",), reclaim_id=nid, terminate_at=t,
+                window_s=self.window_s,
+            )  # fmt: skip
+        notice = notice_document(nid, hall, inst.name, t, started)
+        r = Reclaim(self.state.instance(inst.id), notice, t, started)
+        if nc is not None:
+            try:
+                await publish_notice(nc, notice, self.signing_keys)
+                r.published_at = self.clock()
+                self.state.event(
+                    hall, "notice.published", instance_id=inst.id, pool=inst.pool, notice=nid,
+                    terminate_at=t, ms=round((r.published_at - started) * 1000, 3),
+                )  # fmt: skip
+            except Exception as e:
+                self.state.event(hall, "notice.publish_failed", instance_id=inst.id, notice=nid, error=str(e))
+        try:
+            await asyncio.to_thread(
+                self.cloud.compute.set_server_metadata,
+                inst.server_id,
+                sco_reclaim_id=nid,
+                sco_reclaim_at=f"{t:.3f}",
+                sco_reclaim_issued_at=f"{started:.3f}",
+            )
+            r.metadata_at = self.clock()
+            self.state.event(hall, "notice.metadata_written", instance_id=inst.id, pool=inst.pool, notice=nid)
+        except Exception as e:
+            self.state.event(hall, "notice.metadata_failed", instance_id=inst.id, notice=nid, error=str(e)[:500])
+        self.reclaims[inst.id] = r
+        return r
+
+    # --- the agent's account ---------------------------------------------------------------------------
+
+    def fold(self, hall: str, ev: dict[str, Any]) -> bool:
+        """One agent event into the fleet state; False when it is not about a drain or already recorded."""
+        t = str(ev.get("type", ""))
+        if not t.startswith(_RECORDED_PREFIXES):
+            return False
+        state, only_from = _FOLD.get(t, (None, ()))
+        return self.state.agent_event(hall, ev, state, only_from)
+
+    async def _follow_events(self, hall: str) -> Any:
+        nc = await self._connect()
+        js = nc.jetstream(timeout=5)
+        try:
+            await js.stream_info(self.events_stream)
+        except Exception:
+            await js.add_stream(name=self.events_stream, subjects=["sco.events.>"], duplicate_window=120)
+
+        async def on_msg(msg: Any) -> None:
+            try:
+                ev = json.loads(msg.data)
+                if isinstance(ev, dict):
+                    self.fold(hall, ev)
+            except ValueError:
+                log.warning("unreadable agent event on %s", msg.subject)
+            await msg.ack()
+
+        # A durable consumer per hall: a restarted reclaimer continues where the last one acknowledged.
+        return await js.subscribe(
+            EVENTS_SUBJECT.format(hall=hall), durable=f"sco-reclaimer-{hall}", cb=on_msg, manual_ack=True
+        )
+
+    # --- delete at T -----------------------------------------------------------------------------------
+
+    async def run(self, hall: str, *, follow_events: bool = True, stop: asyncio.Event | None = None) -> None:
+        """Delete every instance under reclaim at its T and fold the agent's events meanwhile; returns when
+        none of the hall's instances is left under reclaim (or ``stop`` is set)."""
+        sub = None
+        if follow_events:
+            try:
+                sub = await self._follow_events(hall)
+            except Exception as e:
+                log.warning("agent events unavailable (%s): deleting on time regardless", e)
+        try:
+            while stop is None or not stop.is_set():
+                due = self.state.due(hall)
+                if not due:
+                    return
+                now = self.clock()
+                wait = 0.5
+                for inst in due:
+                    if inst.state == "deleting":
+                        if await self._gone(inst):
+                            self.state.transition(inst.id, "deleted", "instance.deleted", only_from=("deleting",))
+                        continue
+                    assert inst.terminate_at is not None
+                    if inst.terminate_at <= now:
+                        await self._delete(hall, inst)
+                        wait = 0.0
+                    else:
+                        wait = min(wait, inst.terminate_at - now)
+                await asyncio.sleep(max(0.0, min(wait, self.gone_poll_s)))
+        finally:
+            if sub is not None:
+                # Events already in flight still land: give the subscription a moment to drain.
+                await asyncio.sleep(0.2)
+                await sub.unsubscribe()
+
+    async def _delete(self, hall: str, inst: Instance) -> None:
+        assert inst.terminate_at is not None
+        try:
+            await asyncio.to_thread(self.cloud.compute.delete_server, inst.server_id, ignore_missing=True)
+        except Exception as e:  # Nova refused or is down: the next pass tries again
+            self.state.event(hall, "delete.failed", instance_id=inst.id, error=str(e)[:500])
+            return
+        at = self.clock()
+        r = self.reclaims.get(inst.id)
+        if r is not None:
+            r.deleted_at = at
+        self.state.transition(
+            inst.id, "deleting", "instance.delete_requested", only_from=RECLAIMING,
+            after_deadline_s=round(at - inst.terminate_at, 3), agent_state=inst.state,
+        )  # fmt: skip
+
+    async def _gone(self, inst: Instance) -> bool:
+        def get() -> bool:
+            srv = self.cloud.compute.find_server(inst.server_id, ignore_missing=True)
+            return srv is None or srv.status == "DELETED"
+
+        try:
+            return await asyncio.to_thread(get)
+        except Exception:
+            return False
+
+    async def reclaim(self, hall: str, nodes: list[str]) -> list[Reclaim]:
+        """``sco reclaim``: notice now, delete at T, fold the agent's account; returns when all are deleted."""
+        out = await self.notify(hall, nodes)
+        await self.run(hall)
+        return out

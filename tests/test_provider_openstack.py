@@ -1,0 +1,290 @@
+"""The acquirer and the reclaimer against real OpenStack services on loopback (Keystone, Placement, Glance,
+Nova with the fake virt driver, nova-metadata; see sco.devcluster.openstack), a real PostgreSQL fleet state,
+a real NATS with JetStream, and a real node agent draining a Kubernetes node (API **stand-in**)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sco.contract.bundle import Bundle
+from sco.contract.signing import Keyring, generate, sign
+from sco.contract.userdata import CACHE_PATH, render
+from sco.control.acquirer import Acquirer, Budget, PlanEntry
+from sco.provider.reclaimer import Reclaimer
+from sco.state.fleet import FleetState, Pool
+from tests.harness import AgentEnv, add_pod, hall_bundle, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def cloud(openstack_cloud):  # type: ignore[no-untyped-def]
+    conn = openstack_cloud.connect()
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def userdata(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Per-node cloud-init user-data from the contract layer: the signed subset and the trusted key."""
+    key = generate()
+    bundle = Bundle.from_bytes(hall_bundle(tmp_path / "ud", key), Keyring([key.public]))
+
+    def ud(name: str) -> str:
+        return render(bundle, [key], [key.public], node_env={"SCO_AGENT_HALL": "local", "SCO_AGENT_NODE": name})
+
+    ud.key = key  # type: ignore[attr-defined]
+    return ud
+
+
+def tagged(conn: Any, hall: str, pool: str, entry: str) -> list[Any]:
+    tags = f"sco-hall={hall},sco-pool={pool},sco-entry={entry}"
+    return [s for s in conn.compute.servers(details=True, tags=tags) if s.status != "DELETED"]
+
+
+def cleanup(conn: Any, hall: str) -> None:
+    """The cloud is shared by the session: take this test's servers back."""
+    for s in conn.compute.servers(tags=f"sco-hall={hall}"):
+        conn.compute.delete_server(s.id, ignore_missing=True)
+
+
+def kinds(st: FleetState, iid: int) -> list[str]:
+    return [e["kind"] for e in st.events(instance_id=iid)]
+
+
+def test_launch_30_instances_active_with_user_data_and_tags(openstack_cloud, cloud, fleet_dsn, userdata) -> None:  # type: ignore[no-untyped-def]
+    hall = "launch30"
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        try:
+            out = Acquirer(cloud, st, userdata).apply(PlanEntry(hall, "spot", "e1", 30))
+            assert (out.launched, out.active, out.failed, out.adopted) == (30, 30, 0, 0)
+            servers = tagged(cloud, hall, "spot", "e1")
+            assert sorted(s.name for s in servers) == sorted(f"{hall}-spot-e1-{i}" for i in range(30))
+            assert {s.status for s in servers} == {"ACTIVE"}
+            for s in servers:
+                slot = int(s.name.rsplit("-", 1)[1])
+                assert set(s.tags) == {f"sco-hall={hall}", "sco-pool=spot", "sco-entry=e1", f"sco-slot={slot}"}
+                full = cloud.compute.get_server(s.id)
+                text = base64.b64decode(full.user_data).decode()
+                assert text == userdata(s.name)
+                files = {f["path"]: f for f in yaml.safe_load(text.removeprefix("#cloud-config\n"))["write_files"]}
+                subset = base64.b64decode(files[CACHE_PATH]["content"])
+                sub = Bundle.from_bytes(subset, Keyring([userdata.key.public]))
+                assert sub.hall == "local" and sub.subset_of and sub.contracts
+                assert f"SCO_AGENT_NODE={s.name}\n" in files["/etc/sco/agent.env"]["content"]
+            rows = st.instances(hall, pool="spot")
+            assert len(rows) == 30 and {r.state for r in rows} == {"active"}
+            assert {r.server_id for r in rows} == {s.id for s in servers}
+            assert kinds(st, rows[0].id) == ["instance.requested", "launch.requested", "instance.active"]
+            # the same plan again: nothing launched, nothing deleted
+            again = Acquirer(cloud, st, userdata).apply(PlanEntry(hall, "spot", "e1", 30))
+            assert (again.launched, again.deleted, again.active) == (0, 0, 30)
+            # a smaller plan deletes the surplus slots (the highest)
+            shrunk = Acquirer(cloud, st, userdata).apply(PlanEntry(hall, "spot", "e1", 28))
+            assert shrunk.deleted == 2
+            assert {r.slot for r in st.instances(hall, pool="spot")} == set(range(28))
+        finally:
+            cleanup(cloud, hall)
+
+
+CRASHING_RUN = textwrap.dedent(
+    """
+    import json, sys, openstack
+    from sco.control.acquirer import Acquirer, PlanEntry
+    from sco.state.fleet import FleetState
+    cfg = json.loads(sys.argv[1])
+    conn = openstack.connect(auth=cfg["auth"], region_name=cfg["region_name"], identity_api_version="3")
+    st = FleetState(sys.argv[2])
+    Acquirer(conn, st, lambda name: "#cloud-config\\n", concurrency=2).apply(PlanEntry("crash", "spot", "e1", 30))
+    """
+)
+
+
+def test_crash_in_the_middle_and_rerun_launches_no_duplicate(openstack_cloud, cloud, fleet_dsn) -> None:  # type: ignore[no-untyped-def]
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool("crash", "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CRASHING_RUN, json.dumps(openstack_cloud.cloud_config), fleet_dsn],
+            stderr=subprocess.PIPE,
+        )
+        try:
+            # kill -9 once some servers exist but before the run is through
+            wait_for(lambda: len([i for i in st.instances("crash") if i.server_id]) >= 8 or proc.poll() is not None, 120, "launches")
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            assert proc.returncode == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
+            before = tagged(cloud, "crash", "spot", "e1")
+            assert 8 <= len(before) < 30
+            out = Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry("crash", "spot", "e1", 30))
+            after = tagged(cloud, "crash", "spot", "e1")
+            names = [s.name for s in after]
+            assert len(after) == 30 and len(set(names)) == 30  # no duplicate
+            assert {s.id for s in before} <= {s.id for s in after}  # what the crashed run launched is kept
+            assert out.launched == 30 - len(before)
+            rows = st.instances("crash")
+            assert len(rows) == 30 and {r.state for r in rows} == {"active"}
+            assert len({r.server_id for r in rows}) == 30
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            cleanup(cloud, "crash")
+
+
+def test_quota_exceeded_marks_the_pool_unavailable_without_hot_retry(openstack_cloud, fleet_dsn) -> None:  # type: ignore[no-untyped-def]
+    import openstack
+
+    proj = openstack_cloud.make_project(f"quota-{os.urandom(3).hex()}", instances=3)
+    conn = openstack.connect(auth=proj["auth"], region_name=proj["region_name"], identity_api_version="3")
+    calls = []
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool("quota", "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        try:
+            acq = Acquirer(conn, st, lambda n: "#cloud-config\n", concurrency=1, unavailable_for_s=600, sleep=calls.append)
+            out = acq.apply(PlanEntry("quota", "spot", "e1", 6))
+            # Nova refuses either at the API (403) or, for launches its API did not count yet, at the conductor's
+            # recheck (the server goes to ERROR; racing launches may all fail it): both mark the pool unavailable
+            assert 1 <= out.active <= 3 and out.failed >= 1
+            assert out.pool_unavailable and "quota" in out.pool_unavailable.lower()
+            wait_for(lambda: len(tagged(conn, "quota", "spot", "e1")) == out.active, 60, "refused servers deleted")
+            ev = [e["kind"] for e in st.events(hall="quota")]
+            assert "launch.requested" not in ev[ev.index("pool.unavailable") :]
+            pool = st.pool("quota", "spot")
+            assert pool is not None and pool.unavailable_until is not None
+            assert pool.unavailable_until - st.now() > 590
+            failed = st.instances("quota", states=("failed",))
+            assert len(failed) == out.failed and all("launch.failed" in kinds(st, f.id) for f in failed)
+            # a second run right away asks Nova nothing at all
+            second = acq.apply(PlanEntry("quota", "spot", "e1", 6))
+            assert second.skipped and "unavailable" in second.skipped and second.api_calls == 0
+            assert [e["kind"] for e in st.events(hall="quota")].count("pool.unavailable") == 1
+        finally:
+            cleanup(conn, "quota")
+            conn.close()
+
+
+def test_no_valid_host_marks_the_pool_unavailable(openstack_cloud, cloud, fleet_dsn) -> None:  # type: ignore[no-untyped-def]
+    # more memory than the fake host has (800,000 MB), within the quota: the scheduler finds no host
+    huge = cloud.compute.find_flavor("sco.nohost") or cloud.compute.create_flavor(name="sco.nohost", vcpus=1, ram=1_000_000, disk=1)
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool("nohost", "big", flavor=huge.id, image=openstack_cloud.image_id, kind="on-demand"))
+        try:
+            out = Acquirer(cloud, st, lambda n: "#cloud-config\n", poll_s=0.3).apply(PlanEntry("nohost", "big", "e1", 2))
+            assert out.launched == 2 and out.failed == 2 and out.active == 0
+            assert out.pool_unavailable and "NoValidHost" in out.pool_unavailable
+            # ERROR servers hold quota: they were deleted
+            wait_for(lambda: not tagged(cloud, "nohost", "big", "e1"), 60, "ERROR servers deleted")
+            assert Acquirer(cloud, st, lambda n: "").apply(PlanEntry("nohost", "big", "e1", 2)).skipped
+        finally:
+            cleanup(cloud, "nohost")
+
+
+async def _collect(url: str, subject: str, into: list[bytes], ready: asyncio.Event, stop: asyncio.Event) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+
+    async def cb(msg: Any) -> None:
+        into.append(msg.data)
+
+    await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    ready.set()
+    await stop.wait()
+    await nc.close()
+
+
+def test_reclaim_notice_drain_delete_at_deadline_recorded(openstack_cloud, cloud, fleet_dsn, nats_server, kube, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    window = 14.0
+    hall = "local"  # the agent's hall (harness bundle)
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        agents: list[AgentEnv] = []
+        proxies = []
+        try:
+            Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "rc", 2))
+            via_nats, via_metadata = st.instances(hall, pool="spot")
+            project = cloud.current_project_id
+            for inst, nats_url in ((via_nats, None), (via_metadata, "nats://127.0.0.1:1")):
+                # the second agent's relay is down: the notice reaches it through nova-metadata only
+                proxy = openstack_cloud.metadata_proxy(inst.server_id, project)
+                proxies.append(proxy)
+                add_pod(kube, "web", f"web-{inst.slot}", inst.name, prestop=1)
+                add_pod(kube, "batch", f"batch-{inst.slot}", inst.name, prestop=2)
+                agents.append(
+                    AgentEnv(tmp_path / inst.name, kube, nats_server, node=inst.name, metadata=proxy, nats_url=nats_url).start()
+                )
+            agents[0].wait_subscribed()
+
+            seen: list[bytes] = []
+
+            async def scenario() -> Reclaimer:
+                ready, stop = asyncio.Event(), asyncio.Event()
+                listener = asyncio.create_task(_collect(nats_server.url, f"sco.notice.{hall}.>", seen, ready, stop))
+                await ready.wait()
+                r = Reclaimer(cloud, st, nats_server.url, window_s=window)
+                await r.notify(hall, [via_nats.name, via_metadata.name])
+                # the notice is in the instance metadata, as nova-metadata serves it to the instance
+                meta = json.loads(await asyncio.to_thread(lambda: urllib.request.urlopen(proxies[1].url, timeout=10).read()))
+                assert meta["name"] == via_metadata.name
+                assert meta["meta"]["sco_reclaim_id"] == r.reclaims[via_metadata.id].notice["id"]
+                await r.run(hall)
+                stop.set()
+                await listener
+                await r.close()
+                return r
+
+            r = asyncio.run(scenario())
+            # on NATS: one notice per node, in the agent's format
+            notices = {json.loads(b)["node"]: json.loads(b) for b in seen}
+            assert set(notices) == {via_nats.name, via_metadata.name}
+            n0 = notices[via_nats.name]
+            assert set(n0) == {"id", "hall", "node", "terminateAt", "issuedAt"}
+            assert n0["terminateAt"] == pytest.approx(n0["issuedAt"] + window)
+            # both agents drained before T, one through each channel
+            for a, source in ((agents[0], "nats"), (agents[1], "metadata")):
+                accepted = a.of("notice.accepted")
+                assert accepted and accepted[0]["source"] == source
+                out = a.outcome(1)
+                assert out["type"] == "drain.drained"
+                assert out["at"] < r.reclaims[st.instances(hall, names=[a.node], states=None)[0].id].terminate_at
+            # both deleted at T, not before, whatever the agents reported
+            for inst in (via_nats, via_metadata):
+                rc = r.reclaims[inst.id]
+                assert rc.deleted_at is not None and rc.deleted_at >= rc.terminate_at
+                assert cloud.compute.find_server(inst.server_id, ignore_missing=True) is None
+                assert st.instance(inst.id).state == "deleted"
+            # the fleet state shows each step, in order
+            k0 = kinds(st, via_nats.id)
+            expected = [
+                "instance.requested", "launch.requested", "instance.active", "reclaim.scheduled", "notice.published",
+                "notice.metadata_written", "agent.notice.accepted", "agent.node.tainted", "agent.drain.drained",
+                "instance.delete_requested", "instance.deleted",
+            ]  # fmt: skip
+            assert [k for k in k0 if k in expected] == expected
+            by_kind = {e["kind"]: e for e in st.events(instance_id=via_nats.id)}
+            assert by_kind["instance.delete_requested"]["detail"]["agent_state"] == "drained"
+            assert by_kind["instance.delete_requested"]["detail"]["after_deadline_s"] >= 0
+            # the metadata-only agent could not report (its relay is down): deleted at T all the same
+            k1 = kinds(st, via_metadata.id)
+            assert "agent.drain.drained" not in k1 and k1[-2:] == ["instance.delete_requested", "instance.deleted"]
+        finally:
+            for a in agents:
+                a.stop()
+            for p in proxies:
+                p.close()
+            cleanup(cloud, hall)
