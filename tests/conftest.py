@@ -128,3 +128,11 @@ def openstack_cloud(tmp_path_factory):  # type: ignore[no-untyped-def]
         yield cloud
     finally:
         cloud.stop()
+
+
+@pytest.fixture(scope="session")
+def blazar(openstack_cloud):  # type: ignore[no-untyped-def]
+    """Blazar (API and manager, on MariaDB) added to the session's cloud the first time a test asks (~20 s)."""
+    if "blazar-api" not in openstack_cloud.procs and not openstack_cloud.attached:
+        openstack_cloud.start_blazar()
+    return openstack_cloud

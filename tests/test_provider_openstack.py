@@ -288,3 +288,35 @@ def test_reclaim_notice_drain_delete_at_deadline_recorded(openstack_cloud, cloud
             for p in proxies:
                 p.close()
             cleanup(cloud, hall)
+
+
+def test_committed_capacity_is_read_from_blazar_leases(blazar, cloud) -> None:  # type: ignore[no-untyped-def]
+    from datetime import UTC, datetime
+
+    from sco.provider.reservations import committed_at, read_reservations
+
+    ep = {"service_type": "reservation"}
+    start = (int(time.time()) // 60 + 60) * 60  # Blazar takes minutes; an hour ahead, so no host moves now
+    fmt = "%Y-%m-%d %H:%M"
+    body = {
+        "name": f"tier1-floor-{os.urandom(2).hex()}",
+        "start_date": datetime.fromtimestamp(start, UTC).strftime(fmt),
+        "end_date": datetime.fromtimestamp(start + 7200, UTC).strftime(fmt),
+        "reservations": [
+            {"resource_type": "physical:host", "min": 1, "max": 1, "hypervisor_properties": "", "resource_properties": ""}
+        ],
+        "events": [],
+    }
+    resp = cloud.session.post("/leases", json=body, endpoint_filter=ep, raise_exc=False)
+    assert resp.status_code in (200, 201, 202), resp.text
+    lease = resp.json()["lease"]
+    try:
+        mine = [r for r in read_reservations(cloud) if r.lease_id == lease["id"]]
+        assert len(mine) == 1
+        r = mine[0]
+        assert (r.resource_type, r.amount, r.lease_name) == ("physical:host", 1, body["name"])
+        assert (r.start, r.end) == (start, start + 7200)
+        assert committed_at(mine, start + 60) == {"physical:host": 1}
+        assert committed_at(mine, start - 60) == {} and committed_at(mine, start + 7200) == {}
+    finally:
+        cloud.session.delete(f"/leases/{lease['id']}", endpoint_filter=ep, raise_exc=False)

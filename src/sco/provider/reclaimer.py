@@ -13,6 +13,8 @@ A restarted reclaimer resumes from the fleet state: every instance under reclaim
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import time
@@ -83,6 +85,7 @@ class Reclaimer:
         signing_keys: list[Any] | None = None,
         events_stream: str = EVENTS_STREAM,
         gone_poll_s: float = 0.5,
+        nova_concurrency: int = 16,
     ) -> None:
         self.cloud = cloud  # an openstacksdk Connection
         self.state = state
@@ -94,6 +97,7 @@ class Reclaimer:
         self.gone_poll_s = gone_poll_s
         self.nc: Any = None
         self.reclaims: dict[int, Reclaim] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(nova_concurrency, thread_name_prefix="nova")
 
     async def _connect(self) -> Any:
         if self.nc is None or self.nc.is_closed:
@@ -108,6 +112,7 @@ class Reclaimer:
         if self.nc is not None and not self.nc.is_closed:
             await self.nc.drain()
         self.nc = None
+        self._pool.shutdown(wait=False)
 
     # --- notice ----------------------------------------------------------------------------------------
 
@@ -124,55 +129,69 @@ class Reclaimer:
         return [found[n] for n in nodes]
 
     async def notify(self, hall: str, nodes: list[str]) -> list[Reclaim]:
-        """Notice every node (nothing happens if any is unknown); an instance already under reclaim keeps its T."""
+        """Notice every node (nothing happens if any is unknown); an instance already under reclaim keeps its T.
+
+        Each T is recorded first (a crash from then on still deletes at T), then every notice goes on the relay
+        (milliseconds each), then the metadata writes (a Nova call each) run in parallel.
+        """
         targets = self._targets(hall, nodes)
+        out = [self._schedule(hall, inst) for inst in targets]
         try:
             nc = await self._connect()
         except Exception as e:  # the relay is down: the metadata channel still carries every notice
             log.warning("notice relay %s unreachable: %s", self.nats_url, e)
             nc = None
-        out = []
-        for inst in targets:
-            out.append(await self._notify_one(hall, inst, nc))
+        if nc is not None:
+            for r in out:
+                await self._publish(hall, r, nc)
+        await asyncio.gather(*(self._write_metadata(hall, r) for r in out))
         return out
 
-    async def _notify_one(self, hall: str, inst: Instance, nc: Any) -> Reclaim:
+    def _schedule(self, hall: str, inst: Instance) -> Reclaim:
         started = self.clock()
         if inst.state in RECLAIMING and inst.terminate_at is not None and inst.reclaim_id:
             nid, t = inst.reclaim_id, inst.terminate_at  # repeat the same notice: the agent de-duplicates by id
         else:
             nid, t = f"reclaim-{uuid.uuid4().hex[:16]}", started + self.window_s
-            # Recorded before anything is sent: a crash from here on still deletes at T.
             self.state.transition(
                 inst.id, "notified", "reclaim.scheduled", only_from=("active",), reclaim_id=nid, terminate_at=t,
                 window_s=self.window_s,
             )  # fmt: skip
-        notice = notice_document(nid, hall, inst.name, t, started)
-        r = Reclaim(self.state.instance(inst.id), notice, t, started)
-        if nc is not None:
-            try:
-                await publish_notice(nc, notice, self.signing_keys)
-                r.published_at = self.clock()
-                self.state.event(
-                    hall, "notice.published", instance_id=inst.id, pool=inst.pool, notice=nid,
-                    terminate_at=t, ms=round((r.published_at - started) * 1000, 3),
-                )  # fmt: skip
-            except Exception as e:
-                self.state.event(hall, "notice.publish_failed", instance_id=inst.id, notice=nid, error=str(e))
+        r = Reclaim(self.state.instance(inst.id), notice_document(nid, hall, inst.name, t, started), t, started)
+        self.reclaims[inst.id] = r
+        return r
+
+    async def _publish(self, hall: str, r: Reclaim, nc: Any) -> None:
+        nid, inst = r.notice["id"], r.instance
         try:
-            await asyncio.to_thread(
+            await publish_notice(nc, r.notice, self.signing_keys)
+            r.published_at = self.clock()
+            self.state.event(
+                hall, "notice.published", instance_id=inst.id, pool=inst.pool, notice=nid,
+                terminate_at=r.terminate_at, ms=round((r.published_at - r.started_at) * 1000, 3),
+            )  # fmt: skip
+        except Exception as e:
+            self.state.event(hall, "notice.publish_failed", instance_id=inst.id, notice=nid, error=str(e))
+
+    async def _write_metadata(self, hall: str, r: Reclaim) -> None:
+        nid, inst = r.notice["id"], r.instance
+        try:
+            await self._nova(
                 self.cloud.compute.set_server_metadata,
                 inst.server_id,
                 sco_reclaim_id=nid,
-                sco_reclaim_at=f"{t:.3f}",
-                sco_reclaim_issued_at=f"{started:.3f}",
+                sco_reclaim_at=f"{r.terminate_at:.3f}",
+                sco_reclaim_issued_at=f"{r.started_at:.3f}",
             )
             r.metadata_at = self.clock()
             self.state.event(hall, "notice.metadata_written", instance_id=inst.id, pool=inst.pool, notice=nid)
         except Exception as e:
             self.state.event(hall, "notice.metadata_failed", instance_id=inst.id, notice=nid, error=str(e)[:500])
-        self.reclaims[inst.id] = r
-        return r
+
+    async def _nova(self, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        """A blocking openstacksdk call on the reclaimer's own threads (many at once at a deadline)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *a, **kw))
 
     # --- the agent's account ---------------------------------------------------------------------------
 
@@ -223,19 +242,17 @@ class Reclaimer:
                 if not due:
                     return
                 now = self.clock()
-                wait = 0.5
-                for inst in due:
-                    if inst.state == "deleting":
-                        if await self._gone(inst):
-                            self.state.transition(inst.id, "deleted", "instance.deleted", only_from=("deleting",))
-                        continue
-                    assert inst.terminate_at is not None
-                    if inst.terminate_at <= now:
-                        await self._delete(hall, inst)
-                        wait = 0.0
-                    else:
-                        wait = min(wait, inst.terminate_at - now)
-                await asyncio.sleep(max(0.0, min(wait, self.gone_poll_s)))
+                deleting = [i for i in due if i.state == "deleting"]
+                overdue = [i for i in due if i.state != "deleting" and (i.terminate_at or 0) <= now]
+                upcoming = [i.terminate_at - now for i in due if i.state != "deleting" and i.terminate_at]
+                # Every instance due now is deleted at once, not one after another.
+                await asyncio.gather(*(self._delete(hall, i) for i in overdue))
+                gone = await asyncio.gather(*(self._gone(i) for i in deleting))
+                for inst, g in zip(deleting, gone, strict=True):
+                    if g:
+                        self.state.transition(inst.id, "deleted", "instance.deleted", only_from=("deleting",))
+                wait = min([self.gone_poll_s, *(u for u in upcoming if u > 0)])
+                await asyncio.sleep(max(0.0, wait))  # a failed delete is retried after gone_poll_s, not hot
         finally:
             if sub is not None:
                 # Events already in flight still land: give the subscription a moment to drain.
@@ -245,7 +262,7 @@ class Reclaimer:
     async def _delete(self, hall: str, inst: Instance) -> None:
         assert inst.terminate_at is not None
         try:
-            await asyncio.to_thread(self.cloud.compute.delete_server, inst.server_id, ignore_missing=True)
+            await self._nova(self.cloud.compute.delete_server, inst.server_id, ignore_missing=True)
         except Exception as e:  # Nova refused or is down: the next pass tries again
             self.state.event(hall, "delete.failed", instance_id=inst.id, error=str(e)[:500])
             return
@@ -264,7 +281,7 @@ class Reclaimer:
             return srv is None or srv.status == "DELETED"
 
         try:
-            return await asyncio.to_thread(get)
+            return bool(await self._nova(get))
         except Exception:
             return False
 
