@@ -4,7 +4,8 @@
 30 plain openstacksdk boots (create, then ``wait_for_server`` each) in the same run, same cloud, same
 concurrency, alternated; medians over $SCO_BENCH_REPEATS (default 2).
 ``reclaim``: 30 instances reclaimed at once with a short window; how long until each notice is on NATS, and when
-each instance was deleted after its notice (the goal: at T+window, within 1 s).
+each instance was deleted after its notice (the goal: at T+window, within 1 s): when the DELETE was sent, and when
+Nova accepted it (30 DELETEs at the same instant queue in nova-api, so acceptance spreads with its throughput).
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def bench_reclaim() -> Iterator[dict[str, Any]]:
             recv = [(received[x.instance.name] - first) * 1000 for x in rc if x.instance.name in received]
             deleted = [x.deleted_at - x.started_at for x in rc if x.deleted_at]
             late = [x.deleted_at - x.terminate_at for x in rc if x.deleted_at]
+            sent = [x.delete_sent_at - x.terminate_at for x in rc if x.delete_sent_at]
             states = {st.instance(x.instance.id).state for x in rc}
     finally:
         nats.stop()
@@ -166,7 +168,9 @@ def bench_reclaim() -> Iterator[dict[str, Any]]:
         "last_notice_received_ms": round(max(recv), 2),
         "deleted_at_s_after_notice": round(statistics.median(deleted), 3),
         "deleted_at_s_after_notice_max": round(max(deleted), 3),
-        "deleted_after_deadline_ms_max": round(max(late) * 1000, 1),
+        "delete_sent_after_deadline_ms_max": round(max(sent) * 1000, 1),
+        "delete_accepted_after_deadline_ms_median": round(statistics.median(late) * 1000, 1),
+        "delete_accepted_after_deadline_ms_max": round(max(late) * 1000, 1),
         "final_states": sorted(states),
     }
 

@@ -46,7 +46,7 @@ def test_an_edited_migration_is_refused_and_a_broken_one_applies_nothing(empty_d
         assert "0001_a.sql" in e.value.lines()[0] and "changed after it was applied" in e.value.lines()[0]
         (d / "0001_a.sql").write_text("CREATE TABLE a (x int);")
         (d / "0002_b.sql").write_text("CREATE TABLE b (x int); CREATE TABLE broken (;")
-        with pytest.raises(StateError, match="0002_b.sql"):
+        with pytest.raises(StateError, match=r"0002_b\.sql"):
             migrate(c, d)
         # the failed migration's transaction rolled back whole: no table b, not recorded
         assert c.execute("SELECT to_regclass('b')").fetchone()[0] is None
@@ -60,9 +60,9 @@ def test_an_edited_migration_is_refused_and_a_broken_one_applies_nothing(empty_d
 
 def test_second_writer_of_a_hall_waits_or_exits_with_a_clear_message(fleet_dsn: str) -> None:
     with connect(fleet_dsn) as a, connect(fleet_dsn) as b, hall_lock(a, "hall-1"):
-        with pytest.raises(HallBusy, match=r"hall hall-1: another writer holds the fleet-state lock \(backend pid \d+"):
-            with hall_lock(b, "hall-1"):
-                pass
+        busy = r"hall hall-1: another writer holds the fleet-state lock \(backend pid \d+"
+        with pytest.raises(HallBusy, match=busy), hall_lock(b, "hall-1"):
+            pass
         with hall_lock(b, "hall-2"):  # other halls are independent
             pass
     # a waiting writer gets the lock once the first one is done
@@ -107,7 +107,7 @@ def test_lifecycle_states_and_events_are_recorded_together(fleet_dsn: str) -> No
         ev = {"type": "drain.drained", "node": "h-p-e-0", "seq": 7}
         assert st.agent_event("h", ev, None, ())
         assert not st.agent_event("h", ev, None, ())
-        with pytest.raises(Exception, match="instance_state_check|violates check"):
+        with pytest.raises(Exception, match=r"instance_state_check|violates check"):
             st.transition(inst.id, "bogus", "x")
 
 

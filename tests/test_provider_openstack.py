@@ -21,9 +21,9 @@ import pytest
 import yaml
 
 from sco.contract.bundle import Bundle
-from sco.contract.signing import Keyring, generate, sign
+from sco.contract.signing import Keyring, generate
 from sco.contract.userdata import CACHE_PATH, render
-from sco.control.acquirer import Acquirer, Budget, PlanEntry
+from sco.control.acquirer import Acquirer, PlanEntry
 from sco.provider.reclaimer import Reclaimer
 from sco.state.fleet import FleetState, Pool
 from tests.harness import AgentEnv, add_pod, hall_bundle, wait_for
@@ -117,14 +117,20 @@ CRASHING_RUN = textwrap.dedent(
 
 def test_crash_in_the_middle_and_rerun_launches_no_duplicate(openstack_cloud, cloud, fleet_dsn) -> None:  # type: ignore[no-untyped-def]
     with FleetState(fleet_dsn) as st:
-        st.ensure_pool(Pool("crash", "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        st.ensure_pool(
+            Pool("crash", "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id)
+        )
         proc = subprocess.Popen(
             [sys.executable, "-c", CRASHING_RUN, json.dumps(openstack_cloud.cloud_config), fleet_dsn],
             stderr=subprocess.PIPE,
         )
         try:
             # kill -9 once some servers exist but before the run is through
-            wait_for(lambda: len([i for i in st.instances("crash") if i.server_id]) >= 8 or proc.poll() is not None, 120, "launches")
+            wait_for(
+                lambda: len([i for i in st.instances("crash") if i.server_id]) >= 8 or proc.poll() is not None,
+                120,
+                "launches",
+            )
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
             assert proc.returncode == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
@@ -152,9 +158,13 @@ def test_quota_exceeded_marks_the_pool_unavailable_without_hot_retry(openstack_c
     conn = openstack.connect(auth=proj["auth"], region_name=proj["region_name"], identity_api_version="3")
     calls = []
     with FleetState(fleet_dsn) as st:
-        st.ensure_pool(Pool("quota", "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        st.ensure_pool(
+            Pool("quota", "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id)
+        )
         try:
-            acq = Acquirer(conn, st, lambda n: "#cloud-config\n", concurrency=1, unavailable_for_s=600, sleep=calls.append)
+            acq = Acquirer(
+                conn, st, lambda n: "#cloud-config\n", concurrency=1, unavailable_for_s=600, sleep=calls.append
+            )
             out = acq.apply(PlanEntry("quota", "spot", "e1", 6))
             # Nova refuses either at the API (403) or, for launches its API did not count yet, at the conductor's
             # recheck (the server goes to ERROR; racing launches may all fail it): both mark the pool unavailable
@@ -179,11 +189,15 @@ def test_quota_exceeded_marks_the_pool_unavailable_without_hot_retry(openstack_c
 
 def test_no_valid_host_marks_the_pool_unavailable(openstack_cloud, cloud, fleet_dsn) -> None:  # type: ignore[no-untyped-def]
     # more memory than the fake host has (800,000 MB), within the quota: the scheduler finds no host
-    huge = cloud.compute.find_flavor("sco.nohost") or cloud.compute.create_flavor(name="sco.nohost", vcpus=1, ram=1_000_000, disk=1)
+    huge = cloud.compute.find_flavor("sco.nohost") or cloud.compute.create_flavor(
+        name="sco.nohost", vcpus=1, ram=1_000_000, disk=1
+    )
     with FleetState(fleet_dsn) as st:
         st.ensure_pool(Pool("nohost", "big", flavor=huge.id, image=openstack_cloud.image_id, kind="on-demand"))
         try:
-            out = Acquirer(cloud, st, lambda n: "#cloud-config\n", poll_s=0.3).apply(PlanEntry("nohost", "big", "e1", 2))
+            out = Acquirer(cloud, st, lambda n: "#cloud-config\n", poll_s=0.3).apply(
+                PlanEntry("nohost", "big", "e1", 2)
+            )
             assert out.launched == 2 and out.failed == 2 and out.active == 0
             assert out.pool_unavailable and "NoValidHost" in out.pool_unavailable
             # ERROR servers hold quota: they were deleted
@@ -208,7 +222,9 @@ async def _collect(url: str, subject: str, into: list[bytes], ready: asyncio.Eve
     await nc.close()
 
 
-def test_reclaim_notice_drain_delete_at_deadline_recorded(openstack_cloud, cloud, fleet_dsn, nats_server, kube, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_reclaim_notice_drain_delete_at_deadline_recorded(
+    openstack_cloud, cloud, fleet_dsn, nats_server, kube, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     window = 14.0
     hall = "local"  # the agent's hall (harness bundle)
     with FleetState(fleet_dsn) as st:
@@ -226,7 +242,9 @@ def test_reclaim_notice_drain_delete_at_deadline_recorded(openstack_cloud, cloud
                 add_pod(kube, "web", f"web-{inst.slot}", inst.name, prestop=1)
                 add_pod(kube, "batch", f"batch-{inst.slot}", inst.name, prestop=2)
                 agents.append(
-                    AgentEnv(tmp_path / inst.name, kube, nats_server, node=inst.name, metadata=proxy, nats_url=nats_url).start()
+                    AgentEnv(
+                        tmp_path / inst.name, kube, nats_server, node=inst.name, metadata=proxy, nats_url=nats_url
+                    ).start()
                 )
             agents[0].wait_subscribed()
 
@@ -239,7 +257,9 @@ def test_reclaim_notice_drain_delete_at_deadline_recorded(openstack_cloud, cloud
                 r = Reclaimer(cloud, st, nats_server.url, window_s=window)
                 await r.notify(hall, [via_nats.name, via_metadata.name])
                 # the notice is in the instance metadata, as nova-metadata serves it to the instance
-                meta = json.loads(await asyncio.to_thread(lambda: urllib.request.urlopen(proxies[1].url, timeout=10).read()))
+                meta = json.loads(
+                    await asyncio.to_thread(lambda: urllib.request.urlopen(proxies[1].url, timeout=10).read())
+                )
                 assert meta["name"] == via_metadata.name
                 assert meta["meta"]["sco_reclaim_id"] == r.reclaims[via_metadata.id].notice["id"]
                 await r.run(hall)
@@ -303,7 +323,13 @@ def test_committed_capacity_is_read_from_blazar_leases(blazar, cloud) -> None:  
         "start_date": datetime.fromtimestamp(start, UTC).strftime(fmt),
         "end_date": datetime.fromtimestamp(start + 7200, UTC).strftime(fmt),
         "reservations": [
-            {"resource_type": "physical:host", "min": 1, "max": 1, "hypervisor_properties": "", "resource_properties": ""}
+            {
+                "resource_type": "physical:host",
+                "min": 1,
+                "max": 1,
+                "hypervisor_properties": "",
+                "resource_properties": "",
+            }
         ],
         "events": [],
     }

@@ -49,7 +49,10 @@ def test_reservations_in_force_sum_per_resource_type() -> None:
     ("doc", "message"),
     [
         ({"lease": []}, 'expected {"leases": [...]}'),
-        ({"leases": [{"id": "x", "start_date": "soon", "end_date": "2026-11-29T12:00:00"}]}, "lease x.start_date: 'soon' is not a date"),
+        (
+            {"leases": [{"id": "x", "start_date": "soon", "end_date": "2026-11-29T12:00:00"}]},
+            "lease x.start_date: 'soon' is not a date",
+        ),
         ({"leases": [{"id": "y", "start_date": None}]}, "lease y.start_date: expected a date, got None"),
     ],
 )

@@ -231,9 +231,7 @@ class Acquirer:
                     stop.set()
                     self._unavailable(e, f"quota: {str(ex)[:300]}", out)
                 return
-            self._record(
-                self.state.transition, inst.id, "launching", "launch.requested", server_id=srv.id, name=name
-            )
+            self._record(self.state.transition, inst.id, "launching", "launch.requested", server_id=srv.id, name=name)
             with self._lock:
                 out.launched += 1
                 ids.append(srv.id)

@@ -322,7 +322,9 @@ class OpenStackCloud:
         wsgi_dir = self.root / "wsgi"
         wsgi_dir.mkdir(exist_ok=True)
         # oslo.config would otherwise parse gunicorn's own command line.
-        (wsgi_dir / f"{name}_app.py").write_text(f"import sys\nsys.argv = sys.argv[:1]\nfrom {module} import application\n")
+        (wsgi_dir / f"{name}_app.py").write_text(
+            f"import sys\nsys.argv = sys.argv[:1]\nfrom {module} import application\n"
+        )
         argv = [
             self._bin("gunicorn"),
             "-b",
@@ -376,6 +378,8 @@ class OpenStackCloud:
         kconf = str(self.root / "keystone" / "keystone.conf")
         nconf = str(self.root / "nova" / "nova.conf")
         nenv = {"OS_NOVA_CONFIG_DIR": str(self.root / "nova")}
+        pconf = str(self.root / "placement" / "placement.conf")
+        gconf = str(self.root / "glance" / "glance-api.conf")
 
         def keystone() -> None:
             self._run("keystone-manage", "keystone-manage", "--config-file", kconf, "db_sync")
@@ -404,14 +408,8 @@ class OpenStackCloud:
             futs = [
                 ex.submit(keystone),
                 ex.submit(nova_db),
-                ex.submit(
-                    self._run, "placement-manage", "placement-manage", "--config-file",
-                    str(self.root / "placement" / "placement.conf"), "db", "sync",
-                ),  # fmt: skip
-                ex.submit(
-                    self._run, "glance-manage", "glance-manage", "--config-file",
-                    str(self.root / "glance" / "glance-api.conf"), "db_sync",
-                ),  # fmt: skip
+                ex.submit(self._run, "placement-manage", "placement-manage", "--config-file", pconf, "db", "sync"),
+                ex.submit(self._run, "glance-manage", "glance-manage", "--config-file", gconf, "db_sync"),
             ]
             for f in futs:
                 f.result()
@@ -419,8 +417,15 @@ class OpenStackCloud:
         self._register()
         self.timings["keystone_s"] = time.monotonic() - t0
 
-        self._wsgi("placement", self.ports["placement"], "placement.wsgi.api", {"OS_PLACEMENT_CONFIG_DIR": str(self.root / "placement")})
-        self._wsgi("glance", self.ports["glance"], "glance.wsgi.api", {"OS_GLANCE_CONFIG_DIR": str(self.root / "glance")})
+        self._wsgi(
+            "placement",
+            self.ports["placement"],
+            "placement.wsgi.api",
+            {"OS_PLACEMENT_CONFIG_DIR": str(self.root / "placement")},
+        )
+        self._wsgi(
+            "glance", self.ports["glance"], "glance.wsgi.api", {"OS_GLANCE_CONFIG_DIR": str(self.root / "glance")}
+        )
         self._wsgi("nova-api", self.ports["nova"], "nova.wsgi.osapi_compute", nenv, threads=8)
         self._wsgi("nova-metadata", self.ports["metadata"], "nova.wsgi.metadata", nenv)
         self.rabbit.wait()

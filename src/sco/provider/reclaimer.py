@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import importlib
+import importlib.util
 import json
 import logging
 import time
@@ -48,9 +50,8 @@ def notice_document(notice_id: str, hall: str, node: str, terminate_at: float, i
 def encode_notice(notice: dict[str, Any], signing_keys: list[Any] | None = None) -> bytes:
     """The bytes published on the relay. Every notice goes through here, so signing is one change."""
     if signing_keys:
-        from sco.contract import notice as contract_notice  # lands with signed notices
-
-        sign: Callable[[dict[str, Any], list[Any]], bytes] = contract_notice.sign_notice  # type: ignore[attr-defined]
+        # sco.contract.notice lands with signed notices (another branch); until then keys are refused upstream
+        sign: Callable[[dict[str, Any], list[Any]], bytes] = importlib.import_module("sco.contract.notice").sign_notice
         return sign(notice, signing_keys)
     return json.dumps(notice, separators=(",", ":"), sort_keys=True).encode()
 
@@ -70,7 +71,8 @@ class Reclaim:
     started_at: float
     published_at: float | None = None  # None: the relay was unreachable (the metadata still carries it)
     metadata_at: float | None = None
-    deleted_at: float | None = None  # when Nova accepted the delete
+    delete_sent_at: float | None = None  # when the DELETE went to Nova
+    deleted_at: float | None = None  # when Nova accepted it
 
 
 class Reclaimer:
@@ -85,7 +87,7 @@ class Reclaimer:
         signing_keys: list[Any] | None = None,
         events_stream: str = EVENTS_STREAM,
         gone_poll_s: float = 0.5,
-        nova_concurrency: int = 16,
+        nova_concurrency: int = 32,
     ) -> None:
         self.cloud = cloud  # an openstacksdk Connection
         self.state = state
@@ -95,6 +97,8 @@ class Reclaimer:
         self.signing_keys = signing_keys
         self.events_stream = events_stream
         self.gone_poll_s = gone_poll_s
+        if signing_keys and importlib.util.find_spec("sco.contract.notice") is None:
+            raise ConfigError("signed notices need sco.contract.notice, which this version does not have")
         self.nc: Any = None
         self.reclaims: dict[int, Reclaim] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(nova_concurrency, thread_name_prefix="nova")
@@ -118,7 +122,11 @@ class Reclaimer:
 
     def _targets(self, hall: str, nodes: list[str]) -> list[Instance]:
         found = {i.name: i for i in self.state.instances(hall, names=nodes)}
-        problems = [Problem(f"hall {hall}", n, "no live instance of that name in the fleet state") for n in nodes if n not in found]
+        problems = [
+            Problem(f"hall {hall}", n, "no live instance of that name in the fleet state")
+            for n in nodes
+            if n not in found
+        ]
         problems += [
             Problem(f"hall {hall}", n, f"instance is {found[n].state}: nothing to reclaim")
             for n in nodes
@@ -261,13 +269,19 @@ class Reclaimer:
 
     async def _delete(self, hall: str, inst: Instance) -> None:
         assert inst.terminate_at is not None
+        r = self.reclaims.get(inst.id)
+
+        def delete() -> None:
+            if r is not None:
+                r.delete_sent_at = self.clock()
+            self.cloud.compute.delete_server(inst.server_id, ignore_missing=True)
+
         try:
-            await self._nova(self.cloud.compute.delete_server, inst.server_id, ignore_missing=True)
+            await self._nova(delete)
         except Exception as e:  # Nova refused or is down: the next pass tries again
             self.state.event(hall, "delete.failed", instance_id=inst.id, error=str(e)[:500])
             return
         at = self.clock()
-        r = self.reclaims.get(inst.id)
         if r is not None:
             r.deleted_at = at
         self.state.transition(

@@ -57,13 +57,16 @@ def _int(v: Any) -> int | None:
 
 def parse_leases(doc: Any) -> list[Reservation]:
     if not isinstance(doc, dict) or not isinstance(doc.get("leases"), list):
-        raise ReservationError("Blazar: GET /leases: expected {\"leases\": [...]}")
+        raise ReservationError('Blazar: GET /leases: expected {"leases": [...]}')
     out: list[Reservation] = []
     for i, lease in enumerate(doc["leases"]):
         where = f"lease {lease.get('id', i) if isinstance(lease, dict) else i}"
         if not isinstance(lease, dict):
             raise ReservationError("malformed lease", [Problem(where, "", "expected an object")])
-        start, end = _time(lease.get("start_date"), f"{where}.start_date"), _time(lease.get("end_date"), f"{where}.end_date")
+        start, end = (
+            _time(lease.get("start_date"), f"{where}.start_date"),
+            _time(lease.get("end_date"), f"{where}.end_date"),
+        )
         for r in lease.get("reservations") or []:
             rtype = str(r.get("resource_type", ""))
             amount = _int(r.get("max")) if rtype == "physical:host" else _int(r.get("amount"))

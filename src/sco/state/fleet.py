@@ -62,7 +62,8 @@ _ICOLS = "id, hall, pool, plan_entry, slot, name, server_id, state, reclaim_id, 
 
 
 def _inst(row: tuple[Any, ...]) -> Instance:
-    return Instance(*row[:9], _epoch(row[9]))
+    iid, hall, pool, entry, slot, name, server_id, state, reclaim_id, terminate_at = row
+    return Instance(iid, hall, pool, entry, slot, name, server_id, state, reclaim_id, _epoch(terminate_at))
 
 
 class FleetState:
@@ -112,7 +113,8 @@ class FleetState:
         ).fetchone()
         if row is None:
             return None
-        return Pool(*row[:7], _epoch(row[7]), row[8])  # type: ignore[arg-type]
+        hall_, name_, flavor, image, kind, az, platform, until, reason = row
+        return Pool(hall_, name_, flavor, image, kind, az, platform, _epoch(until), reason)
 
     def mark_unavailable(self, hall: str, pool: str, for_s: float, reason: str) -> float:
         """The pool takes no launches for ``for_s`` seconds (quota, no valid host); returns until when."""
