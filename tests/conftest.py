@@ -136,3 +136,11 @@ def blazar(openstack_cloud):  # type: ignore[no-untyped-def]
     if "blazar-api" not in openstack_cloud.procs and not openstack_cloud.attached:
         openstack_cloud.start_blazar()
     return openstack_cloud
+
+
+@pytest.fixture(scope="session")
+def ironic(openstack_cloud):  # type: ignore[no-untyped-def]
+    """Ironic (fake-hardware) and a nova-compute with the Ironic driver, added the first time a test asks."""
+    if "ironic" not in openstack_cloud.procs and not openstack_cloud.attached:
+        openstack_cloud.start_ironic()
+    return openstack_cloud

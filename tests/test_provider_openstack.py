@@ -375,3 +375,29 @@ def test_sco_reclaim_command(openstack_cloud, cloud, fleet_dsn, nats_server, tmp
             assert cloud.compute.find_server(inst.server_id, ignore_missing=True) is None
         finally:
             cleanup(cloud, hall)
+
+
+def test_baremetal_pool_launches_ironic_nodes_through_nova(ironic, cloud, fleet_dsn) -> None:  # type: ignore[no-untyped-def]
+    hall = "metal"
+    pool = Pool(
+        hall, "bm", flavor=ironic.flavors["sco.metal"], image=ironic.image_id, kind="committed", platform="baremetal"
+    )
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(pool)
+        try:
+            out = Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "bm", "e1", 2))
+            assert out.active == 2 and st.pool(hall, "bm").platform == "baremetal"  # type: ignore[union-attr]
+            by_instance = {n.instance_id: n for n in cloud.baremetal.nodes(details=True) if n.instance_id}
+            for inst in out.instances:
+                node = by_instance[inst.server_id]  # a real Ironic node carries the server
+                assert node.provision_state == "active" and node.name.startswith("metal-")
+            shrunk = Acquirer(cloud, st, lambda n: "").apply(PlanEntry(hall, "bm", "e1", 0))
+            assert shrunk.deleted == 2
+            wait_for(
+                lambda: all(n.provision_state == "available" for n in cloud.baremetal.nodes(details=True)),
+                120,
+                "the nodes back in the available pool",
+                1.0,
+            )
+        finally:
+            cleanup(cloud, hall)

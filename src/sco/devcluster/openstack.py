@@ -704,6 +704,115 @@ class OpenStackCloud:
         conn.close()
         self.timings["blazar_s"] = time.monotonic() - t0
 
+    # --- Ironic -----------------------------------------------------------------------------------------
+
+    def start_ironic(self, nodes: int = 2) -> None:
+        """Ironic with the ``fake-hardware`` type (API and conductor in one process), a second nova-compute with
+        the Ironic driver, ``nodes`` bare-metal nodes made available, and flavor ``sco.metal`` asking for one
+        CUSTOM_BAREMETAL unit: Nova boots them like any other server."""
+        t0 = time.monotonic()
+        port = free_port()
+        self.ports["ironic"] = port
+        self.pg.create_database("ironic")
+        d = self.root / "ironic"
+        d.mkdir(exist_ok=True)
+        fake = {"boot": "fake", "deploy": "fake", "management": "fake", "power": "fake"}
+        none = {k: f"no-{k}" for k in ("bios", "console", "firmware", "inspect", "raid", "rescue", "vendor")}
+        none |= {"network": "noop", "storage": "noop"}
+        ifaces = "".join(f"enabled_{k}_interfaces = {v}\n" for k, v in {**fake, **none}.items())
+        (d / "ironic.conf").write_text(
+            "[DEFAULT]\n"
+            f"log_dir = {self.root}/logs\n"
+            "auth_strategy = keystone\n"
+            "enabled_hardware_types = fake-hardware\n"
+            + ifaces
+            + textwrap.dedent(
+                f"""\
+                default_resource_class = baremetal
+                rpc_transport = none
+                host = sco-ironic
+                rbac_service_role_elevated_access = true
+                [api]
+                host_ip = 127.0.0.1
+                port = {port}
+                [database]
+                connection = {self._db("ironic")}
+                [conductor]
+                automated_clean = false
+                [dhcp]
+                dhcp_provider = none
+                [oslo_concurrency]
+                lock_path = {d}
+                [oslo_messaging_notifications]
+                driver = noop
+                """
+            )
+            + self._authtoken("ironic")
+            + self._creds("service_catalog", "ironic")
+            + self._creds("glance", "ironic")
+            + self._creds("nova", "ironic")
+        )
+        conf = str(d / "ironic.conf")
+        conn = self.connect()
+        ident = conn.identity
+        service = ident.find_project("service")
+        u = ident.create_user(name="ironic", password=PASSWORD, domain_id="default", default_project_id=service.id)
+        for role in ("admin", "service"):
+            ident.assign_project_role_to_user(service, u, ident.find_role(role))
+        svc = ident.create_service(name="ironic", type="baremetal")
+        for interface in ("public", "internal"):
+            ident.create_endpoint(
+                service_id=svc.id, interface=interface, url=f"http://127.0.0.1:{port}", region_id=REGION
+            )
+        self._run("ironic-dbsync", "ironic-dbsync", "--config-file", conf, "create_schema")
+        self._spawn("ironic", [self._bin("ironic"), "--config-file", conf])
+        self._wait_http("ironic", port)
+        # the second compute service: the Ironic driver, one compute node per bare-metal node
+        (self.root / "nova" / "ironic-compute.conf").write_text(
+            textwrap.dedent(
+                f"""\
+                [DEFAULT]
+                host = sco-ironic-compute
+                compute_driver = ironic.IronicDriver
+                state_path = {self.root}/nova-ironic
+                instances_path = {self.root}/nova-ironic/instances
+                update_resources_interval = 2
+                """
+            )
+            + self._creds("ironic", "nova")
+        )
+        self._spawn(
+            "nova-compute-ironic",
+            [self._bin("nova-compute"), "--config-file", str(self.root / "nova" / "nova.conf"),
+             "--config-file", str(self.root / "nova" / "ironic-compute.conf")],
+        )  # fmt: skip
+        for i in range(nodes):
+            n = conn.baremetal.create_node(
+                driver="fake-hardware", name=f"metal-{i}", resource_class="baremetal",
+                properties={"cpus": 4, "memory_mb": 8192, "local_gb": 10, "cpu_arch": "x86_64"},
+            )  # fmt: skip
+            conn.baremetal.set_node_provision_state(n, "manage", wait=True, timeout=120)
+            conn.baremetal.set_node_provision_state(n, "provide", wait=True, timeout=120)
+        f = conn.compute.create_flavor(name="sco.metal", vcpus=4, ram=8192, disk=10)
+        conn.compute.create_flavor_extra_specs(
+            f, {"resources:CUSTOM_BAREMETAL": "1", "resources:VCPU": "0", "resources:MEMORY_MB": "0",
+                "resources:DISK_GB": "0"},
+        )  # fmt: skip
+        self.flavors["sco.metal"] = f.id
+
+        def nodes_in_placement() -> bool:
+            self._alive("nova-compute-ironic")
+            rps = conn.placement.resource_providers()
+            return sum(1 for rp in rps if rp.name in {n.id for n in conn.baremetal.nodes()}) >= nodes
+
+        _wait(nodes_in_placement, 180, "the Ironic nodes in Placement", 1.0)
+        self._run(
+            "nova-manage", "nova-manage", "--config-file", str(self.root / "nova" / "nova.conf"), "cell_v2",
+            "discover_hosts",
+        )  # fmt: skip
+        conn.close()
+        self.timings["ironic_s"] = time.monotonic() - t0
+
     # --- stop -------------------------------------------------------------------------------------------
 
     def stop(self) -> None:
