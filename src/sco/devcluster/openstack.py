@@ -764,6 +764,8 @@ class OpenStackCloud:
             ident.create_endpoint(
                 service_id=svc.id, interface=interface, url=f"http://127.0.0.1:{port}", region_id=REGION
             )
+        conn.close()
+        conn = self.connect()  # a fresh token: its catalog has the baremetal endpoint
         self._run("ironic-dbsync", "ironic-dbsync", "--config-file", conf, "create_schema")
         self._spawn("ironic", [self._bin("ironic"), "--config-file", conf])
         self._wait_http("ironic", port)
