@@ -559,6 +559,12 @@ class Cluster:
             if match(obj):
                 q.put(ev)
 
+    def drop_watches(self) -> None:
+        """Test hook: end every open watch (as an API server restart or a load balancer's idle cut does)."""
+        with self.lock:
+            for _, q in self.watchers:
+                q.put(None)
+
     def compact(self) -> None:
         """Test hook: forget the watch history, as etcd compaction does (watches from before now get 410)."""
         with self.lock:
@@ -905,6 +911,9 @@ class Cluster:
         if c is None or c.gen != gen:
             return
         del self.containers[uid]
+        self.audit.append(
+            {"at": time.time(), "verb": "exited", "kind": "Pod", "name": c.name, "uid": uid, "killed": c.killed}
+        )
         pod = self.pods.get((c.ns, c.name))
         if pod is None or pod["metadata"]["uid"] != uid:
             return  # a ghost's containers end: nothing in the API to update
@@ -1205,6 +1214,9 @@ class _Handler(BaseHTTPRequestHandler):
                 wait = min(1.0, max(0.01, deadline - time.monotonic()))
                 if bookmarks:
                     wait = min(wait, max(0.01, next_bookmark - time.monotonic()))
+                if self.server.silent:
+                    time.sleep(0.05)  # a partitioned server: the connection stays open, nothing arrives
+                    continue
                 try:
                     ev = events.get(timeout=wait)
                 except queue.Empty:
@@ -1289,6 +1301,7 @@ class KubeApiStandIn(ThreadingHTTPServer):
     ) -> None:
         self.cluster = Cluster()
         self.latency_s = 0.0
+        self.silent = False  # True: requests hang and open watches deliver nothing (see ``go_silent``)
         self.tokens = tokens  # None: no authentication (any or no token is accepted)
         self.bookmark_interval_s = bookmark_interval_s
         super().__init__(address, _Handler)
@@ -1297,6 +1310,11 @@ class KubeApiStandIn(ThreadingHTTPServer):
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.load_cert_chain(*tls)
             self.socket = ctx.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+
+    def go_silent(self, seconds: float = 3600.0) -> None:
+        """Test hook: from now on, answer nothing (every request waits ``seconds``; watches go quiet)."""
+        self.latency_s = seconds
+        self.silent = True
 
     @property
     def url(self) -> str:
