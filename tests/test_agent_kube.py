@@ -365,10 +365,11 @@ def test_defect4_a_pod_recreated_under_the_same_name_is_left_alone(agent: AgentE
     agent.start().wait_subscribed()
     agent.send(agent.notice("same-1", WINDOW))
     wait_for(lambda: agent.of("eviction.blocked"), 5, "the PDB's 429")
-    # a StatefulSet replaces the pod under the same name, on another node
-    kube.cluster.delete_pod("guarded", "g-0", 1)
-    wait_for(lambda: ("guarded", "g-0") not in kube.cluster.pods, 5, "the old pod to go")
-    new = add_pod(kube, "guarded", "g-0", "node-2", labels={"app": "g"}, grace=30)
+    # someone force-deletes it and a StatefulSet replaces it under the same name, on another node, between
+    # two of the agent's eviction retries
+    with kube.cluster.lock:
+        kube.cluster.delete_pod("guarded", "g-0", 0)
+        new = add_pod(kube, "guarded", "g-0", "node-2", labels={"app": "g"}, grace=30)
     agent.outcome(WINDOW + 2)
     time.sleep(0.5)
     live = kube.cluster.pods[("guarded", "g-0")]
