@@ -24,13 +24,14 @@ from typing import Any
 
 from sco import __version__
 from sco._http import AsyncHttpClient, HttpError
-from sco.agent.budget import KubeBudgets, SlurmBudgets
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.config import AgentConfig
-from sco.agent.kube_drain import KubernetesDrain, Resume
+from sco.agent.deadline import Deadline
+from sco.agent.drain import Drain, DrainPath
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
+from sco.agent.resume import DrainRecord
 from sco.agent.sdnotify import notify, watchdog_interval
-from sco.agent.slurm_drain import SlurmDrain, SlurmResume, report_late
+from sco.agent.slurm_drain import report_late
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.signing import Keyring
 
@@ -59,7 +60,8 @@ class Agent:
         self.book = NoticeBook()
         self.refused: Counter[str] = Counter()
         self._refused_seen: set[str] = set()
-        self.drain: KubernetesDrain | SlurmDrain | None = None
+        self.path: DrainPath | None = None
+        self.drain: Drain | None = None
         self.drain_task: asyncio.Task[None] | None = None
         self.outcomes: list[dict[str, Any]] = []
         self.nc: Any = None
@@ -125,7 +127,7 @@ class Agent:
         if verdict == "duplicate":
             return
         if self.drain is not None:
-            if n.terminate_at < self.drain.deadline:
+            if n.terminate_at < self.drain.deadline.terminate_at:
                 self.spool.append(
                     "notice.deadline",
                     CRITICAL,
@@ -141,7 +143,7 @@ class Agent:
         self.spool.append("notice.accepted", CRITICAL, **n.as_event())
         self._start_drain(n, None)
 
-    def _start_drain(self, n: Notice, resume: Resume | SlurmResume | None) -> None:
+    def _start_drain(self, n: Notice, record: DrainRecord | None) -> None:
         if self.cache.bundle is None:
             self.spool.append(
                 "bundle.missing",
@@ -149,37 +151,15 @@ class Agent:
                 notice=n.id,
                 reason="no verified bundle cached: work keeps its own grace, capped by the deadline",
             )
-        drain: KubernetesDrain | SlurmDrain
-        if self.cfg.scheduler == "slurm":
-            drain = SlurmDrain(
-                slurm=self.slurm,
-                spool=self.spool,
-                budgets=SlurmBudgets(self.cache.bundle),
-                node=self.cfg.node,
-                notice=n,
-                margin=self.margin,
-                slurmd_spool_dir=Path(self.cfg.slurmd_spool_dir.replace("%n", self.cfg.node)),
-                cgroup_root=Path(self.cfg.cgroup_root),
-                resume=resume if isinstance(resume, SlurmResume) else None,
-                clock=self.clock,
-            )
-        else:
-            drain = KubernetesDrain(
-                kube=self.kube,
-                spool=self.spool,
-                budgets=KubeBudgets(self.cache.bundle),
-                node=self.cfg.node,
-                taint_key=self.cfg.taint_key,
-                notice=n,
-                margin=self.margin,
-                resume=resume if isinstance(resume, Resume) else None,
-                clock=self.clock,
-            )
+        assert self.path is not None
+        received = (record.received_at if record else None) or n.received_at
+        deadline = Deadline(n.terminate_at, self.margin, received, self.clock)
+        drain = self.path.drain(n, deadline, record)
         self.drain = drain
         self.drain_task = asyncio.create_task(self._run_drain(drain), name=f"drain:{n.id}")
         self._wake_publisher.set()
 
-    async def _run_drain(self, drain: KubernetesDrain | SlurmDrain) -> None:
+    async def _run_drain(self, drain: Drain) -> None:
         try:
             outcome = await drain.run()
             self.outcomes.append({"notice": drain.notice.id, **outcome})
@@ -226,19 +206,9 @@ class Agent:
             "spool",
             float(open_notice["received_at"]),
         )
-        resume: Resume | SlurmResume
-        done: dict[str, Any]
-        if self.cfg.scheduler == "slurm":
-            resume = SlurmResume.from_spool(self.spool, nid)
-            done = {
-                "drain_set": resume.drain_set,
-                "signalled": len(resume.signalled),
-                "requeued": len(resume.requeued),
-                "around": resume.around,
-            }
-        else:
-            resume = Resume.from_spool(self.spool, nid)
-            done = {"tainted": resume.tainted, "requested": len(resume.requested), "forced": len(resume.forced)}
+        assert self.path is not None
+        resume = self.path.record(self.spool, nid)
+        done = resume.summary()
         self.spool.append(
             "drain.resumed", CRITICAL, notice=nid, deadline_in_s=round(n.terminate_at - self.clock(), 3), **done
         )
@@ -405,26 +375,53 @@ class Agent:
     def stop(self) -> None:
         self._stop.set()
 
-    async def run(self) -> int:
-        from sco.schedulers.kube import KubeClient
-        from sco.schedulers.slurm import SlurmClient
+    def _drain_path(self) -> DrainPath:
+        """The one place that asks which scheduler this node runs beside."""
+        if self.cfg.scheduler == "slurm":
+            from sco.agent.slurm_drain import SlurmPath
+            from sco.schedulers.slurm import SlurmClient
 
+            self.slurm = SlurmClient(
+                slurm_conf=self.cfg.slurm_conf, bin_dir=self.cfg.slurm_bin_dir, timeout=self.api_timeout
+            )
+            return SlurmPath(
+                slurm=self.slurm,
+                spool=self.spool,
+                bundle=lambda: self.cache.bundle,
+                node=self.cfg.node,
+                slurmd_spool_dir=Path(self.cfg.slurmd_spool_dir.replace("%n", self.cfg.node)),
+                cgroup_root=Path(self.cfg.cgroup_root),
+            )
+        from sco.agent.kube_drain import KubePath
+        from sco.schedulers.kube import KubeClient
+
+        self.kube = KubeClient(
+            KubePath.credentials(self.cfg), timeout=self.api_timeout, max_connections=self.cfg.evict_concurrency
+        )
+        return KubePath(
+            kube=self.kube,
+            spool=self.spool,
+            bundle=lambda: self.cache.bundle,
+            node=self.cfg.node,
+            taint_key=self.cfg.taint_key,
+            api_timeout=self.api_timeout,
+        )
+
+    async def _preflight(self) -> None:
+        """Say at start-up what would stop a drain (unknown node, refused credential): fix it before a notice."""
+        assert self.path is not None
+        problems = await self.path.preflight()
+        for p in problems:
+            log.error("preflight: %s", p)
+        if problems:
+            self.spool.append("scheduler.preflight", CRITICAL, problems=problems)
+
+    async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
-        if self.cfg.scheduler == "slurm":
-            self.slurm = SlurmClient(
-                slurm_conf=self.cfg.slurm_conf, bin_dir=self.cfg.slurm_bin_dir, timeout=self.api_timeout
-            )
-        else:
-            self.kube = KubeClient(
-                self.cfg.kube_url,
-                token_file=self.cfg.kube_token_file or None,  # type: ignore[arg-type]
-                ca_file=self.cfg.kube_ca_file or None,  # type: ignore[arg-type]
-                timeout=self.api_timeout,
-                max_connections=self.cfg.evict_concurrency,
-            )
+        self.path = self._drain_path()
         b = self.cache.bundle
         self.spool.append(
             "agent.started",
@@ -443,6 +440,7 @@ class Agent:
             self._spawn(self._bundle_refresh(), "bundle-refresh")
         self._spawn(self._publisher(), "publisher")
         self._spawn(self._housekeeping(), "housekeeping")
+        self._spawn(self._preflight(), "preflight")  # says what would stop a drain, once
         self._ready()
         await self._stop.wait()
         await self._shutdown()
@@ -459,6 +457,6 @@ class Agent:
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.close(), 2)
-        if self.kube is not None:
-            await self.kube.close()
+        if self.path is not None:
+            await self.path.close()
         self.spool.close()

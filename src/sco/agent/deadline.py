@@ -62,9 +62,10 @@ class Deadline:
         left = self.kill_at - self.clock()
         return max(MIN_GRACE_S, math.floor(min(budget_s, left)))
 
-    def grace_too_long(self, granted_at: float, grace: float) -> bool:
-        """Whether a grace granted earlier now ends past the kill time (the deadline moved earlier)."""
-        return granted_at + grace > self.kill_at + 0.5
+    def ends_too_late(self, grace_ends: float) -> bool:
+        """Whether a grace granted earlier now ends past the kill time (the deadline moved earlier). Half a
+        second of slack: the API's deletionTimestamp has whole seconds."""
+        return grace_ends > self.kill_at + 0.5
 
     def call_timeout(self, api_timeout: float) -> float:
         """A call's timeout: the API timeout, but no call runs past the overrun time."""
