@@ -34,6 +34,7 @@ from sco.agent.sdnotify import notify, watchdog_interval
 from sco.agent.slurm_drain import report_late
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.signing import Keyring
+from sco.errors import ConfigError
 
 log = logging.getLogger("sco.agent")
 
@@ -393,11 +394,14 @@ class Agent:
                 cgroup_root=Path(self.cfg.cgroup_root),
             )
         from sco.agent.kube_drain import KubePath
-        from sco.schedulers.kube import KubeClient
+        from sco.schedulers.kube import KubeClient, KubeConfigError
 
-        self.kube = KubeClient(
-            KubePath.credentials(self.cfg), timeout=self.api_timeout, max_connections=self.cfg.evict_concurrency
-        )
+        try:
+            self.kube = KubeClient(
+                KubePath.credentials(self.cfg), timeout=self.api_timeout, max_connections=self.cfg.evict_concurrency
+            )
+        except (KubeConfigError, OSError) as e:  # no CA for https, an unreadable kubeconfig
+            raise ConfigError(f"kubernetes credentials: {e}") from None
         return KubePath(
             kube=self.kube,
             spool=self.spool,
