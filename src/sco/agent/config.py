@@ -213,7 +213,10 @@ bundle_url = "http://127.0.0.1:8470/v1/halls/local/bundle.json"
 nats_url = "nats://127.0.0.1:4222"
 metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
 kube_url = "https://127.0.0.1:6443"
-kube_token_file = ""                # a node-bound token: the agent may taint and evict on its own node only
+kube_token_file = ""                # a node-bound token (read again every minute): its own node only
+kube_ca_file = ""                   # the cluster's CA; "system" for the system store (required with https)
+# kube_kubeconfig = "/etc/sco/kubeconfig"   # or: a kubeconfig's current context
+# kube_in_cluster = 1                       # or: KUBERNETES_SERVICE_HOST/PORT and the service account
 taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
 """
