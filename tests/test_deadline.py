@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sco.agent.deadline import Deadline
+
+NOW = 1_700_000_000.0
 
 
 class Clock:
@@ -71,3 +75,14 @@ def test_call_timeout_never_runs_past_the_overrun_time() -> None:
     assert d.call_timeout(0.8) == pytest.approx(0.3)
     c.t = 1019.5
     assert d.call_timeout(0.8) == 0.05
+
+
+@given(budget=st.floats(0, 200), left=st.floats(-50, 200), margin=st.floats(0, 20))
+def test_grace_is_the_smaller_of_budget_and_time_left_and_at_least_one(
+    budget: float, left: float, margin: float
+) -> None:
+    d = Deadline(terminate_at=NOW + left, margin=margin, started_at=NOW - 1, clock=lambda: NOW)
+    g = d.grace(budget)
+    assert isinstance(g, int) and g >= 1
+    assert g <= max(1.0, budget) and g <= max(1.0, left - margin)
+    assert g >= min(budget, left - margin) - 1

@@ -49,6 +49,7 @@ log = logging.getLogger("sco.agent.kube")
 
 Obj = dict[str, Any]
 BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
+HEARTBEAT_S = 1.0  # with nothing heard for this long, ask the API whether it still answers
 NOTICE_ANNOTATION = "sco.dev/reclaim-notice"
 TERMINAL = ("Succeeded", "Failed")
 
@@ -454,12 +455,27 @@ class KubernetesDrain:
                         and self.deadline.ends_too_late(st.grace_ends)
                     ):
                         self._spawn(self._shorten(st), name)
+                beat = self._tasks.get("heartbeat")
+                if self.deadline.now() - self.heard_at > HEARTBEAT_S and (beat is None or beat.done()):
+                    self._spawn(self._heartbeat(), "heartbeat")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), max(0.0, min(0.25, self.deadline.until_overrun())))
         finally:
             for t in self._tasks.values():
                 t.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _heartbeat(self) -> None:
+        """A quiet watch is not a silent API: a one-item list served from the API server's watch cache
+        (resourceVersion=0, cheap) says whether it still answers."""
+        try:
+            await self.kube.list_pods(self.node, resource_version="0", limit=1, timeout=self._timeout())
+            self._heard()
+        except KubeError as e:
+            self._heard()  # it answered, if only to refuse
+            self._api_problem("heartbeat", e)
+        except KubeUnreachable as e:
+            self._api_problem("heartbeat", e)
 
     def _silent(self) -> bool:
         return self.deadline.now() - self.heard_at > max(2.0, 2 * self.api_timeout)
