@@ -386,6 +386,8 @@ class KubeClient:
             raise KubeUnreachable(f"watch: {e}") from None
         try:
             if status != 200:
+                if status == 401:
+                    self._refresh_token(force=True)  # rotated: the next watch sends the new token
                 body = await reader.read(65536)
                 raise _error(status, body.split(b"\r\n", 1)[-1] if b"\r\n" in body[:8] else body)
             chunked = headers.get("transfer-encoding", "").lower() == "chunked"
