@@ -1311,6 +1311,13 @@ class KubeApiStandIn(ThreadingHTTPServer):
             ctx.load_cert_chain(*tls)
             self.socket = ctx.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return  # the client gave up on its call (its timeout): not the server's error
+        super().handle_error(request, client_address)
+
     def go_silent(self, seconds: float = 3600.0) -> None:
         """Test hook: from now on, answer nothing (every request waits ``seconds``; watches go quiet)."""
         self.latency_s = seconds
