@@ -14,8 +14,8 @@ from typing import Any
 
 from tests.harness import AgentEnv, NatsServer, add_pod, ensure_stream, wait_for
 
-from sco.agent.spool import read_events
 from sco.agent.kube_drain import taint_value
+from sco.agent.spool import read_events
 from sco.standins.kube_apiserver import KubeApiStandIn
 
 
