@@ -31,7 +31,6 @@ from sco.agent.drain import Drain, DrainPath
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
 from sco.agent.resume import DrainRecord
 from sco.agent.sdnotify import notify, watchdog_interval
-from sco.agent.slurm_drain import report_late
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.signing import Keyring
 from sco.errors import ConfigError
@@ -69,7 +68,6 @@ class Agent:
         self._stop = asyncio.Event()
         self._wake_publisher = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._reporting: set[str] = set()
         self.kube: Any = None
         self.slurm: Any = None
 
@@ -164,7 +162,7 @@ class Agent:
         try:
             outcome = await drain.run()
             self.outcomes.append({"notice": drain.notice.id, **outcome})
-            self._report_pending()
+            self._follow_ups()
         except Exception:
             log.exception("drain for notice %s failed", drain.notice.id)
             self.spool.append("drain.error", CRITICAL, notice=drain.notice.id)
@@ -216,24 +214,11 @@ class Agent:
         log.info("resuming drain for notice %s (%.1f s to the deadline)", nid, n.terminate_at - self.clock())
         self._start_drain(n, resume)
 
-    def _report_pending(self) -> None:
-        """Start telling slurmctld what was done around it, for every report the spool has not closed."""
-        if self.cfg.scheduler != "slurm":
-            return
-        pending: dict[str, dict[str, Any]] = {}
-        for ev in self.spool.events():
-            if ev["type"] == "scheduler.report_pending":
-                pending[str(ev["notice"])] = ev
-            elif ev["type"] == "scheduler.told":
-                pending.pop(str(ev["notice"]), None)
-        for nid, ev in pending.items():
-            if nid in self._reporting:
-                continue
-            self._reporting.add(nid)
-            self._spawn(
-                report_late(self.slurm, self.spool, self.cfg.node, nid, list(ev["jobs"]), ev["reason"], self._stop),
-                f"report:{nid}",
-            )
+    def _follow_ups(self) -> None:
+        """Start what the drain path still owes (e.g. telling slurmctld what was done around it)."""
+        assert self.path is not None
+        for name, coro in self.path.follow_ups(self._stop):
+            self._spawn(coro, name)
 
     # --- root tasks --------------------------------------------------------------------------------
 
@@ -436,7 +421,7 @@ class Agent:
             spool_records=self.spool.recovery.records,
         )
         self._resume_from_spool()
-        self._report_pending()
+        self._follow_ups()
         self._spawn(self._nats_link(), "nats")
         if self.cfg.metadata_url:
             self._spawn(self._metadata_poll(), "metadata-poll")

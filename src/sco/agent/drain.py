@@ -7,6 +7,8 @@ it answers a preflight and makes one :class:`Drain` per notice, fresh or resumed
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from sco.agent.deadline import Deadline
@@ -45,6 +47,11 @@ class DrainPath(Protocol):
 
     async def preflight(self) -> list[str]:
         """Problems that would stop a drain (unknown node, refused credential), said at start-up."""
+        ...
+
+    def follow_ups(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        """Named tasks the path still owes (e.g. telling slurmctld, once it answers, what was done around
+        it); called at start and after each drain, each owed task is returned once."""
         ...
 
     async def close(self) -> None: ...

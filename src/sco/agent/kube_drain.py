@@ -566,6 +566,9 @@ class KubePath:
     async def preflight(self) -> list[str]:
         return await self.kube.preflight(self.node)
 
+    def follow_ups(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        return []  # nothing is ever done around the API server that it must be told later
+
     async def close(self) -> None:
         await self.kube.close()
 

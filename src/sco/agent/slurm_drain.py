@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -325,6 +325,7 @@ class SlurmPath:
     ) -> None:
         self.slurm, self.spool, self.bundle, self.node = slurm, spool, bundle, node
         self.slurmd_spool_dir, self.cgroup_root = slurmd_spool_dir, cgroup_root
+        self._reporting: set[str] = set()
 
     def record(self, spool: Spool, notice_id: str) -> SlurmResume:
         return SlurmResume.from_spool(spool, notice_id)
@@ -344,6 +345,22 @@ class SlurmPath:
 
     async def preflight(self) -> list[str]:
         return []  # slurmctld may be away at boot: the path around it covers that
+
+    def follow_ups(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        """A report to slurmctld for every drain done around it that the spool has not closed, each once."""
+        pending: dict[str, dict[str, Any]] = {}
+        for ev in self.spool.events():
+            if ev["type"] == "scheduler.report_pending":
+                pending[str(ev["notice"])] = ev
+            elif ev["type"] == "scheduler.told":
+                pending.pop(str(ev["notice"]), None)
+        out: list[tuple[str, Coroutine[Any, Any, None]]] = []
+        for nid, ev in pending.items():
+            if nid not in self._reporting:
+                self._reporting.add(nid)
+                coro = report_late(self.slurm, self.spool, self.node, nid, list(ev["jobs"]), ev["reason"], stop)
+                out.append((f"report:{nid}", coro))
+        return out
 
     async def close(self) -> None:
         pass
