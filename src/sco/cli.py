@@ -94,8 +94,22 @@ def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
     async def main() -> Any:
         import nats
 
+        async def quiet(e: Exception) -> None:  # the failure is reported once, below
+            pass
+
         try:
-            nc = await nats.connect(args.nats, connect_timeout=5, max_reconnect_attempts=0, **_nats_auth(args))
+            # nats-py keeps retrying a refused first connection whatever its options say: bound it here.
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    args.nats,
+                    connect_timeout=5,
+                    allow_reconnect=False,
+                    max_reconnect_attempts=0,
+                    error_cb=quiet,
+                    **_nats_auth(args),
+                ),
+                10,
+            )
         except Exception as e:
             raise FetchError(f"{args.nats}: cannot connect: {type(e).__name__}: {e}") from None
         try:
@@ -336,7 +350,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     if not args.url:
         raise ConfigError("no bundle URL: give --url or set $SCO_BUNDLE_URL")
     cache = BundleCache(Path(args.cache_dir), _keyring(args))
-    fetcher = BundleFetcher(cache, args.url)
+    fetcher = BundleFetcher(cache, args.url, max_bytes=args.max_bytes, deadline_s=args.deadline)
     while True:
         offer = fetcher.refresh()
         line = {
@@ -516,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trust(x)
     x.add_argument("--watch", action="store_true", help="keep refreshing")
     x.add_argument("--interval", type=float, default=60.0)
+    x.add_argument("--max-bytes", type=int, default=32 << 20, help="refuse a larger response (default 32 MiB)")
+    x.add_argument("--deadline", type=float, default=30.0, help="seconds for the whole request (default 30)")
     x.set_defaults(func=cmd_fetch)
     x = ns.add_parser("bundle-status", help="the cached bundle: serial, age, last refresh outcome")
     x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))

@@ -192,6 +192,7 @@ class Spool:
         self.last_seq = 0
         self.dropped_total = 0
         self.failures = WriteFailures()
+        self._unreported: dict[str, Any] | None = None  # the last failure episode no outcome has mentioned yet
         self._pending: list[tuple[bytes, int]] = []  # frames the disk refused, oldest first
         self._pending_bytes = 0
         self._recover()
@@ -265,7 +266,10 @@ class Spool:
         return True
 
     def maybe_sync(self) -> None:
-        """Called periodically: bounds how long a routine record stays unsynced."""
+        """Called periodically: bounds how long a routine record stays unsynced, and retries records the
+        disk refused (so they land, and the outcome says so, as soon as there is room again)."""
+        if self._pending:
+            self._flush_pending()
         if self._dirty_since is not None and self.clock() - self._dirty_since >= self.sync_interval:
             self.sync()
 
@@ -291,8 +295,13 @@ class Spool:
     def append(self, type_: str, priority: int = ROUTINE, **fields: Any) -> Event:
         """Write one record (synced at once when critical). Never raises on a refused write: the drain comes
         first; the record waits in memory and goes to disk, in order, once the disk takes writes again."""
-        if self.failures.count and type_ in OUTCOME_TYPES:
-            fields = {**fields, "spool_unwritable": self._failure_summary()}
+        if type_ in OUTCOME_TYPES and (self.failures.count or self._unreported):
+            # The drain's outcome says the disk refused writes during it (even if it takes them again now).
+            fields = {
+                **fields,
+                "spool_unwritable": self._failure_summary() if self.failures.count else self._unreported,
+            }
+            self._unreported = None
         event, frame = self._encode(type_, priority, fields)
         if self.size + len(frame) > self.max_bytes and not self._pending:
             try:
@@ -348,6 +357,7 @@ class Spool:
             return
         if self.failures.count and not self._pending:
             summary = {**self._failure_summary(), "until": round(self.clock(), 3)}
+            self._unreported = summary
             log.error("spool %s is writable again after %d refused write(s)", self.path, self.failures.count)
             self.failures = WriteFailures(total=self.failures.total)
             self.append("spool.unwritable", CRITICAL, **summary)
