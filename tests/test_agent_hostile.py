@@ -285,7 +285,10 @@ def test_a_huge_foreign_notice_hides_nothing(agent: AgentEnv, kube: KubeApiStand
         "guarded", {"metadata": {"name": "g"}, "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "g"}}}}
     )
     agent.start().wait_subscribed()
-    agent.send(agent.notice("big", WINDOW, node="x" * 900_000))
+    # 800 KB on the wire (under NATS's 1 MB payload limit); its node name, quoted in a refusal reason and
+    # escaped as JSON (\u00e9: 6 bytes a character), made a 2.4 MB record before the fix.
+    doc = agent.notice_doc("big", WINDOW, node="\u00e9" * 400_000)
+    agent.send(json.dumps(doc, ensure_ascii=False).encode())
     wait_for(lambda: agent.of("notice.refused"), 10, "the refusal")
     agent.send(agent.notice("real-1", WINDOW))
     out = agent.outcome(WINDOW)  # every record after the refusal is readable: the outcome, the forced delete
