@@ -358,6 +358,12 @@ def test_full_disk_still_taints_and_evicts_and_says_so_later(
         assert types.index("notice.accepted") < types.index("node.tainted") < types.index("drain.drained")
         assert "spool.unwritable" in types
         assert "Traceback" not in env.logtext()
+        # the publisher lived through it: everything reaches JetStream, the outcome included
+        wait_for(
+            lambda: any(e.get("type") == "drain.drained" for e in asyncio.run(stream_events(nats_server.url))),
+            15,
+            "the outcome in JetStream",
+        )
     finally:
         env.stop()
 
