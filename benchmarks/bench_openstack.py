@@ -25,6 +25,7 @@ from typing import Any
 
 from tests.harness import NatsServer, ensure_stream
 
+from sco.contract.signing import generate
 from sco.control.acquirer import Acquirer, PlanEntry
 from sco.devcluster.openstack import OpenStackCloud
 from sco.provider.reclaimer import Reclaimer
@@ -142,7 +143,7 @@ def bench_reclaim() -> Iterator[dict[str, Any]]:
 
                 await nc.subscribe("sco.notice.bench.>", cb=cb)
                 await nc.flush()
-                r = Reclaimer(conn, st, nats.url, window_s=window)
+                r = Reclaimer(conn, st, nats.url, window_s=window, signing_keys=[generate()])
                 await r.reclaim("bench", names)
                 await nc.close()
                 await r.close()

@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from sco.contract.bundle import Bundle
-from sco.contract.signing import Keyring, generate
+from sco.contract.notice import verify_notice
+from sco.contract.signing import Keyring, generate, write_keypair
 from sco.contract.userdata import CACHE_PATH, render
 from sco.control.acquirer import Acquirer, PlanEntry
 from sco.provider.reclaimer import Reclaimer
@@ -254,9 +255,8 @@ def test_reclaim_notice_drain_delete_at_deadline_recorded(
                 ready, stop = asyncio.Event(), asyncio.Event()
                 listener = asyncio.create_task(_collect(nats_server.url, f"sco.notice.{hall}.>", seen, ready, stop))
                 await ready.wait()
-                # Once signed notices land (the harness then gives each agent's hall a notice key), the reclaimer
-                # signs with those keys; before that it publishes the unsigned format the agent accepts.
-                keys = [a.notice_key for a in agents if hasattr(a, "notice_key")] or None
+                # each agent's hall policy names its own notice key: the reclaimer signs with both
+                keys = [a.notice_key for a in agents]
                 r = Reclaimer(cloud, st, nats_server.url, window_s=window, signing_keys=keys)
                 await r.notify(hall, [via_nats.name, via_metadata.name])
                 # the notice is in the instance metadata, as nova-metadata serves it to the instance
@@ -276,7 +276,12 @@ def test_reclaim_notice_drain_delete_at_deadline_recorded(
             notices = {json.loads(b)["node"]: json.loads(b) for b in seen}
             assert set(notices) == {via_nats.name, via_metadata.name}
             n0 = notices[via_nats.name]
-            assert set(n0) - {"signatures"} == {"id", "hall", "node", "terminateAt", "issuedAt"}
+            assert set(n0) == {"id", "hall", "node", "terminateAt", "issuedAt", "signatures"}
+            trusted = Keyring([agents[0].notice_key.public])
+            assert (
+                verify_notice(next(b for b in seen if json.loads(b)["node"] == via_nats.name), trusted)["id"]
+                == n0["id"]
+            )
             assert n0["terminateAt"] == pytest.approx(n0["issuedAt"] + window)
             # both agents drained before T, one through each channel
             for a, source in ((agents[0], "nats"), (agents[1], "metadata")):
@@ -355,6 +360,9 @@ def test_sco_reclaim_command(openstack_cloud, cloud, fleet_dsn, nats_server, tmp
     hall = "cli"
     clouds = openstack_cloud.write_clouds_yaml(tmp_path / "clouds.yaml")
     env = {**os.environ, "OS_CLIENT_CONFIG_FILE": str(clouds), "SCO_DB_DSN": fleet_dsn, "SCO_NATS_URL": nats_server.url}
+    key = generate()
+    write_keypair(key, tmp_path / "notice.key", tmp_path / "notice.pub")
+    env["SCO_NOTICE_KEY"] = str(tmp_path / "notice.key")
     sco = [sys.executable, "-m", "sco.cli", "reclaim", "--hall", hall, "--os-cloud", "sco-loopback"]
     with FleetState(fleet_dsn) as st:
         st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))

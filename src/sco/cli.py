@@ -466,11 +466,14 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
         raise ConfigError("no notice relay: give --nats URL or set $SCO_NATS_URL")
     if args.window <= 0:
         raise ConfigError(f"--window: must be > 0 seconds, got {args.window}")
-    keys = None
-    if args.notice_key:
-        from sco.contract.signing import load_private
+    from sco.contract.signing import load_private
 
-        keys = [load_private(Path(k)) for k in args.notice_key]
+    key_files = args.notice_key or ([os.environ["SCO_NOTICE_KEY"]] if os.environ.get("SCO_NOTICE_KEY") else [])
+    if not key_files:
+        raise ConfigError(
+            "no notice key: give --notice-key KEY or set $SCO_NOTICE_KEY (agents refuse unsigned notices)"
+        )
+    keys = [load_private(Path(k)) for k in key_files]
 
     async def go() -> int:
         with FleetState(dsn_from_env(args.dsn), application="sco reclaim") as st, st.writer(args.hall, args.lock_wait):
@@ -507,7 +510,12 @@ def _add_fleet_commands(sub: Any) -> None:
     x.add_argument("--nats", default=_env("SCO_NATS_URL"), help="the hall's notice relay [$SCO_NATS_URL]")
     x.add_argument("--os-cloud", default=_env("OS_CLOUD"), help="clouds.yaml entry [$OS_CLOUD]")
     x.add_argument("--dsn", default=_env("SCO_DB_DSN"), help="fleet state [$SCO_DB_DSN]")
-    x.add_argument("--notice-key", action="append", metavar="KEY", help="sign notices with this key (repeatable)")
+    x.add_argument(
+        "--notice-key",
+        action="append",
+        metavar="KEY",
+        help="the hall's notice signing key (repeatable) [$SCO_NOTICE_KEY]",
+    )
     x.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another writer of the hall")
     x.add_argument("--no-wait", action="store_true", help="send the notices and return (a later run deletes)")
     x.set_defaults(func=cmd_reclaim)

@@ -795,6 +795,9 @@ class OpenStackCloud:
             )  # fmt: skip
             conn.baremetal.set_node_provision_state(n, "manage", wait=True, timeout=120)
             conn.baremetal.set_node_provision_state(n, "provide", wait=True, timeout=120)
+            # A node with no known power state counts as unavailable for Nova (its inventory is reserved), and
+            # the conductor's power sync would only learn it a minute later.
+            conn.baremetal.set_node_power_state(n, "power off", wait=True, timeout=60)
         f = conn.compute.create_flavor(name="sco.metal", vcpus=4, ram=8192, disk=10)
         conn.compute.create_flavor_extra_specs(
             f, {"resources:CUSTOM_BAREMETAL": "1", "resources:VCPU": "0", "resources:MEMORY_MB": "0",
@@ -802,10 +805,16 @@ class OpenStackCloud:
         )  # fmt: skip
         self.flavors["sco.metal"] = f.id
 
+        node_ids = {n.id for n in conn.baremetal.nodes()}
+
         def nodes_in_placement() -> bool:
             self._alive("nova-compute-ironic")
-            rps = conn.placement.resource_providers()
-            return sum(1 for rp in rps if rp.name in {n.id for n in conn.baremetal.nodes()}) >= nodes
+            free = 0
+            for rp in conn.placement.resource_providers():
+                if rp.name in node_ids:
+                    inv = conn.placement.resource_provider_inventories(rp)
+                    free += sum(1 for i in inv if i.resource_class == "CUSTOM_BAREMETAL" and i.reserved == 0)
+            return free >= nodes
 
         _wait(nodes_in_placement, 180, "the Ironic nodes in Placement", 1.0)
         self._run(

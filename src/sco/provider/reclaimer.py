@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import importlib
-import importlib.util
 import json
 import logging
 import time
@@ -25,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sco.contract.notice import sign_notice
+from sco.contract.signing import PrivateKey
 from sco.errors import ConfigError, Problem
 from sco.state.fleet import RECLAIMING, FleetState, Instance
 
@@ -47,16 +47,13 @@ def notice_document(notice_id: str, hall: str, node: str, terminate_at: float, i
     return {"id": notice_id, "hall": hall, "node": node, "terminateAt": terminate_at, "issuedAt": issued_at}
 
 
-def encode_notice(notice: dict[str, Any], signing_keys: list[Any] | None = None) -> bytes:
-    """The bytes published on the relay. Every notice goes through here, so signing is one change."""
-    if signing_keys:
-        # sco.contract.notice lands with signed notices (another branch); until then keys are refused upstream
-        sign: Callable[[dict[str, Any], list[Any]], bytes] = importlib.import_module("sco.contract.notice").sign_notice
-        return sign(notice, signing_keys)
-    return json.dumps(notice, separators=(",", ":"), sort_keys=True).encode()
+def encode_notice(notice: dict[str, Any], signing_keys: list[PrivateKey]) -> bytes:
+    """The bytes published on the relay, signed with the hall's notice keys (agents refuse unsigned notices).
+    Every notice goes through here."""
+    return sign_notice(notice, signing_keys)
 
 
-async def publish_notice(nc: Any, notice: dict[str, Any], signing_keys: list[Any] | None = None) -> bytes:
+async def publish_notice(nc: Any, notice: dict[str, Any], signing_keys: list[PrivateKey]) -> bytes:
     data = encode_notice(notice, signing_keys)
     await nc.publish(NOTICE_SUBJECT.format(hall=notice["hall"], node=notice["node"]), data)
     await nc.flush(timeout=2)
@@ -84,7 +81,7 @@ class Reclaimer:
         *,
         window_s: float = 120.0,
         clock: Callable[[], float] = time.time,
-        signing_keys: list[Any] | None = None,
+        signing_keys: list[PrivateKey],
         events_stream: str = EVENTS_STREAM,
         gone_poll_s: float = 0.5,
         nova_concurrency: int = 32,
@@ -97,8 +94,8 @@ class Reclaimer:
         self.signing_keys = signing_keys
         self.events_stream = events_stream
         self.gone_poll_s = gone_poll_s
-        if signing_keys and importlib.util.find_spec("sco.contract.notice") is None:
-            raise ConfigError("signed notices need sco.contract.notice, which this version does not have")
+        if not signing_keys:
+            raise ConfigError("no notice key: the hall's agents refuse unsigned notices (hall policy noticeKeys)")
         self.nc: Any = None
         self.reclaims: dict[int, Reclaim] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(nova_concurrency, thread_name_prefix="nova")
