@@ -409,3 +409,34 @@ def test_baremetal_pool_launches_ironic_nodes_through_nova(ironic, cloud, fleet_
             )
         finally:
             cleanup(cloud, hall)
+
+
+def test_relay_down_notice_still_in_metadata_and_deleted_at_deadline(openstack_cloud, cloud, fleet_dsn) -> None:  # type: ignore[no-untyped-def]
+    hall = "norelay"
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        try:
+            Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "e1", 1))
+            (inst,) = st.instances(hall)
+
+            async def go() -> Reclaimer:
+                r = Reclaimer(cloud, st, "nats://127.0.0.1:1", window_s=4, signing_keys=[generate()])
+                (rc,) = await r.notify(hall, [inst.name])
+                assert rc.published_at is None and rc.metadata_at is not None
+                meta = await asyncio.to_thread(cloud.compute.get_server_metadata, inst.server_id)
+                assert meta.metadata["sco_reclaim_id"] == rc.notice["id"]
+                assert float(meta.metadata["sco_reclaim_at"]) == pytest.approx(rc.terminate_at, abs=0.001)
+                await r.run(hall)
+                await r.close()
+                return r
+
+            r = asyncio.run(go())
+            rc = r.reclaims[inst.id]
+            assert rc.deleted_at is not None and rc.deleted_at >= rc.terminate_at
+            k = kinds(st, inst.id)
+            assert k[k.index("reclaim.scheduled") :] == [
+                "reclaim.scheduled", "notice.publish_failed", "notice.metadata_written",
+                "instance.delete_requested", "instance.deleted",
+            ]  # fmt: skip
+        finally:
+            cleanup(cloud, hall)

@@ -521,6 +521,9 @@ class OpenStackCloud:
                 auth_strategy = keystone
                 # the agent polls the metadata every few seconds: no stale reclaim time from a cache
                 metadata_cache_expiration = 0
+                # nova 34 checks its own responses against its schemas and logs a traceback per mismatch
+                # (server lists with tags mismatch): costly on a shared CPU, and no part of the API's behaviour
+                response_validation = ignore
                 [wsgi]
                 api_paste_config = {r}/nova/api-paste.ini
                 [api_database]
@@ -832,9 +835,11 @@ class OpenStackCloud:
         for _name, p in reversed(list(self.procs.items())):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
+        # oslo.service waits up to a minute for graceful shutdown: give them all 10 s together, then KILL.
+        end = time.monotonic() + 10
         for _name, p in self.procs.items():
             try:
-                p.wait(20)
+                p.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)

@@ -104,8 +104,9 @@ class Reclaimer:
         if self.nc is None or self.nc.is_closed:
             import nats
 
-            self.nc = await nats.connect(
-                self.nats_url, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True
+            # nats-py retries a refused first connection whatever its options say: bound the first one.
+            self.nc = await asyncio.wait_for(
+                nats.connect(self.nats_url, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True), 5
             )
         return self.nc
 
@@ -146,9 +147,14 @@ class Reclaimer:
         except Exception as e:  # the relay is down: the metadata channel still carries every notice
             log.warning("notice relay %s unreachable: %s", self.nats_url, e)
             nc = None
-        if nc is not None:
-            for r in out:
+        for r in out:
+            if nc is not None:
                 await self._publish(hall, r, nc)
+            else:
+                self.state.event(
+                    hall, "notice.publish_failed", instance_id=r.instance.id, notice=r.notice["id"],
+                    error=f"relay {self.nats_url} unreachable",
+                )  # fmt: skip
         await asyncio.gather(*(self._write_metadata(hall, r) for r in out))
         return out
 
