@@ -65,6 +65,9 @@ class AgentConfig:
     bundle_refresh_seconds: float = 0
     scheduler_api_timeout_ms: int = 0
     log_level: str = "info"
+    checkpoint_socket: str = "/run/sco/checkpoint.sock"
+    """Unix socket workloads register on to be told of a notice (agent/CHECKPOINT-PROTOCOL.md); empty: none.
+    Pods reach it by mounting its directory as a hostPath."""
 
     @property
     def spool_dir(self) -> Path:
@@ -170,6 +173,8 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.spool_max_bytes", "must be at least 65536"))
     if not 1 <= cfg.evict_concurrency <= 256:
         p.append(Problem(where, "agent.evict_concurrency", "must be between 1 and 256"))
+    if cfg.checkpoint_socket and len(cfg.checkpoint_socket.encode()) > 107:
+        p.append(Problem(where, "agent.checkpoint_socket", "a Unix socket path must be at most 107 bytes"))
     if cfg.log_level not in ("debug", "info", "warning", "error"):
         p.append(Problem(where, "agent.log_level", "expected debug, info, warning or error"))
     if not cfg.trust_dir.is_dir() or not any(cfg.trust_dir.glob("*.pub")):
@@ -201,6 +206,7 @@ kube_url = "https://127.0.0.1:6443"
 kube_token_file = ""                # a node-bound token: the agent may taint and evict on its own node only
 taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
+checkpoint_socket = "/run/sco/checkpoint.sock"  # workloads register here (pods: hostPath /run/sco); "" disables
 """
 
 __all__ = ["SAMPLE", "AgentConfig", "check", "load"]

@@ -26,6 +26,7 @@ from sco import __version__
 from sco._http import AsyncHttpClient, HttpError
 from sco.agent.budget import KubeBudgets, SlurmBudgets
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
+from sco.agent.checkpoint import CheckpointServer
 from sco.agent.config import AgentConfig
 from sco.agent.kube_drain import KubernetesDrain, Resume
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
@@ -69,6 +70,7 @@ class Agent:
         self._reporting: set[str] = set()
         self.kube: Any = None
         self.slurm: Any = None
+        self.checkpoint: CheckpointServer | None = None
 
     # --- policy, from the bundle unless overridden -------------------------------------------------
 
@@ -135,6 +137,8 @@ class Agent:
                     source=n.source,
                 )
                 self.drain.update_deadline(n.terminate_at)
+                if self.checkpoint is not None:
+                    self.checkpoint.update_deadline(n.terminate_at)
             return
         if verdict != "new":
             return  # an earlier time for a notice whose drain has already finished
@@ -176,6 +180,8 @@ class Agent:
                 clock=self.clock,
             )
         self.drain = drain
+        if self.checkpoint is not None:  # workloads on the checkpoint socket are told at once
+            self.checkpoint.start_notice(n.id, n.terminate_at, self.margin, drain.started_at)
         self.drain_task = asyncio.create_task(self._run_drain(drain), name=f"drain:{n.id}")
         self._wake_publisher.set()
 
@@ -434,6 +440,7 @@ class Agent:
             spool_torn_bytes=self.spool.recovery.torn_bytes,
             spool_records=self.spool.recovery.records,
         )
+        await self._start_checkpoint()
         self._resume_from_spool()
         self._report_pending()
         self._spawn(self._nats_link(), "nats")
@@ -448,6 +455,28 @@ class Agent:
         await self._shutdown()
         return 0
 
+    async def _start_checkpoint(self) -> None:
+        """The checkpoint socket; a failure to listen is recorded, never a reason not to drain."""
+        if not self.cfg.checkpoint_socket:
+            return
+
+        def budget_for(contract: str | None) -> float | None:
+            b = self.cache.bundle.budget(contract) if (contract and self.cache.bundle) else None
+            return float(b.drain_seconds) if b else None
+
+        def on_event(type_: str, **fields: Any) -> None:
+            notice = self.checkpoint.notice.id if self.checkpoint and self.checkpoint.notice else None
+            self.spool.append(type_, ROUTINE, notice=notice, **fields)
+
+        srv = CheckpointServer(Path(self.cfg.checkpoint_socket), budget_for=budget_for, on_event=on_event)
+        try:
+            await srv.start()
+        except OSError as e:
+            log.error("checkpoint socket %s: %s", self.cfg.checkpoint_socket, e)
+            self.spool.append("checkpoint.unavailable", CRITICAL, path=self.cfg.checkpoint_socket, error=str(e))
+            return
+        self.checkpoint = srv
+
     async def _shutdown(self) -> None:
         notify("STOPPING=1")
         for t in self._tasks:
@@ -461,4 +490,6 @@ class Agent:
                 await asyncio.wait_for(self.nc.close(), 2)
         if self.kube is not None:
             await self.kube.close()
+        if self.checkpoint is not None:
+            await self.checkpoint.close()
         self.spool.close()
