@@ -176,8 +176,9 @@ def test_need_past_budget_refused_and_grant_without_done_ends_at_grant(sock_dir:
             assert refused["budget_end"] == pytest.approx(t0 + 2.0, abs=0.05)
             granted = await lazy.wait("granted")
             settled = await srv.wait_settled(until=t0 + 13)
-            assert srv.workloads["w-1"].state == "done"  # greedy answered done after the refusal
-            assert srv.workloads["w-2"].state == "silent"  # lazy got 1 s, never said done
+            states = {w.name: w.state for w in srv.workloads.values()}
+            # greedy answered done after the refusal; lazy got 1 s and never said done
+            assert states == {"greedy": "done", "lazy": "silent"}
             assert time.time() >= granted["until"] and time.time() < t0 + BUDGETS["slow"]
             assert settled.counts == {"done": 1, "silent": 1}
             assert rec.of("checkpoint.need_refused")[0]["workload"] == "greedy"
@@ -207,7 +208,8 @@ def test_late_registration_and_earlier_deadline(sock_dir: Path) -> None:
             srv.update_deadline(t0 + 5)
             settled = await srv.wait_settled(until=t0 + 5)
             # the moved deadline cut early's budget to deadline - margin = t0 + 3
-            assert srv.workloads["w-1"].budget_end == pytest.approx(t0 + 3, abs=0.05)
+            (w_early,) = [w for w in srv.workloads.values() if w.name == "early"]
+            assert w_early.budget_end == pytest.approx(t0 + 3, abs=0.05)
             assert time.time() < t0 + 5 and settled.counts == {"silent": 1, "done": 1}
         finally:
             await early.stop()

@@ -65,6 +65,12 @@ class AgentConfig:
     bundle_refresh_seconds: float = 0
     scheduler_api_timeout_ms: int = 0
     log_level: str = "info"
+    kube_fallback: str = "poweroff"
+    """Around a silent API server (800 ms): poweroff = take a logind delay inhibitor and power off, so kubelet's
+    graceful node shutdown terminates pods by priority; wait = take the inhibitor and wait for the provider's
+    shutdown; off = keep retrying the API (no fallback)."""
+    logind_bus: str = "unix:path=/run/dbus/system_bus_socket"
+    """D-Bus address of the system bus logind is on."""
     checkpoint_socket: str = "/run/sco/checkpoint.sock"
     """Unix socket workloads register on to be told of a notice (agent/CHECKPOINT-PROTOCOL.md); empty: none.
     Pods reach it by mounting its directory as a hostPath."""
@@ -173,6 +179,10 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.spool_max_bytes", "must be at least 65536"))
     if not 1 <= cfg.evict_concurrency <= 256:
         p.append(Problem(where, "agent.evict_concurrency", "must be between 1 and 256"))
+    if cfg.kube_fallback not in ("poweroff", "wait", "off"):
+        p.append(Problem(where, "agent.kube_fallback", f"expected poweroff, wait or off, got {cfg.kube_fallback!r}"))
+    if not cfg.logind_bus.startswith(("unix:path=", "unix:abstract=")):
+        p.append(Problem(where, "agent.logind_bus", f"expected a unix:path=... D-Bus address, got {cfg.logind_bus!r}"))
     if cfg.checkpoint_socket and len(cfg.checkpoint_socket.encode()) > 107:
         p.append(Problem(where, "agent.checkpoint_socket", "a Unix socket path must be at most 107 bytes"))
     if cfg.log_level not in ("debug", "info", "warning", "error"):
@@ -206,6 +216,7 @@ kube_url = "https://127.0.0.1:6443"
 kube_token_file = ""                # a node-bound token: the agent may taint and evict on its own node only
 taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
+kube_fallback = "poweroff"          # API silent 800 ms: logind inhibitor + kubelet graceful node shutdown
 checkpoint_socket = "/run/sco/checkpoint.sock"  # workloads register here (pods: hostPath /run/sco); "" disables
 """
 

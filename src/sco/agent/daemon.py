@@ -28,7 +28,10 @@ from sco.agent.budget import KubeBudgets, SlurmBudgets
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.config import AgentConfig
+from sco.agent.inhibit import Logind
 from sco.agent.kube_drain import KubernetesDrain, Resume
+from sco.agent.kube_fallback import KubernetesDrainWithFallback
+from sco.agent.kube_fallback import report_late as kube_report_late
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
 from sco.agent.sdnotify import notify, watchdog_interval
 from sco.agent.slurm_drain import SlurmDrain, SlurmResume, report_late
@@ -168,7 +171,7 @@ class Agent:
                 clock=self.clock,
             )
         else:
-            drain = KubernetesDrain(
+            kw: dict[str, Any] = dict(
                 kube=self.kube,
                 spool=self.spool,
                 budgets=KubeBudgets(self.cache.bundle),
@@ -179,6 +182,15 @@ class Agent:
                 resume=resume if isinstance(resume, Resume) else None,
                 clock=self.clock,
             )
+            if self.cfg.kube_fallback == "off":
+                drain = KubernetesDrain(**kw)
+            else:  # around a silent API server: logind inhibitor + kubelet's graceful node shutdown
+                drain = KubernetesDrainWithFallback(
+                    **kw,
+                    logind=Logind(self.cfg.logind_bus),
+                    checkpoint=self.checkpoint,
+                    shutdown=self.cfg.kube_fallback,
+                )
         self.drain = drain
         if self.checkpoint is not None:  # workloads on the checkpoint socket are told at once
             self.checkpoint.start_notice(n.id, n.terminate_at, self.margin, drain.started_at)
@@ -252,9 +264,7 @@ class Agent:
         self._start_drain(n, resume)
 
     def _report_pending(self) -> None:
-        """Start telling slurmctld what was done around it, for every report the spool has not closed."""
-        if self.cfg.scheduler != "slurm":
-            return
+        """Start telling the scheduler what was done around it, for every report the spool has not closed."""
         pending: dict[str, dict[str, Any]] = {}
         for ev in self.spool.events():
             if ev["type"] == "scheduler.report_pending":
@@ -265,6 +275,12 @@ class Agent:
             if nid in self._reporting:
                 continue
             self._reporting.add(nid)
+            if self.cfg.scheduler != "slurm":
+                self._spawn(
+                    kube_report_late(self.kube, self.spool, self.cfg.node, self.cfg.taint_key, nid, self._stop),
+                    f"report:{nid}",
+                )
+                continue
             self._spawn(
                 report_late(self.slurm, self.spool, self.cfg.node, nid, list(ev["jobs"]), ev["reason"], self._stop),
                 f"report:{nid}",

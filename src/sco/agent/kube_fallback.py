@@ -1,0 +1,254 @@
+"""Around an API server that does not answer (seed view 19, fourth row).
+
+When the Kubernetes API does not answer within the scheduler timeout (800 ms), the agent stops asking. It takes
+a systemd shutdown inhibitor (logind ``Inhibit``, mode ``delay``) so that the node's shutdown waits for the
+final write, asks logind to power off (so kubelet's graceful node shutdown terminates the pods by priority,
+locally, while the deadline still leaves time), waits for the workloads on the checkpoint socket and for
+kubelet to release its own inhibitor, spools the outcome, and only then releases its lock. The scheduler is
+told later, when its API answers again (:func:`report_late`): the node is going anyway.
+
+Two systems never evict the same pod: once here, the agent sends no eviction; kubelet does the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sco.agent.checkpoint import CheckpointServer
+from sco.agent.inhibit import InhibitError, Lock, Logind
+from sco.agent.kube_drain import KubernetesDrain
+from sco.agent.notices import Notice
+from sco.agent.spool import CRITICAL, ROUTINE, Spool
+from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
+
+log = logging.getLogger("sco.agent.kube_fallback")
+
+KUBELET_WHO = "kubelet"  # kubelet's graceful node shutdown takes its delay lock under this name
+POLL_S = 0.1
+SHUTDOWN_MODES = ("poweroff", "wait")
+
+
+class KubeFallback:
+    def __init__(
+        self,
+        *,
+        spool: Spool,
+        notice: Notice,
+        logind: Logind,
+        deadline: Callable[[], float],
+        margin: float,
+        started_at: float,
+        api_silent_since: float,
+        reason: str,
+        checkpoint: CheckpointServer | None = None,
+        shutdown: str = "poweroff",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if shutdown not in SHUTDOWN_MODES:
+            raise ValueError(f"shutdown: expected one of {SHUTDOWN_MODES}, got {shutdown!r}")
+        self.spool, self.notice, self.logind = spool, notice, logind
+        self.deadline, self.margin, self.started_at = deadline, margin, started_at
+        self.api_silent_since, self.reason = api_silent_since, reason
+        self.checkpoint, self.shutdown, self.clock = checkpoint, shutdown, clock
+        self.lock: Lock | None = None
+
+    def _event(self, type_: str, priority: int = ROUTINE, **fields: Any) -> None:
+        self.spool.append(type_, priority, notice=self.notice.id, **fields)
+
+    def _overrun_at(self) -> float:
+        d = self.deadline()
+        return d - min(1.0, self.margin / 2)
+
+    async def run(self) -> dict[str, Any]:
+        now = self.clock()
+        self._event(
+            "drain.fallback",
+            CRITICAL,
+            reason=self.reason,
+            api_silent_since=self.api_silent_since,
+            notice_to_fallback_ms=round((now - self.started_at) * 1000, 1),
+            how="kubelet graceful node shutdown",
+        )
+        log.warning("API server silent (%s): draining around it through kubelet's graceful node shutdown", self.reason)
+        kubelet_seen = await self._take_lock()
+        if self.lock is not None and self.shutdown == "poweroff":
+            try:
+                await self.logind.poweroff()
+                self._event("shutdown.requested", CRITICAL, via="logind PowerOff")
+            except InhibitError as e:
+                self._event("shutdown.failed", CRITICAL, error=str(e))
+        try:
+            return await self._wait_and_finish(kubelet_seen)
+        finally:
+            self.release()
+
+    async def _take_lock(self) -> bool:
+        """Take the delay lock; return whether kubelet holds one (graceful node shutdown configured)."""
+        try:
+            self.lock = await self.logind.inhibit(
+                "sco-agent", f"final write of drain {self.notice.id}", what="shutdown", mode="delay"
+            )
+            self._event("inhibitor.taken", CRITICAL, mode="delay", what="shutdown")
+        except InhibitError as e:
+            # e.g. OperationInProgress: the shutdown has already begun; kubelet is at work; record and carry on
+            self._event("inhibitor.failed", CRITICAL, error=str(e))
+            log.error("no shutdown inhibitor: %s", e)
+        try:
+            held = await self.logind.inhibitors()
+        except InhibitError as e:
+            self._event("inhibitor.list_failed", error=str(e))
+            return False
+        return any(i["who"] == KUBELET_WHO and i["mode"] == "delay" for i in held)
+
+    async def _kubelet_holds(self) -> bool | None:
+        try:
+            held = await self.logind.inhibitors()
+        except InhibitError:
+            return None
+        return any(i["who"] == KUBELET_WHO and "shutdown" in i["what"].split(":") for i in held)
+
+    async def _wait_and_finish(self, kubelet_seen: bool) -> dict[str, Any]:
+        """Until the workloads have written (checkpoint socket) and kubelet has let go, or the overrun time."""
+        kubelet_done = False
+        kubelet_done_at: float | None = None
+        while True:
+            now = self.clock()
+            if self.checkpoint is not None and self.checkpoint.notice is not None:
+                settled = await self.checkpoint.wait_settled(until=min(self._overrun_at(), now + POLL_S))
+                workloads_done = settled.all_done
+            else:
+                workloads_done = True
+            if kubelet_seen and not kubelet_done:
+                holds = await self._kubelet_holds()
+                if holds is False:
+                    kubelet_done, kubelet_done_at = True, self.clock()
+                    self._event("kubelet.shutdown_done", CRITICAL, after_s=round(kubelet_done_at - self.started_at, 3))
+            # Without kubelet's graceful shutdown nothing terminates the pods: holding the lock longer helps nobody.
+            finished = workloads_done and (kubelet_done or not kubelet_seen)
+            if finished or self.clock() >= self._overrun_at():
+                break
+            await asyncio.sleep(POLL_S)
+        return self._finish(kubelet_seen, kubelet_done, workloads_done)
+
+    def _finish(self, kubelet_seen: bool, kubelet_done: bool, workloads_done: bool) -> dict[str, Any]:
+        now = self.clock()
+        remaining: list[dict[str, Any]] = []
+        if not kubelet_seen:
+            remaining.append(
+                {"pod": "*", "why": "kubelet holds no shutdown inhibitor: graceful node shutdown is not configured"}
+            )
+        elif not kubelet_done:
+            remaining.append({"pod": "*", "why": "kubelet's graceful node shutdown still running at the overrun time"})
+        if self.checkpoint is not None and not workloads_done:
+            for w in self.checkpoint.settled().pending:
+                remaining.append({"workload": w["workload"], "why": f"checkpoint not done ({w['state']})"})
+        outcome = "drained" if not remaining else "overrun"
+        body: dict[str, Any] = {
+            "path": "around",
+            "elapsed_s": round(now - self.started_at, 3),
+            "deadline_in_s": round(self.deadline() - now, 3),
+            "inhibitor": self.lock is not None,
+            "kubelet_shutdown": kubelet_done,
+            "api_silent_since": self.api_silent_since,
+        }
+        if self.checkpoint is not None:
+            body["checkpoint"] = self.checkpoint.settled().counts
+        if remaining:
+            body["remaining"] = remaining
+        # The outcome is on disk (critical records are fdatasync'ed) before the lock is let go.
+        self._event(f"drain.{outcome}", CRITICAL, **body)
+        self._event("scheduler.report_pending", CRITICAL, reason=self.reason, scheduler="kubernetes")
+        log.info("drain %s around the API server for notice %s: %s", outcome, self.notice.id, body)
+        return {"outcome": outcome, **body}
+
+    def release(self) -> None:
+        if self.lock is not None and self.lock.held:
+            self.lock.release()
+            self._event("inhibitor.released", CRITICAL)
+
+
+async def report_late(
+    kube: KubeClient,
+    spool: Spool,
+    node: str,
+    taint_key: str,
+    notice_id: str,
+    stop: asyncio.Event,
+    interval: float = 2.0,
+) -> None:
+    """Tell the API server once it answers: the node tainted for the notice (nothing is evicted: kubelet did it)."""
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            await kube.taint_node(node, taint_key, notice_id)
+            spool.append("scheduler.told", CRITICAL, notice=notice_id, scheduler="kubernetes", tainted=True)
+            log.info("API server answers again: node %s tainted for notice %s", node, notice_id)
+            return
+        except KubeUnreachable:
+            pass
+        except KubeError as e:
+            log.warning("telling the API server: %s", e)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        delay = min(interval, delay * 2)
+
+
+class KubernetesDrainWithFallback(KubernetesDrain):
+    """The Kubernetes drain, switching to :class:`KubeFallback` the first time the API server does not answer
+    within the timeout (a refused or timed-out call; an HTTP error is an answer and stays on the API path)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        logind: Logind,
+        checkpoint: CheckpointServer | None = None,
+        shutdown: str = "poweroff",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.logind, self.checkpoint, self.shutdown = logind, checkpoint, shutdown
+        self._silent = asyncio.Event()
+        self._silent_since: float | None = None
+        self._silent_what = ""
+        self.fallback: KubeFallback | None = None
+
+    def _unreachable(self, what: str, err: Exception) -> None:
+        super()._unreachable(what, err)
+        if isinstance(err, KubeUnreachable) and not self._silent.is_set():
+            self._silent_since, self._silent_what = self.clock(), f"{what}: {err}"
+            self._silent.set()
+
+    async def run(self) -> dict[str, Any]:
+        through = asyncio.create_task(super().run(), name=f"drain-through:{self.notice.id}")
+        silent = asyncio.create_task(self._silent.wait(), name=f"api-silent:{self.notice.id}")
+        try:
+            await asyncio.wait({through, silent}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            silent.cancel()
+        if through.done():
+            return through.result()
+        # Stop asking: cancel the API path and every eviction it has in flight.
+        through.cancel()
+        for t in self._tasks.values():
+            t.cancel()
+        await asyncio.gather(through, *self._tasks.values(), return_exceptions=True)
+        self.fallback = KubeFallback(
+            spool=self.spool,
+            notice=self.notice,
+            logind=self.logind,
+            deadline=lambda: self.deadline,  # read live: a later notice may move it earlier
+            margin=self.margin,
+            started_at=self.started_at,
+            api_silent_since=self._silent_since or self.clock(),
+            reason=self._silent_what,
+            checkpoint=self.checkpoint,
+            shutdown=self.shutdown,
+            clock=self.clock,
+        )
+        self.outcome = await self.fallback.run()
+        return self.outcome
