@@ -30,8 +30,8 @@ from sco.agent.checkpoint import CheckpointServer
 from sco.agent.config import AgentConfig
 from sco.agent.inhibit import Logind
 from sco.agent.kube_drain import KubernetesDrain, Resume
-from sco.agent.kube_fallback import KubernetesDrainWithFallback
 from sco.agent.kube_fallback import report_late as kube_report_late
+from sco.agent.kube_node import KubeNodeDrain
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
 from sco.agent.sdnotify import notify, watchdog_interval
 from sco.agent.slurm_drain import SlurmDrain, SlurmResume, report_late
@@ -182,15 +182,13 @@ class Agent:
                 resume=resume if isinstance(resume, Resume) else None,
                 clock=self.clock,
             )
-            if self.cfg.kube_fallback == "off":
-                drain = KubernetesDrain(**kw)
-            else:  # around a silent API server: logind inhibitor + kubelet's graceful node shutdown
-                drain = KubernetesDrainWithFallback(
-                    **kw,
-                    logind=Logind(self.cfg.logind_bus),
-                    checkpoint=self.checkpoint,
-                    shutdown=self.cfg.kube_fallback,
-                )
+            # Spark executors first and the driver last; around a silent API server: logind + kubelet.
+            drain = KubeNodeDrain(
+                **kw,
+                logind=Logind(self.cfg.logind_bus),
+                checkpoint=self.checkpoint,
+                shutdown=self.cfg.kube_fallback,
+            )
         self.drain = drain
         if self.checkpoint is not None:  # workloads on the checkpoint socket are told at once
             self.checkpoint.start_notice(n.id, n.terminate_at, self.margin, drain.started_at)

@@ -21,7 +21,6 @@ from typing import Any
 
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.inhibit import InhibitError, Lock, Logind
-from sco.agent.kube_drain import KubernetesDrain
 from sco.agent.notices import Notice
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
@@ -196,59 +195,3 @@ async def report_late(
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)
         delay = min(interval, delay * 2)
-
-
-class KubernetesDrainWithFallback(KubernetesDrain):
-    """The Kubernetes drain, switching to :class:`KubeFallback` the first time the API server does not answer
-    within the timeout (a refused or timed-out call; an HTTP error is an answer and stays on the API path)."""
-
-    def __init__(
-        self,
-        *args: Any,
-        logind: Logind,
-        checkpoint: CheckpointServer | None = None,
-        shutdown: str = "poweroff",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.logind, self.checkpoint, self.shutdown = logind, checkpoint, shutdown
-        self._silent = asyncio.Event()
-        self._silent_since: float | None = None
-        self._silent_what = ""
-        self.fallback: KubeFallback | None = None
-
-    def _unreachable(self, what: str, err: Exception) -> None:
-        super()._unreachable(what, err)
-        if isinstance(err, KubeUnreachable) and not self._silent.is_set():
-            self._silent_since, self._silent_what = self.clock(), f"{what}: {err}"
-            self._silent.set()
-
-    async def run(self) -> dict[str, Any]:
-        through = asyncio.create_task(super().run(), name=f"drain-through:{self.notice.id}")
-        silent = asyncio.create_task(self._silent.wait(), name=f"api-silent:{self.notice.id}")
-        try:
-            await asyncio.wait({through, silent}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            silent.cancel()
-        if through.done():
-            return through.result()
-        # Stop asking: cancel the API path and every eviction it has in flight.
-        through.cancel()
-        for t in self._tasks.values():
-            t.cancel()
-        await asyncio.gather(through, *self._tasks.values(), return_exceptions=True)
-        self.fallback = KubeFallback(
-            spool=self.spool,
-            notice=self.notice,
-            logind=self.logind,
-            deadline=lambda: self.deadline,  # read live: a later notice may move it earlier
-            margin=self.margin,
-            started_at=self.started_at,
-            api_silent_since=self._silent_since or self.clock(),
-            reason=self._silent_what,
-            checkpoint=self.checkpoint,
-            shutdown=self.shutdown,
-            clock=self.clock,
-        )
-        self.outcome = await self.fallback.run()
-        return self.outcome
