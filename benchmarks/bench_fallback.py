@@ -30,7 +30,7 @@ def _once(root: Path) -> dict[str, float]:
         for i in range(10):
             add_pod(kube, "web", f"web-{i}", env.node)
         env.start().wait_subscribed()
-        kube.latency_s = 60
+        kube.go_silent(60)
         env.send(env.notice("fb", 20))
         fb = wait_for(lambda: env.of("drain.fallback"), 10, "drain.fallback")[0]
         taken = wait_for(lambda: env.of("inhibitor.taken"), 10, "inhibitor.taken")[0]
@@ -43,7 +43,7 @@ def _once(root: Path) -> dict[str, float]:
         }
     finally:
         env.stop()
-        kube.latency_s = 0
+        kube.latency_s, kube.silent = 0, False
         logind.stop()
         bus.stop()
         kube.stop()

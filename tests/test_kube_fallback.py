@@ -191,13 +191,14 @@ def test_api_silent_switches_to_kubelet_shutdown(
         t0 = env.send(env.notice("silent-1", WINDOW))
         wait_for(lambda: env.of("eviction.blocked"), 5, "the PDB's first 429")
         t_silent = time.time()
-        kube.latency_s = 30  # the API server stops answering
+        kube.go_silent(30)  # the API server stops answering (watches go quiet too)
         fb = wait_for(lambda: env.of("drain.fallback"), 5, "the switch to the fallback")[0]
         assert fb["at"] - t_silent >= 0.8  # it waited for the 800 ms timeout, no less
         taken = wait_for(lambda: env.of("inhibitor.taken"), 5, "the inhibitor")[0]
         assert wait_for(lambda: env.of("shutdown.requested"), 5, "the power-off request")[0]["at"] >= taken["at"]
         out = env.outcome(WINDOW)
         assert out["type"] == "drain.drained" and out["path"] == "around" and out["kubelet_shutdown"] is True
+        assert "guarded/g-0" in out["terminated_by_kubelet"]
         assert out["at"] < t0 + WINDOW - 1
         # the PDB-held pod was terminated by kubelet (which ignores PDBs), not by the agent
         assert ("guarded", "g-0") not in kube.cluster.pods
@@ -212,12 +213,14 @@ def test_api_silent_switches_to_kubelet_shutdown(
         assert logind.shutdowns[0]["proceeded"] == "released"
         assert env.of("scheduler.report_pending")
         assert not env.of("scheduler.told")
-        kube.latency_s = 0  # the API answers again: the scheduler learns late
+        kube.latency_s, kube.silent = 0, False  # the API answers again: the scheduler learns late
         told = wait_for(lambda: env.of("scheduler.told"), 15, "the late report")[0]
         assert told["notice"] == "silent-1" and told["tainted"]
-        assert any(t["key"] == "sco.dev/reclaim" for t in kube.cluster.nodes[env.node]["spec"]["taints"])
+        node = kube.cluster.nodes[env.node]
+        assert any(t["key"] == "sco.dev/reclaim" for t in node["spec"]["taints"])
+        assert node["metadata"]["annotations"]["sco.dev/reclaim-notice"] == "silent-1"
     finally:
-        kube.latency_s = 0
+        kube.latency_s, kube.silent = 0, False
         kubelet.close()
 
 
@@ -228,14 +231,15 @@ def test_fallback_without_kubelet_shutdown_says_so(
     own final write, but reports an overrun naming the missing kubelet configuration."""
     env = agent_env
     add_pod(kube, "web", "web-0", env.node, prestop=0.3)
-    kube.latency_s = 30  # silent from the start
+    kube.go_silent(30)  # silent from the start
     try:
         env.start().wait_subscribed()
         t0 = env.send(env.notice("silent-2", WINDOW))
         out = env.outcome(WINDOW)
         assert out["type"] == "drain.overrun" and out["path"] == "around"
-        assert "graceful node shutdown is not configured" in out["remaining"][0]["why"]
+        assert "graceful node shutdown is not configured" in out["reasons"][0]
+        assert out["reasons"][1].startswith("the node's pods were never listed (API silent since")
         assert env.of("drain.fallback")[0]["at"] - t0 < 3
         assert out["at"] < t0 + WINDOW - 1
     finally:
-        kube.latency_s = 0
+        kube.latency_s, kube.silent = 0, False

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from sco.agent.checkpoint import CheckpointServer
@@ -47,6 +48,8 @@ class KubeFallback:
         checkpoint: CheckpointServer | None = None,
         shutdown: str = "poweroff",
         clock: Callable[[], float] = time.time,
+        pods_left: Callable[[], list[str]] | None = None,
+        inventoried: Callable[[], bool] | None = None,
     ) -> None:
         if shutdown not in SHUTDOWN_MODES:
             raise ValueError(f"shutdown: expected one of {SHUTDOWN_MODES}, got {shutdown!r}")
@@ -54,6 +57,8 @@ class KubeFallback:
         self.deadline, self.margin, self.started_at = deadline, margin, started_at
         self.api_silent_since, self.reason = api_silent_since, reason
         self.checkpoint, self.shutdown, self.clock = checkpoint, shutdown, clock
+        self.pods_left = pods_left or (lambda: [])  # pods the API path saw and could not see go
+        self.inventoried = inventoried or (lambda: True)  # whether the API path ever listed the node's pods
         self.lock: Lock | None = None
 
     def _event(self, type_: str, priority: int = ROUTINE, **fields: Any) -> None:
@@ -136,17 +141,24 @@ class KubeFallback:
 
     def _finish(self, kubelet_seen: bool, kubelet_done: bool, workloads_done: bool) -> dict[str, Any]:
         now = self.clock()
-        remaining: list[dict[str, Any]] = []
+        reasons: list[str] = []
         if not kubelet_seen:
-            remaining.append(
-                {"pod": "*", "why": "kubelet holds no shutdown inhibitor: graceful node shutdown is not configured"}
-            )
+            reasons.append("kubelet holds no shutdown inhibitor: graceful node shutdown is not configured")
         elif not kubelet_done:
-            remaining.append({"pod": "*", "why": "kubelet's graceful node shutdown still running at the overrun time"})
-        if self.checkpoint is not None and not workloads_done:
-            for w in self.checkpoint.settled().pending:
-                remaining.append({"workload": w["workload"], "why": f"checkpoint not done ({w['state']})"})
-        outcome = "drained" if not remaining else "overrun"
+            reasons.append("kubelet's graceful node shutdown still running at the overrun time")
+        pending = [] if self.checkpoint is None or workloads_done else self.checkpoint.settled().pending
+        if pending:
+            reasons.append(f"{len(pending)} workload(s) on the checkpoint socket not done")
+        outcome = "drained" if not reasons else "overrun"
+        silent = datetime.fromtimestamp(self.api_silent_since, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+        left = self.pods_left()
+        if outcome == "overrun" and not self.inventoried():
+            reasons.append(f"the node's pods were never listed (API silent since {silent})")
+        remaining: list[dict[str, Any]] = [
+            {"pod": p, "why": f"unknown (API silent since {silent}): left to kubelet's graceful node shutdown"}
+            for p in left
+        ]
+        remaining += [{"workload": w["workload"], "why": f"checkpoint not done ({w['state']})"} for w in pending]
         body: dict[str, Any] = {
             "path": "around",
             "elapsed_s": round(now - self.started_at, 3),
@@ -157,7 +169,10 @@ class KubeFallback:
         }
         if self.checkpoint is not None:
             body["checkpoint"] = self.checkpoint.settled().counts
-        if remaining:
+        if outcome == "drained":
+            body["terminated_by_kubelet"] = left  # kubelet let go of its lock: it has stopped their containers
+        else:
+            body["reasons"] = reasons
             body["remaining"] = remaining
         # The outcome is on disk (critical records are fdatasync'ed) before the lock is let go.
         self._event(f"drain.{outcome}", CRITICAL, **body)
@@ -178,13 +193,18 @@ async def report_late(
     taint_key: str,
     notice_id: str,
     stop: asyncio.Event,
+    api_timeout: float = 0.8,
     interval: float = 2.0,
 ) -> None:
     """Tell the API server once it answers: the node tainted for the notice (nothing is evicted: kubelet did it)."""
+    from sco.agent.kube_drain import NOTICE_ANNOTATION, taint_value
+
     delay = 0.5
     while not stop.is_set():
         try:
-            await kube.taint_node(node, taint_key, notice_id)
+            await kube.taint_node(
+                node, taint_key, taint_value(notice_id), annotations={NOTICE_ANNOTATION: notice_id}, timeout=api_timeout
+            )
             spool.append("scheduler.told", CRITICAL, notice=notice_id, scheduler="kubernetes", tainted=True)
             log.info("API server answers again: node %s tainted for notice %s", node, notice_id)
             return

@@ -3,21 +3,27 @@
 - Spark (``sco.agent.spark_order``): executor pods are evicted first, a driver only once this node's executors
   are gone (or out of budget), so decommissioning can migrate their blocks while the driver still coordinates.
 - Around a silent API server (``sco.agent.kube_fallback``): the first call not answered within the timeout
-  (800 ms) ends the API path; kubelet's graceful node shutdown does the rest under a logind delay lock.
+  (800 ms) ends the API path; kubelet's graceful node shutdown does the rest under a logind delay lock, and the
+  API server is told once it answers again (a follow-up task).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
+from sco.agent.budget import KubeBudgets
 from sco.agent.checkpoint import CheckpointServer
+from sco.agent.deadline import Deadline
 from sco.agent.inhibit import Logind
-from sco.agent.kube_drain import KubernetesDrain, PodState
-from sco.agent.kube_fallback import KubeFallback
+from sco.agent.kube_drain import KubePath, KubernetesDrain, PodState, Resume
+from sco.agent.kube_fallback import KubeFallback, report_late
+from sco.agent.notices import Notice
+from sco.agent.resume import DrainRecord
 from sco.agent.spark_order import DRIVER, EXECUTOR, driver_may_go, in_eviction_order, spark_role
-from sco.agent.spool import ROUTINE
-from sco.schedulers.kube import KubeUnreachable
+from sco.agent.spool import ROUTINE, Spool
+from sco.schedulers.kube import KubeClient, KubeUnreachable
 
 DRIVER_POLL_S = 0.1
 
@@ -36,65 +42,114 @@ class KubeNodeDrain(KubernetesDrain):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.logind, self.checkpoint, self.shutdown = logind, checkpoint, shutdown
-        self._silent = asyncio.Event()
-        self._silent_since: float | None = None
-        self._silent_what = ""
+        self._api_silent = asyncio.Event()
+        self._api_silent_since: float | None = None
+        self._api_silent_what = ""
         self.fallback: KubeFallback | None = None
 
-    def _unreachable(self, what: str, err: Exception) -> None:
-        super()._unreachable(what, err)
-        if self.shutdown != "off" and isinstance(err, KubeUnreachable) and not self._silent.is_set():
-            self._silent_since, self._silent_what = self.clock(), f"{what}: {err}"
-            self._silent.set()
+    def _api_problem(self, what: str, err: Exception) -> None:
+        super()._api_problem(what, err)
+        if self.shutdown != "off" and isinstance(err, KubeUnreachable) and not self._api_silent.is_set():
+            self._api_silent_since, self._api_silent_what = self.deadline.now(), f"{what}: {err}"
+            self._api_silent.set()
 
     async def run(self) -> dict[str, Any]:
         through = asyncio.create_task(super().run(), name=f"drain-through:{self.notice.id}")
-        silent = asyncio.create_task(self._silent.wait(), name=f"api-silent:{self.notice.id}")
+        silent = asyncio.create_task(self._api_silent.wait(), name=f"api-silent:{self.notice.id}")
         try:
             await asyncio.wait({through, silent}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             silent.cancel()
         if through.done():
             return through.result()
-        # Stop asking: cancel the API path and every eviction it has in flight.
+        # Stop asking: the API path's run() cancels every call it has in flight (evictions, watch, taint).
         through.cancel()
-        for t in self._tasks.values():
-            t.cancel()
-        await asyncio.gather(through, *self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(through, return_exceptions=True)
         self.fallback = KubeFallback(
             spool=self.spool,
             notice=self.notice,
             logind=self.logind,
-            deadline=lambda: self.deadline,  # read live: a later notice may move it earlier
-            margin=self.margin,
-            started_at=self.started_at,
-            api_silent_since=self._silent_since or self.clock(),
-            reason=self._silent_what,
+            deadline=lambda: self.deadline.terminate_at,  # read live: a later notice may move it earlier
+            margin=self.deadline.margin,
+            started_at=self.deadline.started_at,
+            api_silent_since=self._api_silent_since or self.deadline.now(),
+            reason=self._api_silent_what,
             checkpoint=self.checkpoint,
             shutdown=self.shutdown,
-            clock=self.clock,
+            clock=self.deadline.now,
+            pods_left=lambda: sorted(st.key for st in self.pods.values() if not st.gone),
+            inventoried=lambda: self.inventoried,
         )
         self.outcome = await self.fallback.run()
         return self.outcome
 
     # --- Spark: executors first, the driver last ----------------------------------------------------
 
-    async def _list(self) -> list[dict[str, Any]] | None:
-        pods = await super()._list()
-        return None if pods is None else in_eviction_order(pods)
+    def _sync(self, items: list[dict[str, Any]]) -> None:
+        super()._sync(in_eviction_order(items))
 
     def _executors(self) -> list[tuple[bool, float]]:
         return [
-            (st.state == "gone", min(self.started_at + st.budget.drain_seconds, self.deadline - self.margin))
+            (st.gone, self.deadline.budget_end(st.budget.drain_seconds))
             for st in self.pods.values()
             if spark_role(st.pod) == EXECUTOR
         ]
 
     async def _evict(self, st: PodState) -> None:
-        if spark_role(st.pod) == DRIVER and not driver_may_go(self._executors(), self.clock()):
+        if spark_role(st.pod) == DRIVER and not driver_may_go(self._executors(), self.deadline.now()):
             waiting = sum(1 for gone, _ in self._executors() if not gone)
             self._event("spark.driver_held", ROUTINE, pod=st.key, uid=st.uid, executors_left=waiting)
-            while not driver_may_go(self._executors(), self.clock()):
+            while not driver_may_go(self._executors(), self.deadline.now()):
                 await asyncio.sleep(DRIVER_POLL_S)
             self._event("spark.driver_released", ROUTINE, pod=st.key, uid=st.uid)
         await super()._evict(st)
+
+
+class KubeNodePath(KubePath):
+    """:class:`KubePath` making :class:`KubeNodeDrain` drains, and owing the API server a late report after a
+    drain done around it."""
+
+    def __init__(
+        self,
+        *,
+        kube: KubeClient,
+        spool: Spool,
+        logind: Logind,
+        checkpoint: CheckpointServer | None = None,
+        shutdown: str = "poweroff",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(kube=kube, spool=spool, **kwargs)
+        self.logind, self.checkpoint, self.shutdown = logind, checkpoint, shutdown
+        self._reporting: set[str] = set()
+
+    def drain(self, notice: Notice, deadline: Deadline, record: DrainRecord | None) -> KubeNodeDrain:
+        return KubeNodeDrain(
+            kube=self.kube,
+            spool=self.spool,
+            budgets=KubeBudgets(self.bundle()),
+            node=self.node,
+            taint_key=self.taint_key,
+            notice=notice,
+            deadline=deadline,
+            api_timeout=self.api_timeout,
+            resume=record if isinstance(record, Resume) else None,
+            logind=self.logind,
+            checkpoint=self.checkpoint,
+            shutdown=self.shutdown,
+        )
+
+    def follow_ups(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        """Taint the node once the API answers, for every drain done around it that the spool has not closed."""
+        pending: set[str] = set()
+        for ev in self.spool.events():
+            if ev["type"] == "scheduler.report_pending":
+                pending.add(str(ev["notice"]))
+            elif ev["type"] == "scheduler.told":
+                pending.discard(str(ev["notice"]))
+        out: list[tuple[str, Coroutine[Any, Any, None]]] = []
+        for nid in sorted(pending - self._reporting):
+            self._reporting.add(nid)
+            coro = report_late(self.kube, self.spool, self.node, self.taint_key, nid, stop, self.api_timeout)
+            out.append((f"report:{nid}", coro))
+        return out
