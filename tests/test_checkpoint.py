@@ -353,3 +353,22 @@ def test_client_library_is_one_standard_library_file(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "/run/sco/checkpoint.sock"
+
+
+def test_slurm_job_of_reads_cgroup_then_environment(tmp_path: Path) -> None:
+    from sco.agent.checkpoint import slurm_job_of
+
+    (tmp_path / "10").mkdir()
+    (tmp_path / "10" / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_4242/step_batch/user/task_0\n")
+    (tmp_path / "10" / "environ").write_bytes(b"SLURM_JOB_ID=1\0")
+    (tmp_path / "11").mkdir()
+    (tmp_path / "11" / "cgroup").write_text("0::/user.slice\n")
+    (tmp_path / "11" / "environ").write_bytes(b"PATH=/bin\0SLURM_JOB_ID=77\0")
+    (tmp_path / "12").mkdir()
+    (tmp_path / "12" / "cgroup").write_text("0::/\n")
+    (tmp_path / "12" / "environ").write_bytes(b"PATH=/bin\0")
+    assert slurm_job_of(10, tmp_path) == 4242  # the cgroup wins over what the environment says
+    assert slurm_job_of(11, tmp_path) == 77
+    assert slurm_job_of(12, tmp_path) is None
+    assert slurm_job_of(13, tmp_path) is None  # gone
+    assert slurm_job_of(-1, tmp_path) is None

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import stat
 import struct
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("sco.agent.checkpoint")
+_JOB_CGROUP = re.compile(r"/job_(\d+)(/|$)", re.M)
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 64 * 1024  # a registration is a few hundred bytes; anything longer is not a client of ours
@@ -56,6 +58,7 @@ class Workload:
     pid: int
     uid: int
     writer: asyncio.StreamWriter
+    slurm_job: int | None = None  # the Slurm job the client process belongs to (from the kernel, not the client)
     state: str = REGISTERED
     budget_end: float = 0.0  # absolute time; set when notified
     granted_until: float = 0.0  # absolute time of the last "need" granted
@@ -93,6 +96,22 @@ def _peercred(sock: socket.socket | None) -> tuple[int, int]:
         return pid, uid
     except OSError:
         return -1, -1
+
+
+def slurm_job_of(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The Slurm job a process runs in: its cgroup (``.../job_<id>/...``), else its environment (SLURM_JOB_ID)."""
+    if pid <= 0:
+        return None
+    try:
+        m = _JOB_CGROUP.search((proc / str(pid) / "cgroup").read_text())
+        if m:
+            return int(m.group(1))
+        for item in (proc / str(pid) / "environ").read_bytes().split(b"\0"):
+            if item.startswith(b"SLURM_JOB_ID="):
+                return int(item.split(b"=", 1)[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _name(msg: dict[str, Any], key: str, required: bool) -> str | None:
@@ -264,6 +283,11 @@ class CheckpointServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), max(0.01, wake - now))
 
+    def job_done(self, job: int) -> bool:
+        """Whether the Slurm job's workloads have all answered: at least one ``done``, none still working."""
+        ws = [w for w in self.workloads.values() if w.slurm_job == job]
+        return any(w.state == DONE for w in ws) and all(w.state in SETTLED for w in ws)
+
     def _unsettled(self) -> list[Workload]:
         return [w for w in self.workloads.values() if w.state not in SETTLED]
 
@@ -346,7 +370,7 @@ class CheckpointServer:
         assert name is not None
         budget = self.budget_for(contract)
         self._seq += 1
-        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer)
+        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer, slurm_job_of(pid))
         self.workloads[w.id] = w
         self._send(
             w,
@@ -358,7 +382,9 @@ class CheckpointServer:
                 "budget_s": budget,
             },
         )
-        self.on_event("checkpoint.registered", id=w.id, workload=name, contract=contract, pid=pid, uid=uid)
+        self.on_event(
+            "checkpoint.registered", id=w.id, workload=name, contract=contract, pid=pid, uid=uid, job=w.slurm_job
+        )
         if self.notice is not None:  # registered after the notice: told at once
             self._notify(w)
         return w

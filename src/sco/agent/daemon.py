@@ -383,6 +383,7 @@ class Agent:
                 node=self.cfg.node,
                 slurmd_spool_dir=Path(self.cfg.slurmd_spool_dir.replace("%n", self.cfg.node)),
                 cgroup_root=Path(self.cfg.cgroup_root),
+                checkpoint=self.checkpoint,
             )
         from sco.agent.inhibit import Logind
         from sco.agent.kube_drain import KubePath
