@@ -243,3 +243,42 @@ def test_fallback_without_kubelet_shutdown_says_so(
         assert out["at"] < t0 + WINDOW - 1
     finally:
         kube.latency_s, kube.silent = 0, False
+
+
+def test_shutdown_waits_for_the_workloads_final_write(
+    tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer, bus: PrivateBus, logind: LogindStandIn
+) -> None:
+    """Around a silent API, the agent's lock holds the shutdown until the workload on the checkpoint socket has
+    answered done (its final write), even after kubelet has let go."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sco-ck-") as d:
+        sock = Path(d) / "ck.sock"
+        env = AgentEnv(tmp_path / "agent", kube, nats_server, logind_bus=bus.address, checkpoint_socket=str(sock))
+        add_pod(kube, "web", "web-0", env.node, prestop=0.3)
+        kubelet = KubeletDouble(bus.address, kube, env.node)
+        client = None
+        try:
+            env.start().wait_subscribed()
+            argv = [sys.executable, "-m", "tests.checkpoint_workload", str(sock), "trainer", "done:2.5", "batch"]
+            client = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+            assert client.stdout is not None
+            assert json.loads(client.stdout.readline())["kind"] == "registered"
+            kube.go_silent(30)
+            t0 = env.send(env.notice("ck-around-1", WINDOW))
+            out = env.outcome(WINDOW)
+            assert out["type"] == "drain.drained" and out["path"] == "around" and out["at"] < t0 + WINDOW
+            assert out["checkpoint"] == {"done": 1}
+            done = env.of("checkpoint.done")[0]
+            kubelet_done = env.of("kubelet.shutdown_done")[0]
+            assert kubelet_done["at"] < done["at"]  # kubelet let go first; the agent still held the shutdown
+            wait_for(lambda: logind.shutdowns, 5, "the shutdown")
+            assert done["at"] <= out["at"] <= logind.shutdowns[0]["at"]
+        finally:
+            kube.latency_s, kube.silent = 0, False
+            if client is not None:
+                client.kill()
+                client.wait()
+            kubelet.close()
+            env.stop()
