@@ -23,8 +23,15 @@ import time
 from sco.workload.checkpoint_client import CheckpointClient, Notice, Refused
 
 
+_out_lock = threading.Lock()
+
+
 def out(kind: str, **f: object) -> None:
-    print(json.dumps({"kind": kind, "t": time.time(), **f}), flush=True)
+    # One whole line at a time: the callback thread and the main thread both report.
+    line = json.dumps({"kind": kind, "t": time.time(), **f}) + "\n"
+    with _out_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def main() -> None:
