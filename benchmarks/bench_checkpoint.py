@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sco.agent.checkpoint import CheckpointServer
+from sco.agent.deadline import Deadline
 
 CLIENTS, PROCS, REPEATS = 100, 4, 5
 
@@ -63,7 +64,7 @@ async def _once(sock_dir: Path) -> dict[str, float]:
             assert "ready" in json.loads(await p.stdout.readline())
         assert len(srv.workloads) == CLIENTS
         t0 = time.time()
-        srv.start_notice("bench", t0 + 120, margin=10)
+        srv.start_notice("bench", Deadline(t0 + 120, 10, t0))
         settled = await srv.wait_settled(until=t0 + 60)
         t_done = time.time()
         received: list[float] = []

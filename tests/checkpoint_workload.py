@@ -22,7 +22,6 @@ import time
 
 from sco.workload.checkpoint_client import CheckpointClient, Notice, Refused
 
-
 _out_lock = threading.Lock()
 
 

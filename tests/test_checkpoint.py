@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from sco.agent.checkpoint import CheckpointServer
+from sco.agent.deadline import Deadline
 
 BUDGETS = {"quick": 2.0, "slow": 6.0}
 
@@ -106,7 +107,7 @@ def test_done_silent_and_disconnecting_clients(sock_dir: Path) -> None:
                 await p.wait("registered")
             t0 = time.time()
             deadline = t0 + 15
-            told = srv.start_notice("n-1", deadline, margin=2)
+            told = srv.start_notice("n-1", Deadline(deadline, 2, t0))
             assert told == 4
             for p in procs:
                 n = await p.wait("notice")
@@ -148,7 +149,7 @@ def test_all_done_moves_on_before_any_budget_ends(sock_dir: Path) -> None:
             for p in procs:
                 await p.wait("registered")
             t0 = time.time()
-            srv.start_notice("n-2", t0 + 15, margin=2)
+            srv.start_notice("n-2", Deadline(t0 + 15, 2, t0))
             settled = await srv.wait_settled(until=t0 + 13)
             assert settled.all_done and settled.counts == {"done": 3}
             assert time.time() < t0 + BUDGETS["slow"]  # moved on without waiting out the 6 s budgets
@@ -171,7 +172,7 @@ def test_need_past_budget_refused_and_grant_without_done_ends_at_grant(sock_dir:
             await greedy.wait("registered")
             await lazy.wait("registered")
             t0 = time.time()
-            srv.start_notice("n-3", t0 + 15, margin=2)
+            srv.start_notice("n-3", Deadline(t0 + 15, 2, t0))
             refused = await greedy.wait("refused")
             assert refused["budget_end"] == pytest.approx(t0 + 2.0, abs=0.05)
             granted = await lazy.wait("granted")
@@ -200,12 +201,14 @@ def test_late_registration_and_earlier_deadline(sock_dir: Path) -> None:
         try:
             await early.wait("registered")
             t0 = time.time()
-            srv.start_notice("n-4", t0 + 15, margin=2)
+            deadline = Deadline(t0 + 15, 2, t0)
+            srv.start_notice("n-4", deadline)
             await early.wait("notice")
             late = await Proc.start(path, "late", "done", "slow")
             n = await late.wait("notice")  # registered after the notice: told at once
             assert n["notice"] == "n-4"
-            srv.update_deadline(t0 + 5)
+            deadline.move_earlier(t0 + 5)
+            srv.update_deadline()
             settled = await srv.wait_settled(until=t0 + 5)
             # the moved deadline cut early's budget to deadline - margin = t0 + 3
             (w_early,) = [w for w in srv.workloads.values() if w.name == "early"]

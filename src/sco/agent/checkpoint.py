@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sco.agent.deadline import Deadline
+
 log = logging.getLogger("sco.agent.checkpoint")
 _JOB_CGROUP = re.compile(r"/job_(\d+)(/|$)", re.M)
 
@@ -72,9 +74,8 @@ class Workload:
 @dataclass
 class ActiveNotice:
     id: str
-    deadline: float
-    margin: float
-    started_at: float
+    deadline: Deadline  # the drain's one Deadline, shared: budgets here are its budget ends
+    told_terminate_at: float  # the termination time workloads were last told
 
 
 @dataclass
@@ -191,9 +192,9 @@ class CheckpointServer:
 
     # --- the notice --------------------------------------------------------------------------------
 
-    def start_notice(self, notice_id: str, deadline: float, margin: float, started_at: float | None = None) -> int:
+    def start_notice(self, notice_id: str, deadline: Deadline) -> int:
         """Tell every registered workload, at once. Returns how many were told."""
-        self.notice = ActiveNotice(notice_id, deadline, margin, self.clock() if started_at is None else started_at)
+        self.notice = ActiveNotice(notice_id, deadline, deadline.terminate_at)
         told = 0
         for w in list(self.workloads.values()):
             if w.state not in SETTLED:
@@ -203,24 +204,22 @@ class CheckpointServer:
         self._changed.set()
         return told
 
-    def update_deadline(self, deadline: float) -> None:
-        """An earlier deadline: budgets shrink; every workload still working is told again."""
+    def update_deadline(self) -> None:
+        """The shared Deadline moved earlier: budgets shrink; every workload still working is told again."""
         n = self.notice
-        if n is None or deadline >= n.deadline:
+        if n is None or n.deadline.terminate_at >= n.told_terminate_at:
             return
-        n.deadline = deadline
+        n.told_terminate_at = n.deadline.terminate_at
         for w in list(self.workloads.values()):
             if w.state not in SETTLED:
                 self._notify(w)
         self._changed.set()
 
     def _budget_end(self, w: Workload) -> float:
+        """min(notice + contract budget, kill time); without a known contract, the kill time."""
         n = self.notice
         assert n is not None
-        end = n.deadline - n.margin
-        if w.budget_s is not None:
-            end = min(end, n.started_at + w.budget_s)
-        return end
+        return n.deadline.kill_at if w.budget_s is None else n.deadline.budget_end(w.budget_s)
 
     def _notify(self, w: Workload) -> None:
         n = self.notice
@@ -236,7 +235,7 @@ class CheckpointServer:
             {
                 "op": "notice",
                 "notice": n.id,
-                "deadline": round(n.deadline, 3),
+                "deadline": round(n.deadline.terminate_at, 3),
                 "budget_end": round(w.budget_end, 3),
                 "budget_s": round(max(0.0, w.budget_end - now), 3),
                 "now": round(now, 3),

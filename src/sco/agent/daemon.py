@@ -187,7 +187,7 @@ class Agent:
             )
             drain.update_deadline(n.terminate_at)
             if self.checkpoint is not None:  # workloads are told the shorter budget at once
-                self.checkpoint.update_deadline(n.terminate_at)
+                self.checkpoint.update_deadline()
             return
         # Another notice while the node drains or after it drained: counted, never a second drain.
         self.absorbed += 1
@@ -274,7 +274,7 @@ class Agent:
         drain = self.path.drain(n, deadline, record)
         self.drain = drain
         if self.checkpoint is not None:  # workloads on the checkpoint socket are told at once
-            self.checkpoint.start_notice(n.id, n.terminate_at, self.margin, deadline.started_at)
+            self.checkpoint.start_notice(n.id, deadline)
         self.drain_task = asyncio.create_task(self._run_drain(drain), name=f"drain:{n.id}")
         self._wake_publisher.set()
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from sco.agent.checkpoint import CheckpointServer
+from sco.agent.deadline import Deadline
 from sco.agent.inhibit import InhibitError, Lock, Logind
 from sco.agent.notices import Notice
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
@@ -29,7 +29,7 @@ from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
 log = logging.getLogger("sco.agent.kube_fallback")
 
 KUBELET_WHO = "kubelet"  # kubelet's graceful node shutdown takes its delay lock under this name
-POLL_S = 0.1
+POLL_S = 0.25  # each look at logind's inhibitors is a short D-Bus connection: a few a second is plenty
 SHUTDOWN_MODES = ("poweroff", "wait")
 
 
@@ -40,33 +40,27 @@ class KubeFallback:
         spool: Spool,
         notice: Notice,
         logind: Logind,
-        deadline: Callable[[], float],
-        margin: float,
-        started_at: float,
+        deadline: Deadline,
         api_silent_since: float,
         reason: str,
         checkpoint: CheckpointServer | None = None,
         shutdown: str = "poweroff",
-        clock: Callable[[], float] = time.time,
         pods_left: Callable[[], list[str]] | None = None,
         inventoried: Callable[[], bool] | None = None,
     ) -> None:
         if shutdown not in SHUTDOWN_MODES:
             raise ValueError(f"shutdown: expected one of {SHUTDOWN_MODES}, got {shutdown!r}")
         self.spool, self.notice, self.logind = spool, notice, logind
-        self.deadline, self.margin, self.started_at = deadline, margin, started_at
+        self.deadline = deadline  # the drain's one Deadline, read live (a later notice may move it earlier)
+        self.started_at, self.clock = deadline.started_at, deadline.now
         self.api_silent_since, self.reason = api_silent_since, reason
-        self.checkpoint, self.shutdown, self.clock = checkpoint, shutdown, clock
+        self.checkpoint, self.shutdown = checkpoint, shutdown
         self.pods_left = pods_left or (lambda: [])  # pods the API path saw and could not see go
         self.inventoried = inventoried or (lambda: True)  # whether the API path ever listed the node's pods
         self.lock: Lock | None = None
 
     def _event(self, type_: str, priority: int = ROUTINE, **fields: Any) -> None:
         self.spool.append(type_, priority, notice=self.notice.id, **fields)
-
-    def _overrun_at(self) -> float:
-        d = self.deadline()
-        return d - min(1.0, self.margin / 2)
 
     async def run(self) -> dict[str, Any]:
         now = self.clock()
@@ -121,12 +115,11 @@ class KubeFallback:
         kubelet_done = False
         kubelet_done_at: float | None = None
         while True:
-            now = self.clock()
+            next_look = min(self.deadline.overrun_at, self.clock() + POLL_S)
+            workloads_done = True
             if self.checkpoint is not None and self.checkpoint.notice is not None:
-                settled = await self.checkpoint.wait_settled(until=min(self._overrun_at(), now + POLL_S))
-                workloads_done = settled.all_done
-            else:
-                workloads_done = True
+                # returns at once when every workload has settled, else at next_look
+                workloads_done = (await self.checkpoint.wait_settled(until=next_look)).all_done
             if kubelet_seen and not kubelet_done:
                 holds = await self._kubelet_holds()
                 if holds is False:
@@ -134,9 +127,9 @@ class KubeFallback:
                     self._event("kubelet.shutdown_done", CRITICAL, after_s=round(kubelet_done_at - self.started_at, 3))
             # Without kubelet's graceful shutdown nothing terminates the pods: holding the lock longer helps nobody.
             finished = workloads_done and (kubelet_done or not kubelet_seen)
-            if finished or self.clock() >= self._overrun_at():
+            if finished or self.deadline.overrun():
                 break
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(max(0.0, next_look - self.clock()))
         return self._finish(kubelet_seen, kubelet_done, workloads_done)
 
     def _finish(self, kubelet_seen: bool, kubelet_done: bool, workloads_done: bool) -> dict[str, Any]:
@@ -145,7 +138,10 @@ class KubeFallback:
         if not kubelet_seen:
             reasons.append("kubelet holds no shutdown inhibitor: graceful node shutdown is not configured")
         elif not kubelet_done:
-            reasons.append("kubelet's graceful node shutdown still running at the overrun time")
+            reasons.append(
+                "kubelet still held its shutdown lock at the overrun time (its graceful node shutdown had not"
+                " finished, or the shutdown had not begun)"
+            )
         pending = [] if self.checkpoint is None or workloads_done else self.checkpoint.settled().pending
         if pending:
             reasons.append(f"{len(pending)} workload(s) on the checkpoint socket not done")
@@ -162,7 +158,7 @@ class KubeFallback:
         body: dict[str, Any] = {
             "path": "around",
             "elapsed_s": round(now - self.started_at, 3),
-            "deadline_in_s": round(self.deadline() - now, 3),
+            "deadline_in_s": round(self.deadline.terminate_at - now, 3),
             "inhibitor": self.lock is not None,
             "kubelet_shutdown": kubelet_done,
             "api_silent_since": self.api_silent_since,

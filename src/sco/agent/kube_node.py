@@ -69,14 +69,11 @@ class KubeNodeDrain(KubernetesDrain):
             spool=self.spool,
             notice=self.notice,
             logind=self.logind,
-            deadline=lambda: self.deadline.terminate_at,  # read live: a later notice may move it earlier
-            margin=self.deadline.margin,
-            started_at=self.deadline.started_at,
+            deadline=self.deadline,
             api_silent_since=self._api_silent_since or self.deadline.now(),
             reason=self._api_silent_what,
             checkpoint=self.checkpoint,
             shutdown=self.shutdown,
-            clock=self.deadline.now,
             pods_left=lambda: sorted(st.key for st in self.pods.values() if not st.gone),
             inventoried=lambda: self.inventoried,
         )
