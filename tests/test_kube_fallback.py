@@ -44,6 +44,13 @@ def logind(bus: PrivateBus) -> Iterator[LogindStandIn]:
     s.stop()
 
 
+def _link(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 # --- the stand-in keeps logind's rules --------------------------------------------------------------
 
 
@@ -55,7 +62,11 @@ def test_the_lock_is_the_descriptor(bus: PrivateBus, logind: LogindStandIn) -> N
         ("sco-agent", "delay", "shutdown", os.getpid())
     ]
     assert lg.delay_max_sync() == 8.0
-    # the stand-in closed its own copy of the write end: closing ours releases the lock
+    # the stand-in (a thread of this process) closed its own copy of the write end after replying: the pipe is
+    # open twice here, our write end and its read end, not three times
+    pipe = os.readlink(f"/proc/self/fd/{lock.fd}")
+    assert pipe.startswith("pipe:")
+    assert sum(1 for fd in os.listdir("/proc/self/fd") if _link(fd) == pipe) == 2
     lock.release()
     wait_for(lambda: not lg.inhibitors_sync(), 2, "the lock released")
 
