@@ -477,10 +477,8 @@ CASES: list[tuple[str, tuple[str, str], Obj, Any, str, str]] = [
 @pytest.mark.parametrize(("rule_id", "policy_rule", "req", "data", "want", "text"), CASES, ids=[c[0] for c in CASES])
 def test_rule_case(rule_id: str, policy_rule: tuple[str, str], req: Obj, data: Any, want: str, text: str) -> None:
     r = rule(POLICIES, *policy_rule)
-    if policy_rule == EVICTIONS:
-        res = apply_rule(r, req, api=data)
-    else:
-        res = apply_rule(r, req, configmaps=data)
+    # the eviction rule reads the pod through an apiCall; the others read the contracts ConfigMap
+    res = apply_rule(r, req, api=data) if policy_rule == EVICTIONS else apply_rule(r, req, configmaps=data)
     assert res.status == want, res
     assert text in res.message, res.message
     for o in (req["object"], req["oldObject"]):
@@ -645,3 +643,55 @@ def test_cli_test_manifests_name_existing_files() -> None:
         for res in doc["results"]:
             assert res["policy"] in POLICIES
             assert any(r["name"] == res["rule"] for r in POLICIES[res["policy"]]["spec"]["rules"])
+
+
+def _cli_case(t: Path) -> list[tuple[str, str, Obj, str, Obj | None, dict[Any, Obj], dict[str, Obj]]]:
+    """What one kyverno-test.yaml expects, in this engine's terms (requests are CREATE, as the CLI assumes)."""
+    doc = yaml.safe_load(t.read_text())
+    objs = [o for rel in doc["resources"] for o in yaml.safe_load_all((t.parent / rel).read_text())]
+    cms = {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in objs if o["kind"] == "ConfigMap"}
+    values = yaml.safe_load((t.parent / doc["variables"]).read_text()) if "variables" in doc else {}
+    extra: dict[str, list[str]] = {}
+    username = "alice"
+    if "userinfo" in doc:
+        ui = yaml.safe_load((t.parent / doc["userinfo"]).read_text())["userInfo"]
+        username, extra = ui["username"], ui.get("extra", {})
+    api: dict[str, Obj] = {}
+    for pol in values.get("policies", []):
+        for r in pol.get("rules", []):
+            if "contracts.data" in r["values"]:
+                cms[("sco-system", "sco-contracts")] = {"data": r["values"]["contracts.data"]}
+        for res in pol.get("resources", []):
+            v = res["values"]
+            api[f"/api/v1/namespaces/{v['request.namespace']}/pods/{v['request.name']}"] = {
+                "spec": {"nodeName": v["podNode"]}
+            }
+    out = []
+    for res in doc["results"]:
+        patched = None
+        if "patchedResources" in res:
+            patched = yaml.safe_load((t.parent / res["patchedResources"]).read_text())
+        for name in res["resources"]:
+            obj = next(o for o in objs if o["metadata"]["name"] == name and o["kind"] == res["kind"])
+            req = request("CREATE", obj, username=username, extra=extra)
+            out.append((res["policy"], res["rule"], req, res["result"], patched, cms, api))
+    return out
+
+
+CLI_CASES = [c for t in sorted((KYVERNO / "tests").rglob("kyverno-test.yaml")) for c in _cli_case(t)]
+
+
+@pytest.mark.parametrize(("policy", "rule_name", "req", "want", "patched", "cms", "api"), CLI_CASES)
+def test_cli_manifests_expect_what_the_policies_do(
+    policy: str, rule_name: str, req: Obj, want: str, patched: Obj | None, cms: Any, api: Any
+) -> None:
+    res = apply_rule(rule(POLICIES, policy, rule_name), req, configmaps=cms, api=api)
+    assert res.status == want, res
+    if patched is not None:
+        # the CLI compares the resource after every rule of the policy
+        obj = req["object"]
+        for r in POLICIES[policy]["spec"]["rules"]:
+            step = apply_rule(r, request("CREATE", obj), configmaps=cms, api=api)
+            if step.patched is not None:
+                obj = step.patched
+        assert obj == patched
