@@ -189,6 +189,7 @@ JOBS = ("sco-require-contract", "reclaimable-jobs-restart-never")
 NODES = ("sco-agent-own-node-only", "agent-changes-only-its-node")
 DELETES = ("sco-agent-own-node-only", "agent-deletes-only-pods-on-its-node")
 EVICTIONS = ("sco-agent-own-node-only", "agent-evicts-only-pods-on-its-node")
+DIRECT = ("sco-require-contract", "pods-bound-to-reclaimable-nodes-tolerate-the-taint")
 
 
 def _evict(ns: str = "ci", name: str = "p") -> Obj:
@@ -204,6 +205,8 @@ API = {
     "/api/v1/namespaces/ci/pods/on-a": {"spec": {"nodeName": "node-a"}},
     "/api/v1/namespaces/ci/pods/on-b": {"spec": {"nodeName": "node-b"}},
     "/api/v1/namespaces/ci/pods/pending": {"spec": {}},
+    "/api/v1/nodes/spot-1": {"metadata": {"name": "spot-1", "labels": {"sco.dev/capacity": "reclaimable"}}},
+    "/api/v1/nodes/reserved-1": {"metadata": {"name": "reserved-1", "labels": {"sco.dev/capacity": "reserved"}}},
 }
 
 # (id, rule, request, configmaps, expected status, text the message must contain)
@@ -356,6 +359,33 @@ CASES: list[tuple[str, tuple[str, str], Obj, Any, str, str]] = [
         "fail",
         "set spec.template.spec.restartPolicy: Never",
     ),
+    # pods bound directly to a node (no scheduler): the node is looked up by apiCall
+    ("direct-reserved-ok", DIRECT, request("CREATE", pod(nodeName="reserved-1")), API, "pass", ""),
+    (
+        "direct-reclaimable-tolerating-ok",
+        DIRECT,
+        request("CREATE", pod(labels=RUNNER, nodeName="spot-1", tolerations=TOLERATE)),
+        API,
+        "pass",
+        "",
+    ),
+    ("scheduled-pod-skipped", DIRECT, request("CREATE", pod()), API, "skip", ""),
+    (
+        "mirror-pod-skipped",
+        DIRECT,
+        request("CREATE", pod(nodeName="spot-1"), username="system:node:spot-1", groups=["system:nodes"]),
+        API,
+        "skip",
+        "",
+    ),
+    (
+        "direct-reclaimable-refused",
+        DIRECT,
+        request("CREATE", pod(labels=RUNNER, nodeName="spot-1")),
+        API,
+        "fail",
+        "bound directly (spec.nodeName) to spot-1, a reclaimable node: add the toleration sco.dev/reclaim",
+    ),
     # the agent and nodes
     (
         "agent-taints-own-node",
@@ -477,8 +507,8 @@ CASES: list[tuple[str, tuple[str, str], Obj, Any, str, str]] = [
 @pytest.mark.parametrize(("rule_id", "policy_rule", "req", "data", "want", "text"), CASES, ids=[c[0] for c in CASES])
 def test_rule_case(rule_id: str, policy_rule: tuple[str, str], req: Obj, data: Any, want: str, text: str) -> None:
     r = rule(POLICIES, *policy_rule)
-    # the eviction rule reads the pod through an apiCall; the others read the contracts ConfigMap
-    res = apply_rule(r, req, api=data) if policy_rule == EVICTIONS else apply_rule(r, req, configmaps=data)
+    # the eviction and direct-binding rules read the API (apiCall); the others read the contracts ConfigMap
+    res = apply_rule(r, req, api=data) if policy_rule in (EVICTIONS, DIRECT) else apply_rule(r, req, configmaps=data)
     assert res.status == want, res
     assert text in res.message, res.message
     for o in (req["object"], req["oldObject"]):
