@@ -118,3 +118,37 @@ def test_standin_configmaps_follow_the_real_rules(kube: KubeApiStandIn) -> None:
             core.create_namespaced_config_map("ns", client.V1ConfigMap(metadata={"name": "b"}, data={"a/b": "v"}))
         assert e.value.status == 422
         assert [m.metadata.name for m in core.list_namespaced_config_map("ns").items] == ["a"]
+
+
+def test_cli_publishes_what_the_distributor_serves(
+    kube: KubeApiStandIn, key: PrivateKey, keyring: Keyring, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+
+    from sco.contract.distributor import DistributorServer
+    from sco.contract.distributor import publish as publish_bundle
+
+    write_keypair(key, tmp_path / "k.key", tmp_path / "k.pub")
+    root = tmp_path / "dist"
+    publish_bundle(_bundle(key, serial=3), root, keyring)
+    dist = DistributorServer(root, ("127.0.0.1", 0))
+    threading.Thread(target=dist.serve_forever, daemon=True).start()
+    try:
+        argv = ["contract", "publish-configmap", "--url", f"{dist.url}/v1/halls/local/bundle.json"]
+        argv += ["--cache-dir", str(tmp_path / "cache"), "--trust", str(tmp_path / "k.pub"), "--kube-url", kube.url]
+        assert main(argv) == 0
+        assert json.loads(capsys.readouterr().out) == {
+            "configmap": "sco-system/sco-contracts",
+            "outcome": "created",
+            "serial": 3,
+        }
+        publish_bundle(_bundle(key, serial=4), root, keyring)
+        assert main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["outcome"] == "updated"
+        assert kube.cluster.configmaps[("sco-system", "sco-contracts")]["data"]["_serial"] == "4"
+        # neither a file nor --url: a clear error
+        assert main(["contract", "publish-configmap", "--trust", str(tmp_path / "k.pub")]) == 5
+        assert "give a BUNDLE file or --url" in capsys.readouterr().err
+    finally:
+        dist.shutdown()
+        dist.server_close()
