@@ -190,6 +190,7 @@ NODES = ("sco-agent-own-node-only", "agent-changes-only-its-node")
 DELETES = ("sco-agent-own-node-only", "agent-deletes-only-pods-on-its-node")
 EVICTIONS = ("sco-agent-own-node-only", "agent-evicts-only-pods-on-its-node")
 DIRECT = ("sco-require-contract", "pods-bound-to-reclaimable-nodes-tolerate-the-taint")
+DRIVERS = ("sco-require-contract", "spark-drivers-stay-off-reclaimable-nodes")
 
 
 def _evict(ns: str = "ci", name: str = "p") -> Obj:
@@ -347,6 +348,24 @@ CASES: list[tuple[str, tuple[str, str], Obj, Any, str, str]] = [
         CMS,
         "fail",
         "names no contract",
+    ),
+    # Spark drivers stay off reclaimable nodes
+    ("driver-on-demand-ok", DRIVERS, request("CREATE", pod("etl", {"spark-role": "driver"})), CMS, "skip", ""),
+    (
+        "executor-on-reclaimable-ok",
+        DRIVERS,
+        request("CREATE", pod("etl", {"spark-role": "executor"}, tolerations=TOLERATE)),
+        CMS,
+        "pass",
+        "",
+    ),
+    (
+        "driver-on-reclaimable-refused",
+        DRIVERS,
+        request("CREATE", pod("etl", {"spark-role": "driver"}, nodeSelector={"sco.dev/capacity": "reclaimable"})),
+        CMS,
+        "fail",
+        "Spark drivers must not run on reclaimable nodes",
     ),
     # Jobs on reclaimable capacity need restartPolicy Never
     ("job-never-ok", JOBS, request("CREATE", job(tolerations=TOLERATE)), CMS, "pass", ""),
@@ -650,6 +669,7 @@ SPECS = [
 @pytest.mark.parametrize("spec", SPECS)
 def test_cel_and_jmespath_predicates_agree(spec: Obj) -> None:
     pre = rule(POLICIES, *REQUIRE)["celPreconditions"][0]["expression"]
+    assert rule(POLICIES, *DRIVERS)["celPreconditions"][0]["expression"] == pre  # one predicate, written twice
     p = pod(**spec)
     in_cel = bool(cel(pre, {"object": p, "oldObject": None, "request": request("CREATE", p)}))
     j = job(**spec)
