@@ -172,11 +172,13 @@ def test_agent_clusterrole_is_the_smallest_the_drain_needs() -> None:
         d for d in yaml.safe_load_all((KYVERNO / "rbac" / "agent.yaml").read_text()) if d["kind"] == "ClusterRole"
     )
     grants = {(r, v) for rr in role["rules"] for r in rr["resources"] for v in rr["verbs"]}
-    # what sco.schedulers.kube.KubeClient does: get_node, taint_node (patch), pods_on_node (list), evict, delete
+    # what sco.schedulers.kube.KubeClient does: get_node, taint_node (patch), pods_on_node (list), watch_pods,
+    # evict, delete; tests/test_agent_scope.py checks it against the real agent's requests
     assert grants == {
         ("nodes", "get"),
         ("nodes", "patch"),
         ("pods", "list"),
+        ("pods", "watch"),
         ("pods", "delete"),
         ("pods/eviction", "create"),
     }
