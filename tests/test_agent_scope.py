@@ -138,3 +138,64 @@ def test_the_real_agent_stays_inside_its_scope(tmp_path: Path, kube: KubeApiStan
                 api = {f"/api/v1/namespaces/{ns}/pods/{name}": q["before"]}
                 res = apply_rule(r, agent_request("CREATE", eviction, node=bound), api=api)
             assert res.status == want, (q["method"], q["path"], bound, res)
+
+
+AGENT_USER = "system:serviceaccount:sco-system:sco-agent"
+AGENT_GROUPS = ("system:serviceaccounts", "system:serviceaccounts:sco-system", "system:authenticated")
+
+
+def test_the_agent_of_node_a_can_touch_nothing_on_node_b(tmp_path: Path, nats_server: NatsServer) -> None:
+    """The stand-in authenticates bearer tokens: the agent's token is sco-agent's, bound to node-a (user info
+    extra authentication.kubernetes.io/node-name). The real agent drains node-a with it; the same agent
+    binary holding that token but told to drain node-b (a compromised node A) gets 403 for every write, and
+    node-b and its pods are untouched."""
+    from sco.standins.kube_apiserver import NODE_NAME_EXTRA, Identity
+
+    bound_a = Identity(AGENT_USER, AGENT_GROUPS, ((NODE_NAME_EXTRA, ("node-a",)),))
+    kube = KubeApiStandIn(tokens={"tok-a": bound_a}).start()
+    tok = tmp_path / "token"
+    tok.write_text("tok-a\n")
+    try:
+        kube.cluster.add_node("node-b")
+        add_pod(kube, "web", "near", "node-a", grace=30, prestop=0.2)
+        add_pod(kube, "web", "far-0", "node-b", grace=30)
+        add_pod(kube, "batch", "far-1", "node-b", grace=30)
+        node_b_before = copy.deepcopy(kube.cluster.nodes["node-b"])
+
+        # node A's agent drains node A with its bound token
+        own = AgentEnv(tmp_path / "own", kube, nats_server, node="node-a", kube_token_file=str(tok))
+        try:
+            own.start().wait_subscribed()
+            own.send(own.notice("own-1", WINDOW))
+            assert own.outcome(WINDOW)["type"] == "drain.drained"
+            assert not own.of("scheduler.preflight")  # its token may do everything its drain needs
+        finally:
+            own.stop()
+        assert ("web", "near") not in kube.cluster.pods
+        assert "sco.dev/reclaim" in [t["key"] for t in kube.cluster.nodes["node-a"]["spec"].get("taints", [])]
+
+        # the same token, aimed at node B
+        rogue = AgentEnv(tmp_path / "rogue", kube, nats_server, node="node-b", kube_token_file=str(tok))
+        try:
+            rogue.start().wait_subscribed()
+            rogue.send(rogue.notice("rogue-1", 10))
+            out = rogue.outcome(10)
+        finally:
+            rogue.stop()
+        assert out["type"] == "drain.overrun"
+        assert any("403" in r and 'modify node "node-b"' in r for r in out["reasons"]), out["reasons"]
+        # it tried every pod of node B, and every eviction or delete was refused
+        assert sorted(p["pod"] for p in out["remaining"]) == ["batch/far-1", "web/far-0"]
+        assert all("403" in p["why"] for p in out["remaining"]), out["remaining"]
+        preflight = rogue.of("scheduler.preflight")[0]["problems"]
+        assert any('may not patch node "node-b"' in p and "403" in p for p in preflight), preflight
+        # nothing on node B changed: the node, and both pods (still there, not terminating)
+        node_b = kube.cluster.nodes["node-b"]
+        assert node_b["spec"] == node_b_before["spec"]
+        assert node_b["metadata"].get("labels") == node_b_before["metadata"].get("labels")
+        for key in (("web", "far-0"), ("batch", "far-1")):
+            assert key in kube.cluster.pods and not kube.cluster.pods[key]["metadata"].get("deletionTimestamp")
+        touched = [a for a in kube.cluster.audit if a["name"] in ("node-b", "far-0", "far-1") and a["verb"] != "create"]
+        assert touched == []
+    finally:
+        kube.stop()
