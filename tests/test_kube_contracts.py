@@ -152,3 +152,28 @@ def test_cli_publishes_what_the_distributor_serves(
     finally:
         dist.shutdown()
         dist.server_close()
+
+
+def test_a_credential_that_may_not_write_configmaps_is_named(
+    key: PrivateKey, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sco.standins.kube_apiserver import Identity
+
+    srv = KubeApiStandIn(tokens={"ro": Identity("viewer", deny=("create configmaps",))}).start()
+    try:
+        write_keypair(key, tmp_path / "k.key", tmp_path / "k.pub")
+        (tmp_path / "bundle.json").write_bytes(_bundle(key))
+        (tmp_path / "token").write_text("ro\n")
+        argv = ["contract", "publish-configmap", str(tmp_path / "bundle.json"), "--trust", str(tmp_path / "k.pub")]
+        argv += ["--kube-url", srv.url, "--token-file", str(tmp_path / "token")]
+        assert main(argv) == 7
+        err = capsys.readouterr().err
+        assert "HTTP 403" in err and "the credential may not create configmaps in namespace sco-system" in err
+        (tmp_path / "token").write_text("nobody\n")
+        assert main(argv) == 7
+        assert "HTTP 401" in capsys.readouterr().err
+        assert main([*argv[:-1], str(tmp_path / "missing")]) == 5
+        assert "missing: cannot read the token" in capsys.readouterr().err
+        assert srv.cluster.configmaps == {}
+    finally:
+        srv.stop()
