@@ -293,3 +293,28 @@ def test_shutdown_waits_for_the_workloads_final_write(
                 client.wait()
             kubelet.close()
             env.stop()
+
+
+def test_preflight_says_when_logind_cannot_hold_a_shutdown(
+    tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer, bus: PrivateBus
+) -> None:
+    """At start-up: logind's InhibitDelayMaxSec left at its 5 s default is named (apart from the scheduler's
+    preflight, which stays clean); so is a bus that cannot be reached."""
+    short = LogindStandIn(bus.address, inhibit_delay_max_s=5).start()
+    env = AgentEnv(tmp_path / "a", kube, nats_server, logind_bus=bus.address)
+    gone = AgentEnv(tmp_path / "b", kube, nats_server, node="node-2", logind_bus=f"unix:path={tmp_path}/nobus")
+    try:
+        env.start()
+        problems = wait_for(lambda: env.of("fallback.preflight"), 10, "the fallback preflight")[0]["problems"]
+        assert problems == [
+            "logind's InhibitDelayMaxSec is 5 s: around a silent API server kubelet's graceful node shutdown and"
+            " the agent's final write would be cut short (role kubelet_graceful_shutdown sets it)"
+        ]
+        assert not env.of("scheduler.preflight")
+        gone.start()
+        problems = wait_for(lambda: gone.of("fallback.preflight"), 10, "the fallback preflight")[0]["problems"]
+        assert "cannot connect" in problems[0] and "cannot take a shutdown inhibitor" in problems[0]
+    finally:
+        env.stop()
+        gone.stop()
+        short.stop()

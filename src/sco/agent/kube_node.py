@@ -10,22 +10,26 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any
 
 from sco.agent.budget import KubeBudgets
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.deadline import Deadline
-from sco.agent.inhibit import Logind
+from sco.agent.inhibit import InhibitError, Logind
 from sco.agent.kube_drain import KubePath, KubernetesDrain, PodState, Resume
 from sco.agent.kube_fallback import KubeFallback, report_late
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
 from sco.agent.spark_order import DRIVER, EXECUTOR, driver_may_go, in_eviction_order, spark_role
-from sco.agent.spool import ROUTINE, Spool
+from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeUnreachable
 
 DRIVER_POLL_S = 0.1
+MIN_INHIBIT_DELAY_S = 10.0  # logind's default is 5 s; anything this short cannot hold a graceful shutdown
+
+log = logging.getLogger("sco.agent.kube_node")
 
 
 class KubeNodeDrain(KubernetesDrain):
@@ -135,6 +139,28 @@ class KubeNodePath(KubePath):
             checkpoint=self.checkpoint,
             shutdown=self.shutdown,
         )
+
+    async def preflight(self) -> list[str]:
+        """The API path's problems; the fallback's own (logind unreachable, its delay cap left at the 5 s default)
+        are spooled apart as ``fallback.preflight``: the API path works without them."""
+        problems = await super().preflight()
+        if self.shutdown == "off":
+            return problems
+        mine: list[str] = []
+        try:
+            cap = await self.logind.delay_max()
+            if cap < MIN_INHIBIT_DELAY_S:
+                mine.append(
+                    f"logind's InhibitDelayMaxSec is {cap:g} s: around a silent API server kubelet's graceful node"
+                    " shutdown and the agent's final write would be cut short (role kubelet_graceful_shutdown sets it)"
+                )
+        except InhibitError as e:
+            mine.append(f"{e}: the fallback around a silent API server cannot take a shutdown inhibitor")
+        if mine:
+            for m in mine:
+                log.error("preflight: %s", m)
+            self.spool.append("fallback.preflight", CRITICAL, problems=mine)
+        return problems
 
     def follow_ups(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         """Taint the node once the API answers, for every drain done around it that the spool has not closed."""
