@@ -94,6 +94,14 @@ def bench_notice_latency(n: int = 200) -> Iterator[dict[str, Any]]:
                 bed.kube.cluster.patch_node(
                     env.node, "application/merge-patch+json", {"spec": {"taints": None, "unschedulable": None}}
                 )
+                # after a drain the agent absorbs notices until it sees the node back in service (it looks
+                # every few seconds): wait for that, outside the measured notice-to-taint time
+                wait_for(
+                    lambda i=i: sum(1 for e in read_events(env.state / "spool") if e["type"] == "notice.rearmed") > i,
+                    15,
+                    "the agent to rearm",
+                    0.05,
+                )
         finally:
             env.stop()
             bed.close()
