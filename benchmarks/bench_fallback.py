@@ -5,6 +5,7 @@ dbus-daemon with the logind stand-in). The agent is its own process; the API tim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import tempfile
 from collections.abc import Iterator
@@ -20,17 +21,24 @@ REPEATS = 5
 
 
 def _once(root: Path) -> dict[str, float]:
-    nats = NatsServer(root / "nats").start()
-    asyncio.run(ensure_stream(nats.url))
-    kube = KubeApiStandIn().start()
-    bus = PrivateBus().start()
-    logind = LogindStandIn(bus.address, inhibit_delay_max_s=30).start()
-    env = AgentEnv(root / "a", kube, nats, logind_bus=bus.address, kube_fallback="wait")
-    try:
+    with contextlib.ExitStack() as stack:  # every server stopped, whatever fails
+        nats = NatsServer(root / "nats").start()
+        stack.callback(nats.stop)
+        asyncio.run(ensure_stream(nats.url))
+        kube = KubeApiStandIn().start()
+        stack.callback(kube.stop)
+        bus = PrivateBus().start()
+        stack.callback(bus.stop)
+        logind = LogindStandIn(bus.address, inhibit_delay_max_s=30).start()
+        stack.callback(logind.stop)
+        env = AgentEnv(root / "a", kube, nats, logind_bus=bus.address, kube_fallback="wait")
+        stack.callback(env.stop)
         for i in range(10):
             add_pod(kube, "web", f"web-{i}", env.node)
         env.start().wait_subscribed()
         kube.go_silent(60)
+        stack.callback(lambda: setattr(kube, "silent", False))
+        stack.callback(lambda: setattr(kube, "latency_s", 0))
         env.send(env.notice("fb", 20))
         fb = wait_for(lambda: env.of("drain.fallback"), 10, "drain.fallback")[0]
         taken = wait_for(lambda: env.of("inhibitor.taken"), 10, "inhibitor.taken")[0]
@@ -41,13 +49,7 @@ def _once(root: Path) -> dict[str, float]:
             "notice_to_fallback_ms": float(fb["notice_to_fallback_ms"]),
             "notice_to_inhibitor_ms": (float(taken["at"]) - float(accepted["received_at"])) * 1000,
         }
-    finally:
-        env.stop()
-        kube.latency_s, kube.silent = 0, False
-        logind.stop()
-        bus.stop()
-        kube.stop()
-        nats.stop()
+    raise AssertionError("unreachable")
 
 
 def bench_fallback_switch() -> Iterator[dict[str, Any]]:
