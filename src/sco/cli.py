@@ -503,7 +503,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_db_migrate(args: argparse.Namespace) -> int:
-    from sco.state.db import connect, dsn_from_env, migrate
+    from sco.state.db import applied, connect, dsn_from_env, migrate, migrations
 
     if args.embedded:
         from sco.state.embedded import EmbeddedPostgres
@@ -515,6 +515,15 @@ def cmd_db_migrate(args: argparse.Namespace) -> int:
         print(f"embedded PostgreSQL in {args.embedded}: {dsn}")
     else:
         dsn = dsn_from_env(args.dsn)
+    if args.check:
+        # What a real run would apply, applying nothing (the fleet_state role's check mode).
+        with connect(dsn) as conn:
+            have = applied(conn)
+        todo = [m for m in migrations() if m.version not in have]
+        for m in todo:
+            print(f"would apply {m.version:04d}_{m.name}")
+        print("fleet state up to date" if not todo else f"{len(todo)} migration(s) pending")
+        return 0
     with connect(dsn) as conn:
         done = migrate(conn)
     for m in done:
@@ -578,6 +587,7 @@ def _add_fleet_commands(sub: Any) -> None:
     x.add_argument("--dsn", default=_env("SCO_DB_DSN"), help="libpq connection string [$SCO_DB_DSN]")
     x.add_argument("--embedded", metavar="DIR", help="start (if needed) an embedded PostgreSQL in DIR and use it")
     x.add_argument("--port", type=int, default=5433, help="the embedded server's port (with --embedded)")
+    x.add_argument("--check", action="store_true", help="list the migrations a run would apply; apply none")
     x.set_defaults(func=cmd_db_migrate)
 
     x = sub.add_parser("reclaim", help="take instances back: notice now, delete at T+window")

@@ -1,0 +1,214 @@
+"""The collection's fleet_state role through real ansible-playbook runs against a real PostgreSQL (the session's
+embedded server, reached over TCP from localhost): check mode changes nothing, the real run creates the role, the
+database and the schema, a second run changes nothing, bad settings fail naming the variable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sco.state.db import connect, migrations
+from tests.testhosts import REPO
+
+VENV = Path(sys.executable).parent.parent
+
+
+def play(tmp: Path, extravars: dict[str, Any], check: bool = False) -> Any:
+    import ansible_runner
+
+    pdd = tmp / f"runner-{len(list(tmp.glob('runner-*')))}"
+    (pdd / "project").mkdir(parents=True)
+    (pdd / "project" / "fleet_state.yml").write_text((REPO / "playbooks" / "fleet_state.yml").read_text())
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    return ansible_runner.run(
+        private_data_dir=str(pdd),
+        playbook="fleet_state.yml",
+        inventory={"all": {"children": {"sco_control": {"hosts": {"localhost": local}}}}},
+        extravars=extravars,
+        cmdline="--check" if check else None,
+        quiet=True,
+        envvars={
+            "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        },
+    )
+
+
+def changed(r: Any) -> int:
+    return int(r.stats["changed"].get("localhost", 0)) if r.stats else -1
+
+
+def output(r: Any) -> str:
+    return str(r.stdout.read())
+
+
+def messages(r: Any, event: str) -> list[str]:
+    return [
+        str(e["event_data"]["res"].get("msg", ""))
+        for e in r.events
+        if e.get("event") == event and "res" in e.get("event_data", {})
+    ]
+
+
+@pytest.fixture
+def names(request: pytest.FixtureRequest) -> dict[str, str]:
+    # Roles are cluster-wide in PostgreSQL: a name of its own per test.
+    suffix = os.urandom(3).hex()
+    return {"db": f"fleet_role_{suffix}", "user": f"sco_role_{suffix}"}
+
+
+def settings(postgres: Any, tmp: Path, names: dict[str, str], **over: Any) -> dict[str, Any]:
+    return {
+        "fleet_state_host": "127.0.0.1",
+        "fleet_state_port": postgres.port,
+        "fleet_state_ssl_mode": "disable",
+        "fleet_state_admin_user": "postgres",
+        "fleet_state_db_name": names["db"],
+        "fleet_state_db_user": names["user"],
+        "fleet_state_db_password": "correct-horse-battery",
+        # The product is this checkout's venv (installing it from a wheelhouse is node_agent's test).
+        "fleet_state_install": False,
+        "fleet_state_venv": str(VENV),
+        "fleet_state_dsn_file": str(tmp / "etc" / "fleet-state.env"),
+        **over,
+    }
+
+
+def admin_query(postgres: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    with connect(postgres.dsn()) as c:
+        return list(c.execute(sql, args).fetchall())
+
+
+def test_check_mode_then_real_then_idempotent(postgres: Any, tmp_path: Path, names: dict[str, str]) -> None:
+    ev = settings(postgres, tmp_path, names)
+
+    r = play(tmp_path, ev, check=True)
+    assert r.rc == 0, output(r)
+    assert changed(r) > 0  # it reports the role, the database and the migrations it would create
+    assert not admin_query(postgres, "SELECT 1 FROM pg_database WHERE datname = %s", names["db"])
+    assert not admin_query(postgres, "SELECT 1 FROM pg_roles WHERE rolname = %s", names["user"])
+    assert not (tmp_path / "etc" / "fleet-state.env").exists()
+
+    r = play(tmp_path, ev)
+    assert r.rc == 0, output(r)
+    assert changed(r) > 0
+    dsn = postgres.dsn(names["db"])
+    with connect(dsn) as c:
+        recorded = [tuple(x) for x in c.execute("SELECT version, name FROM schema_migration ORDER BY version")]
+        owners = {t: o for t, o in c.execute("SELECT tablename, tableowner FROM pg_tables WHERE schemaname = 'public'")}
+    assert recorded == [(m.version, m.name) for m in migrations()]
+    # run as SCO's role, so it owns what the migrations created
+    assert owners["instance"] == names["user"] and owners["schema_migration"] == names["user"]
+    [(owner,)] = admin_query(
+        postgres, "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = %s", names["db"]
+    )
+    assert owner == names["user"]
+    public_connect = admin_query(
+        postgres,
+        "SELECT 1 FROM pg_database d, aclexplode(d.datacl) a"
+        " WHERE d.datname = %s AND a.grantee = 0 AND a.privilege_type = 'CONNECT'",
+        names["db"],
+    )
+    assert public_connect == []  # PUBLIC (grantee 0) lost CONNECT
+    env = tmp_path / "etc" / "fleet-state.env"
+    assert oct(env.stat().st_mode & 0o777) == "0o600"
+    line = next(x for x in env.read_text().splitlines() if x.startswith("SCO_DB_DSN="))
+    with connect(line.split("=", 1)[1].strip('"')) as c:  # the DSN the control loop gets works
+        assert c.execute("SELECT current_user").fetchone()[0] == names["user"]
+
+    r = play(tmp_path, ev)
+    assert r.rc == 0, output(r)
+    assert changed(r) == 0, output(r)
+    r = play(tmp_path, ev, check=True)
+    assert r.rc == 0 and changed(r) == 0, output(r)
+
+
+def test_check_mode_lists_pending_migrations_of_an_existing_database(
+    postgres: Any, tmp_path: Path, names: dict[str, str]
+) -> None:
+    r = play(tmp_path, settings(postgres, tmp_path, names, fleet_state_migrate=False))
+    assert r.rc == 0, output(r)
+    r = play(tmp_path, settings(postgres, tmp_path, names), check=True)
+    assert r.rc == 0, output(r)
+    assert changed(r) == 1  # only the migrations are pending
+    stdout = "\n".join(
+        str(e["event_data"]["res"].get("stdout", ""))
+        for e in r.events
+        if e.get("event") == "runner_on_ok" and "res" in e.get("event_data", {})
+    )
+    first = migrations()[0]
+    assert f"would apply {first.version:04d}_{first.name}" in stdout
+    with connect(postgres.dsn(names["db"])) as c:
+        assert c.execute("SELECT to_regclass('schema_migration')").fetchone()[0] is None  # nothing applied
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"fleet_state_db_password": "short"}, "fleet_state_db_password"),
+        ({"fleet_state_db_name": "Fleet-State"}, "fleet_state_db_name"),
+        ({"fleet_state_port": 70000}, "fleet_state_port"),
+        ({"fleet_state_ssl_mode": "sometimes"}, "fleet_state_ssl_mode"),
+        ({"fleet_state_venv": "/nonexistent/venv"}, "fleet_state_venv"),
+        ({"fleet_state_patroni_enabled": True}, "fleet_state_patroni_etcd_hosts"),
+    ],
+)
+def test_bad_settings_fail_naming_the_variable(
+    postgres: Any, tmp_path: Path, names: dict[str, str], over: dict[str, Any], named: str
+) -> None:
+    r = play(tmp_path, settings(postgres, tmp_path, names, **over))
+    assert r.rc != 0
+    failed = messages(r, "runner_on_failed")
+    assert failed and named in failed[0], failed
+    assert not admin_query(postgres, "SELECT 1 FROM pg_roles WHERE rolname = %s", names["user"])  # nothing done
+
+
+def test_patroni_settings_rendered_and_said_not_installed(postgres: Any, tmp_path: Path, names: dict[str, str]) -> None:
+    conf = tmp_path / "patroni" / "patroni.yml"
+    ev = settings(
+        postgres,
+        tmp_path,
+        names,
+        fleet_state_patroni_enabled=True,
+        fleet_state_patroni_config=str(conf),
+        fleet_state_patroni_owner="root",
+        fleet_state_admin_password="superuser-secret",
+        fleet_state_patroni_replication_password="replication-secret",
+        fleet_state_patroni_etcd_hosts=["10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379"],
+        fleet_state_patroni_allowed_networks=["10.0.0.0/24"],
+        fleet_state_patroni_parameters={"max_connections": 500},
+    )
+    r = play(tmp_path, ev)
+    assert r.rc == 0, output(r)
+    said = messages(r, "runner_on_ok")
+    assert any("does NOT install Patroni" in m for m in said), said
+    p = yaml.safe_load(conf.read_text())
+    assert oct(conf.stat().st_mode & 0o777) == "0o600"
+    assert p["scope"] == "sco-fleet" and p["name"] == "localhost"
+    assert p["etcd3"]["hosts"] == ["10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379"]
+    assert p["bootstrap"]["dcs"]["synchronous_mode"] is True
+    assert p["bootstrap"]["dcs"]["postgresql"]["parameters"]["max_connections"] == 500
+    assert p["postgresql"]["authentication"]["replication"]["password"] == "replication-secret"
+    assert "host all all 10.0.0.0/24 scram-sha-256" in p["postgresql"]["pg_hba"]
+    r = play(tmp_path, ev)
+    assert r.rc == 0 and changed(r) == 0, output(r)
+
+
+def test_cli_migrate_check_applies_nothing(postgres: Any, names: dict[str, str]) -> None:
+    postgres.create_database(names["db"])
+    cmd = [str(VENV / "bin" / "sco"), "db", "migrate", "--dsn", postgres.dsn(names["db"])]
+    out = subprocess.run([*cmd, "--check"], capture_output=True, text=True, check=True).stdout
+    assert [x for x in out.splitlines() if x.startswith("would apply")] == [
+        f"would apply {m.version:04d}_{m.name}" for m in migrations()
+    ]
+    with connect(postgres.dsn(names["db"])) as c:
+        assert c.execute("SELECT to_regclass('schema_migration')").fetchone()[0] is None
+    subprocess.run(cmd, capture_output=True, check=True)
+    out = subprocess.run([*cmd, "--check"], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "fleet state up to date"
