@@ -21,7 +21,9 @@ def contracts(*specs: tuple[str, int, int]) -> dict[str, ContractInfo]:
 
 
 def spot(name: str, group: str = "", cap: int = 10, flavor: int = 8, available: bool = True) -> Pool:
-    return Pool(name, "reclaimable", flavor * U, cap, group=group, available=available, unavailable_reason="maintenance")
+    return Pool(
+        name, "reclaimable", flavor * U, cap, group=group, available=available, unavailable_reason="maintenance"
+    )
 
 
 def by_pool(p: Plan) -> dict[str, tuple[int, int, tuple[str, ...], tuple[str, ...]]]:
@@ -173,9 +175,12 @@ def plan_inputs(draw: st.DrawFn) -> PlanInput:
     for k in range(draw(st.integers(0, 10))):
         pool = draw(st.sampled_from(pools))
         subset = tuple(sorted(draw(st.sets(st.sampled_from(sorted(cs)), max_size=3))))
-        fleet.append(Instance(f"i{k}", f"n{k}", pool.name, subset, launched_at=NOW - draw(st.sampled_from([0, 100, 1000]))))
+        fleet.append(
+            Instance(f"i{k}", f"n{k}", pool.name, subset, launched_at=NOW - draw(st.sampled_from([0, 100, 1000])))
+        )
     reservations = [
-        Reservation(f"l{k}", draw(st.sampled_from(pools)).name, draw(st.integers(0, 6))) for k in range(draw(st.integers(0, 3)))
+        Reservation(f"l{k}", draw(st.sampled_from(pools)).name, draw(st.integers(0, 6)))
+        for k in range(draw(st.integers(0, 3)))
     ]
     demand = {c: draw(st.integers(0, 60)) * U // 3 for c in cs if draw(st.booleans())}
     load = {f"n{k}": draw(st.integers(0, 8)) * U for k in range(len(fleet)) if draw(st.booleans())}
@@ -257,7 +262,9 @@ def test_no_tier_exceeds_its_share_of_new_units_in_a_pool_or_group(inp: PlanInpu
     for tier in (1, 2, 3):
         tier_cs = {c for c, info in inp.contracts.items() if info.tier == tier}
         per_pool = {
-            x.pool: sum(m for c, m in x.placed_milli.items() if c in tier_cs) for x in p.pools if x.kind == "reclaimable"
+            x.pool: sum(m for c, m in x.placed_milli.items() if c in tier_cs)
+            for x in p.pools
+            if x.kind == "reclaimable"
         }
         placed = sum(per_pool.values())
         total = placed + sum(m for c, m in p.shortfall_milli.items() if c in tier_cs)

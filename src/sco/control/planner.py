@@ -277,7 +277,9 @@ def plan(inp: PlanInput) -> Plan:
         if covered:
             decisions.append(
                 Decision(
-                    "cover", f"contract:{cname}", f"{_units(covered)} of {_units(need)} pending fit room already there"
+                    "cover",
+                    f"contract:{cname}",
+                    f"{_units(covered)} of {_units(need)} pending fit room already there or launching",
                 )
             )
         rem[cname] = need - covered
