@@ -31,7 +31,7 @@ def hall(seed: int = 7) -> PlanInput:
         )
     pools = []
     for k in range(POOLS):
-        kind = "reserved" if k < 10 else "on_demand" if k < 20 else "reclaimable"
+        kind = "committed" if k < 10 else "on-demand" if k < 20 else "reclaimable"
         pools.append(Pool(f"pool-{k:03d}", kind, rnd.choice([4, 8, 16, 32]) * 1000, 60, group=f"rack-{k % 25:02d}"))
     names = sorted(contracts)
     fleet, load = [], {}

@@ -16,7 +16,7 @@ D = Decimal
 
 
 def od(name: str, price: str, cap: int = 10, flavor: int = 8, available: bool = True) -> Pool:
-    return Pool(name, "on_demand", flavor * U, cap, price_per_hour=D(price), available=available)
+    return Pool(name, "on-demand", flavor * U, cap, price_per_hour=D(price), available=available)
 
 
 def c(name: str, tier: int, allowed: bool, cap: str = "0") -> ContractInfo:

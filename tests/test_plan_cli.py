@@ -14,7 +14,7 @@ from tests.test_cli import no_traceback, sco
 INPUT = {
     "now": 1_764_400_000,
     "pools": [
-        {"name": "committed", "kind": "reserved", "flavor": "m1.xlarge", "vcpus": 16, "ramMiB": 65536, "cap": 16},
+        {"name": "committed", "kind": "committed", "flavor": "m1.xlarge", "vcpus": 16, "ramMiB": 65536, "cap": 16},
         {
             "name": "spot-a",
             "kind": "reclaimable",

@@ -78,7 +78,7 @@ def test_floors_are_held_on_committed_capacity_and_never_scaled_down() -> None:
     inp = PlanInput(
         contracts=contracts(("api", 1, 24), ("batch", 3, 0)),
         demand={"api": 30 * U},
-        pools=(Pool("res", "reserved", 8 * U, 10), spot("a"), spot("b")),
+        pools=(Pool("res", "committed", 8 * U, 10), spot("a"), spot("b")),
         reservations=(Reservation("lease-1", "res", 4),),
         fleet=(Instance("r0", "res-0", "res", ("api",), launched_at=0),),
         settings=PlanSettings(now=NOW, idle_grace_s=0),
@@ -95,7 +95,7 @@ def test_a_floor_larger_than_committed_capacity_is_reported_short() -> None:
     inp = PlanInput(
         contracts=contracts(("api", 1, 100)),
         demand={},
-        pools=(Pool("res", "reserved", 8 * U, 10),),
+        pools=(Pool("res", "committed", 8 * U, 10),),
         reservations=(Reservation("lease-1", "res", 4),),
         settings=PlanSettings(now=NOW),
     )
@@ -160,7 +160,7 @@ def plan_inputs(draw: st.DrawFn) -> PlanInput:
         cs[f"c{k}"] = ContractInfo(f"c{k}", tier, floor)
     pools = []
     for k in range(draw(st.integers(1, 7))):
-        kind = draw(st.sampled_from(["reclaimable", "reclaimable", "reserved", "on_demand"]))
+        kind = draw(st.sampled_from(["reclaimable", "reclaimable", "committed", "on-demand"]))
         pools.append(
             Pool(
                 f"p{k}",
@@ -214,14 +214,16 @@ def test_floors_are_met_whenever_feasible(inp: PlanInput) -> None:
     for r in inp.reservations:
         committed[r.pool] = committed.get(r.pool, 0) + r.instances
     capacity = sum(
-        min(committed.get(p.name, 0), p.cap) * p.flavor_milli for p in inp.pools if p.kind == "reserved" and p.available
+        min(committed.get(p.name, 0), p.cap) * p.flavor_milli
+        for p in inp.pools
+        if p.kind == "committed" and p.available
     )
     wanted = {c.name: c.floor_milli for c in inp.contracts.values() if c.tier == 1 and c.floor_milli}
     p = plan(inp)
     if sum(wanted.values()) <= capacity:
         assert {c: p.floors_milli.get(c) for c in wanted} == wanted
     for x in p.pools:  # floors are held on committed capacity only, and within it
-        if x.kind == "reserved":
+        if x.kind == "committed":
             assert x.target <= max(x.current, min(committed.get(x.pool, 0), pools_cap(inp, x.pool)))
 
 

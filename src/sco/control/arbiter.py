@@ -83,7 +83,7 @@ def current_spend(pools: Mapping[str, Pool], fleet: tuple[Instance, ...]) -> tup
     per: dict[str, Decimal] = {}
     for i in sorted(fleet, key=lambda i: (i.pool, i.name, i.id)):
         p = pools.get(i.pool)
-        if p is None or p.kind != "on_demand" or i.state in ("deleting", "deleted"):
+        if p is None or p.kind != "on-demand" or i.state in ("deleting", "deleted"):
             continue
         total += p.price_per_hour
         for c in i.contracts:
@@ -105,7 +105,7 @@ def arbitrate(
         if i.pool in held and i.state not in ("deleting", "deleted"):
             held[i.pool] += 1
     od = sorted(
-        (p for p in by_name.values() if p.kind == "on_demand" and p.available),
+        (p for p in by_name.values() if p.kind == "on-demand" and p.available),
         key=lambda p: (p.price_per_hour / p.flavor_milli, p.name),
     )
     grants: list[Grant] = []

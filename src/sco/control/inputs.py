@@ -5,8 +5,8 @@ One document shape serves ``sco plan --input FILE`` and the collection's modules
 
     pools:                 # the hall's pools (configuration)
       - {name: spot-a, kind: reclaimable, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 20, group: rack-1}
-      - {name: committed, kind: reserved, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 8}
-      - {name: od, kind: on_demand, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 10, pricePerHour: "0.90"}
+      - {name: committed, kind: committed, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 8}
+      - {name: od, kind: on-demand, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 10, pricePerHour: "0.90"}
     settings: {shares: {1: "1/2", 2: "1/2", 3: 1}, idleGraceSeconds: 600, settleSeconds: 300}
     reservations: [{lease: 7f3c..., pool: committed, instances: 4}]     # from Blazar
     fleet: [{id: ..., name: spot-a-1, pool: spot-a, contracts: [web], launchedAt: 1764400000}]  # fleet state
@@ -37,7 +37,7 @@ class _Strict(BaseModel):
 
 class PoolSpec(_Strict):
     name: NonEmpty
-    kind: Literal["reclaimable", "reserved", "on_demand"]
+    kind: Literal["reclaimable", "committed", "on-demand"]
     flavor: NonEmpty
     """Nova flavour (or Ironic resource class) the pool's instances are launched with."""
     vcpus: Annotated[int, Field(gt=0)]

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from sco.control.units import units_milli
 
-PoolKind = Literal["reclaimable", "reserved", "on_demand"]
-POOL_KINDS: tuple[PoolKind, ...] = ("reclaimable", "reserved", "on_demand")
+PoolKind = Literal["reclaimable", "committed", "on-demand"]
+POOL_KINDS: tuple[PoolKind, ...] = ("reclaimable", "committed", "on-demand")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ its lists. The steps, in order:
 
 1. **Pools.** Unavailable pools take no launches and their instances do not count as capacity (their reason is
    kept). Instances of pools not configured are left alone (the reclaimer's business).
-2. **Tier-1 floors on committed capacity.** Each tier-1 contract's floor is held on reserved pools (Blazar
+2. **Tier-1 floors on committed capacity.** Each tier-1 contract's floor is held on committed pools (Blazar
    leases give the committed instances), contracts by name, pools by name. Committed capacity is paid for: its
    instances are never scaled down. Whenever the floors fit the committed capacity, every floor is held.
 3. **Cover pending work with room already there.** Free room on idle instances, on instances still settling
@@ -33,7 +33,7 @@ from typing import Any
 from sco.control.model import Instance, PlanInput
 from sco.control.units import fmt
 
-_KIND_RANK = {"reserved": 0, "reclaimable": 1, "on_demand": 2}
+_KIND_RANK = {"committed": 0, "reclaimable": 1, "on-demand": 2}
 
 
 @dataclass(frozen=True)
@@ -190,13 +190,13 @@ def plan(inp: PlanInput) -> Plan:
     committed: dict[str, int] = {}
     for r in sorted(inp.reservations, key=lambda r: (r.pool, r.lease)):
         rp = pools.get(r.pool)
-        if rp is None or rp.kind != "reserved":
+        if rp is None or rp.kind != "committed":
             decisions.append(
-                Decision("ignore", f"lease:{r.lease}", f"pool {r.pool!r} is not a configured reserved pool")
+                Decision("ignore", f"lease:{r.lease}", f"pool {r.pool!r} is not a configured committed pool")
             )
             continue
         committed[r.pool] = committed.get(r.pool, 0) + r.instances
-    reserved = [p for p in pools.values() if p.kind == "reserved" and p.available and committed.get(p.name)]
+    reserved = [p for p in pools.values() if p.kind == "committed" and p.available and committed.get(p.name)]
     room = {p.name: min(committed[p.name], p.cap) * p.flavor_milli for p in reserved}
     floor_alloc: dict[str, dict[str, int]] = {p.name: {} for p in reserved}
     floors: dict[str, int] = {}
@@ -362,7 +362,7 @@ def plan(inp: PlanInput) -> Plan:
                 continue
             age = s.now - i.launched_at
             subject = f"instance:{i.name}"
-            if p.kind == "reserved":
+            if p.kind == "committed":
                 decisions.append(Decision("keep", subject, f"idle, but committed capacity ({p.name}) is paid for"))
             elif age < s.idle_grace_s:
                 decisions.append(
@@ -376,8 +376,8 @@ def plan(inp: PlanInput) -> Plan:
 
     out: list[PoolPlan] = []
     for name, p in pools.items():
-        launch = new_reserved.get(name, 0) if p.kind == "reserved" else _ceil_div(new_units[name], p.flavor_milli)
-        subset = sorted(floor_alloc.get(name, {}) if p.kind == "reserved" else placed[name]) if launch else []
+        launch = new_reserved.get(name, 0) if p.kind == "committed" else _ceil_div(new_units[name], p.flavor_milli)
+        subset = sorted(floor_alloc.get(name, {}) if p.kind == "committed" else placed[name]) if launch else []
         if launch:
             what = ", ".join(f"{c} {_units(m)}" for c, m in sorted((floor_alloc.get(name) or placed[name]).items()))
             decisions.append(Decision("launch", f"pool:{name}", f"+{launch} ({what})"))
