@@ -65,7 +65,7 @@ class PoolSpec(_Strict):
         )
 
 
-Tier = Literal[1, 2, 3]
+Tier = Annotated[int, Field(ge=1, le=3)]  # "3" from JSON or YAML keys is 3
 
 
 def _default_shares() -> dict[Tier, str | int | float]:
