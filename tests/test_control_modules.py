@@ -19,7 +19,7 @@ from tests.harness import hall_bundle
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 COLLECTIONS = ROOT / "collections"
-MODULES = ("demand", "plan", "arbitrate")
+MODULES = ("demand", "plan", "arbitrate", "acquire", "reclaim")
 ENV = {"ANSIBLE_COLLECTIONS_PATH": str(COLLECTIONS), "PATH": f"{BIN}:{os.environ['PATH']}"}
 
 POOLS = [

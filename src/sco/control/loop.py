@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
@@ -161,3 +162,220 @@ def step_arbitrate(params: Params, check: bool, store: FleetStore | None = None)
     if store is not None and not check:
         store.record_arbitration(hall, params.get("run_id"), result)
     return out
+
+
+# --- acquire ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EntryTarget:
+    """What the acquirer is asked to hold for one plan entry (a pool's instances with one contract subset)."""
+
+    pool: str
+    entry: str
+    contracts: tuple[str, ...]
+    count: int
+    launch: int
+    delete: tuple[str, ...]
+    """Names of the instances the count shrinks away (the entry's highest slots)."""
+    kept: tuple[str, ...] = ()
+    """Instances the plan would scale down but the entry cannot shed: a busy instance sits in a higher slot."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "entry": self.entry,
+            "contracts": list(self.contracts),
+            "count": self.count,
+            "launch": self.launch,
+            "delete": list(self.delete),
+            "kept": list(self.kept),
+        }
+
+
+def entry_targets(
+    plan_doc: Mapping[str, Any],
+    arbitration_doc: Mapping[str, Any],
+    slots: list[Any],
+    entries: Mapping[tuple[str, str], tuple[str, ...]],
+) -> list[EntryTarget]:
+    """Turn a plan and the arbiter's grants into counts per plan entry.
+
+    The acquirer holds slots 0..count-1 of an entry: it launches the missing ones and deletes those at or above
+    the count. So an entry's count is at least its highest kept slot + 1, and a scale-down the plan asks for
+    happens only where the idle instance holds the entry's highest slots (else it is kept and said so).
+    """
+    from sco.control.record import entry_name
+
+    deletes = {str(i) for p in plan_doc.get("pools", []) for i in p.get("delete", [])}
+    want: dict[tuple[str, str], int] = {}
+    subsets: dict[tuple[str, str], tuple[str, ...]] = dict(entries)
+    for p in plan_doc.get("pools", []):
+        if p.get("launch"):
+            subset = tuple(sorted(p.get("launch_contracts", [])))
+            key = (p["pool"], entry_name(subset))
+            subsets[key] = subset
+            want[key] = want.get(key, 0) + int(p["launch"])
+    for g in arbitration_doc.get("grants", []):
+        subset = (g["contract"],)
+        key = (g["pool"], entry_name(subset))
+        subsets[key] = subset
+        want[key] = want.get(key, 0) + int(g["instances"])
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for s in slots:
+        groups.setdefault((s.pool, s.entry), []).append(s)
+    out = []
+    for key in sorted(set(groups) | set(want)):
+        group = groups.get(key, [])
+        kept_slots = [s.slot for s in group if str(s.id) not in deletes]
+        n = want.get(key, 0)
+        count = max(len(kept_slots) + n, max(kept_slots) + 1 if kept_slots else 0)
+        gone = tuple(s.name for s in group if s.slot >= count)
+        stuck = tuple(s.name for s in group if str(s.id) in deletes and s.slot < count)
+        launch = count - sum(1 for s in group if s.slot < count)
+        if launch or gone or stuck:
+            out.append(EntryTarget(key[0], key[1], subsets.get(key, ()), count, launch, gone, stuck))
+    return out
+
+
+def _cloud(params: Params) -> Any:
+    """An openstacksdk connection from openstack.cloud-style options (cloud name or dict, or auth)."""
+    import openstack
+
+    kw: dict[str, Any] = {}
+    cloud = params.get("cloud")
+    if isinstance(cloud, Mapping):
+        kw.update(cloud)
+    elif cloud:
+        kw["cloud"] = str(cloud)
+    if params.get("auth"):
+        kw["auth"] = dict(params["auth"])
+    for opt, sdk in (("auth_type", "auth_type"), ("region_name", "region_name"), ("ca_cert", "cacert")):
+        if params.get(opt):
+            kw[sdk] = params[opt]
+    if params.get("interface"):
+        kw["interface"] = params["interface"]
+    if params.get("validate_certs") is not None:
+        kw["verify"] = bool(params["validate_certs"])
+    try:
+        return openstack.connect(**kw)
+    except Exception as e:  # openstacksdk raises its own config errors; the message names the cloud
+        raise ConfigError(f"OpenStack cloud {cloud or '(from auth / OS_* variables)'}: {e}") from None
+
+
+def step_acquire(params: Params, check: bool, store: Any = None) -> dict[str, Any]:
+    """Make each pool hold what the plan and the grants say, through the acquirer (Nova)."""
+    if store is None:
+        raise ConfigError("state_dsn: the acquirer needs the fleet state (give state_dsn or set $SCO_DB_DSN)")
+    hall = str(params["hall"])
+    d = _document({**params, "demand": {}, "fleet": []}, None, hall)
+    plan_doc: dict[str, Any] = dict(params.get("plan") or {})
+    if isinstance(plan_doc.get("plan"), dict):
+        plan_doc = plan_doc["plan"]
+    arb: dict[str, Any] = dict(params.get("arbitration") or {})
+    if isinstance(arb.get("arbitration"), dict):
+        arb = arb["arbitration"]
+    targets = entry_targets(plan_doc, arb, store.slots(hall), store.entries(hall))
+    result: dict[str, Any] = {
+        "changed": any(t.launch or t.delete for t in targets),
+        "entries": [t.to_dict() for t in targets],
+        "launched": 0,
+        "deleted": 0,
+        "failed": 0,
+        "skipped": [],
+    }
+    if check or not targets:
+        result["launched"] = sum(t.launch for t in targets)  # what would be launched
+        result["deleted"] = sum(len(t.delete) for t in targets)
+        return result
+    from sco.contract import userdata
+    from sco.contract.signing import load_private
+    from sco.control.acquirer import Acquirer, PlanEntry
+    from sco.state.fleet import FleetState
+    from sco.state.fleet import Pool as StatePool
+
+    bundle = load_bundle(params)
+    keys = [load_private(Path(k)) for k in params.get("signing_keys") or []]
+    if not keys:
+        raise ConfigError("signing_keys: give the keys that sign each new instance's contract subset")
+    specs = {p.name: p for p in d.pools}
+    node_env = {str(k): str(v) for k, v in (params.get("node_env") or {}).items()}
+    cloud = _cloud(params)
+    with FleetState(store.dsn, application="sco acquire") as state:
+        for t in targets:
+            spec = specs.get(t.pool)
+            if spec is None:
+                result["skipped"].append(f"{t.pool}/{t.entry}: pool not configured")
+                continue
+            if t.launch and not spec.image:
+                raise ConfigError(f"pools: {t.pool}: image: needed to launch instances")
+            state.ensure_pool(StatePool(hall, t.pool, spec.flavor, spec.image or "-", kind=spec.kind))
+            store.ensure_entry(hall, t.pool, t.contracts)
+
+            def render(name: str, contracts: tuple[str, ...] = t.contracts) -> str:
+                env = {**node_env, "SCO_HALL": hall, "SCO_NODE": name}
+                return userdata.render(bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env)
+
+            outcome = Acquirer(cloud, state, render).apply(PlanEntry(hall, t.pool, t.entry, t.count))
+            result["launched"] += outcome.launched
+            result["deleted"] += outcome.deleted
+            result["failed"] += outcome.failed
+            if outcome.skipped or outcome.pool_unavailable:
+                result["skipped"].append(f"{t.pool}/{t.entry}: {outcome.skipped or outcome.pool_unavailable}")
+    return result
+
+
+# --- reclaim ------------------------------------------------------------------------------------------
+
+
+def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, Any]:
+    """Reclaim instances through the provider's reclaimer: notice (NATS and metadata), drain window, delete."""
+    if store is None:
+        raise ConfigError("state_dsn: the reclaimer needs the fleet state (give state_dsn or set $SCO_DB_DSN)")
+    hall = str(params["hall"])
+    nodes = [str(n) for n in params.get("nodes") or []]
+    if not nodes:
+        return {"changed": False, "reclaimed": []}
+    live = {i.name: i for i in store.fleet(hall)}
+    unknown = [n for n in nodes if n not in live]
+    if unknown:
+        raise ConfigError(f"hall {hall}: no live instance named {', '.join(unknown)}")
+    todo = [n for n in nodes if live[n].state != "deleting"]  # already under reclaim: nothing to do again
+    result: dict[str, Any] = {"changed": bool(todo), "reclaimed": [], "would_reclaim": todo}
+    if check or not todo:
+        return result
+    from sco.contract.signing import load_private
+    from sco.provider.reclaimer import Reclaimer
+    from sco.state.fleet import FleetState
+
+    if not params.get("nats_url"):
+        raise ConfigError("nats_url: the hall's notice relay")
+    keys = [load_private(Path(k)) for k in params.get("notice_keys") or []] or None
+
+    async def go() -> list[dict[str, Any]]:
+        with (
+            FleetState(store.dsn, application="sco reclaim") as st,
+            st.writer(hall, float(params.get("lock_wait") or 0)),
+        ):
+            r = Reclaimer(
+                _cloud(params), st, str(params["nats_url"]), window_s=float(params["window"]), signing_keys=keys
+            )
+            try:
+                done = await r.notify(hall, todo)
+                if params.get("wait", True):
+                    await r.run(hall)
+                return [
+                    {
+                        "name": rc.instance.name,
+                        "notice": rc.notice["id"],
+                        "terminate_at": rc.terminate_at,
+                        "published": rc.published_at is not None,
+                        "state": st.instance(rc.instance.id).state,
+                    }
+                    for rc in done
+                ]
+            finally:
+                await r.close()
+
+    result["reclaimed"] = asyncio.run(go())
+    return result

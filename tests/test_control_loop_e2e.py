@@ -1,0 +1,298 @@
+"""The control loop end to end on real parts.
+
+Pending pods on the Kubernetes API **stand-in** and pending jobs on a real slurmctld -> the private data directory
+laid out by role sco.orchestrator.control_loop -> the command its systemd unit runs (``sco-control-loop``: the
+fleet-state lock, ansible-runner, control_loop.yml: demand -> plan -> arbitrate -> acquire) -> instances on the
+real Nova (fake virt driver) with their signed contract subset -> a second run changes nothing -> the demand goes
+-> the idle instances are scaled down. The fleet state is a real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sco.contract.bundle import Bundle
+from sco.contract.compiler import compile_repo
+from sco.contract.signing import Keyring, generate, sign, write_keypair
+from sco.contract.userdata import CACHE_PATH
+from sco.control.record import PgFleetStore
+from sco.demo import sample_repo
+from sco.devcluster.slurm import SlurmCluster
+from sco.standins.kube_apiserver import KubeApiStandIn
+from sco.state.db import connect, hall_lock
+from sco.state.fleet import FleetState
+from tests.harness import TEST_POLICY, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+HALL = "local"
+
+CONTRACTS = """apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: web}
+spec:
+  scheduler: kubernetes
+  selector: {namespace: web}
+  tier: 3
+  drainBudgetSeconds: 6
+  finalWriteSeconds: 2
+  checkpoint: {mode: none}
+  requeue: {policy: always}
+  fallback: {onDemand: true, spendCapPerHour: "4.00"}
+---
+apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: guarded}
+spec:
+  scheduler: kubernetes
+  selector: {namespace: guarded}
+  tier: 2
+  drainBudgetSeconds: 3
+  checkpoint: {mode: none}
+  requeue: {policy: always}
+---
+apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: genomics-ckpt}
+spec:
+  scheduler: slurm
+  selector: {account: genomics, partitions: [spot]}
+  tier: 3
+  drainBudgetSeconds: 6
+  finalWriteSeconds: 2
+  checkpoint: {mode: signal, signal: USR1, ackSocket: false}
+  requeue: {policy: always}
+---
+apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: climate-sims}
+spec:
+  scheduler: slurm
+  selector: {account: climate}
+  tier: 2
+  drainBudgetSeconds: 4
+  checkpoint: {mode: signal, signal: USR1}
+  requeue: {policy: on-checkpoint}
+"""
+
+ROLE_PLAY = """
+- name: Lay out the control loop
+  hosts: localhost
+  connection: local
+  gather_facts: false
+  roles:
+    - role: sco.orchestrator.control_loop
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path: Path) -> Iterator[SlurmCluster]:
+    c = SlurmCluster(tmp_path / "slurm", nodes=("n1",))
+    c.start()
+    (c.root / "job.sh").write_text("#!/bin/bash\nsleep 300 & wait $!\n")
+    yield c
+    c.run("scancel", "--user=root", check=False)
+    c.stop()
+
+
+def cleanup(conn: Any) -> None:
+    for s in conn.compute.servers(tags=f"sco-hall={HALL}"):
+        conn.compute.delete_server(s.id, ignore_missing=True)
+
+
+def lay_out(tmp: Path, extravars: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """Apply the role (as a deployment would) and return the unit's ExecStart argv and its environment."""
+    import ansible_runner
+
+    pdd = tmp / "deploy"
+    (pdd / "project").mkdir(parents=True)
+    (tmp / "units").mkdir()  # /etc/systemd/system on a real host
+    (pdd / "project" / "play.yml").write_text(ROLE_PLAY)
+    r = ansible_runner.run(
+        private_data_dir=str(pdd),
+        playbook="play.yml",
+        extravars={**extravars, "ansible_python_interpreter": sys.executable},
+        envvars={"ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"},
+        quiet=True,
+    )
+    assert r.rc == 0, r.stdout.read()
+    unit = (tmp / "units" / "sco-control-loop.service").read_text()
+    exec_start = next(line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("ExecStart="))
+    env_file = next(line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("EnvironmentFile="))
+    env = dict(line.split("=", 1) for line in Path(env_file).read_text().splitlines() if "=" in line)
+    timer = (tmp / "units" / "sco-control-loop.timer").read_text()
+    assert "OnUnitInactiveSec=2min" in timer
+    return shlex.split(exec_start), env
+
+
+def run_loop(argv: list[str], env: dict[str, str]) -> tuple[int, dict[str, Any], str]:
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    summary: dict[str, Any] = {}
+    for line in p.stdout.splitlines():
+        if line.startswith('{"control_loop_summary"'):
+            summary = json.loads(line)["control_loop_summary"]
+    return p.returncode, summary, p.stdout + p.stderr
+
+
+def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    conn = openstack_cloud.connect()
+    kube = KubeApiStandIn().start()
+    try:
+        # the hall's contracts, signed; the key that signs launch subsets
+        key = generate()
+        trust = tmp_path / "trusted"
+        trust.mkdir()
+        write_keypair(key, tmp_path / "signing.key", trust / "signing.pub")
+        repo = tmp_path / "repo"
+        shutil.copytree(sample_repo(), repo)
+        shutil.rmtree(repo / "contracts")
+        (repo / "hall.yaml").write_text(TEST_POLICY)
+        (repo / "contracts.yaml").write_text(CONTRACTS)
+        (tmp_path / "bundle.json").write_bytes(sign(compile_repo(repo), [key]))
+
+        # pending work: 3 x 2 CPUs of web (tier 3), 2 x 1 CPU of guarded (tier 2), a pod no contract selects
+        tol = [{"key": "sco.dev/capacity", "operator": "Equal", "value": "reclaimable", "effect": "NoSchedule"}]
+
+        def pod(name: str, cpu: str) -> dict[str, Any]:
+            res = {"requests": {"cpu": cpu, "memory": "1Gi"}}
+            return {
+                "metadata": {"name": name},
+                "spec": {"tolerations": tol, "containers": [{"name": "c", "resources": res}]},
+            }
+
+        for i in range(3):
+            kube.cluster.create_pod("web", pod(f"web-{i}", "2"))
+        for i in range(2):
+            kube.cluster.create_pod("guarded", pod(f"guarded-{i}", "1"))
+        kube.cluster.create_pod("nobody", pod("stray", "1"))
+        # real Slurm: a job fills the only node, so these stay pending: climate 2 CPUs, genomics 2 x 2 CPUs
+        script = slurm.root / "job.sh"
+        filler = slurm.sbatch(script, "-A", "genomics", "--comment=sco-contract=genomics-ckpt", "-c", "2")
+        wait_for(lambda: slurm.job(filler).get("JobState") == "RUNNING", 30, "the filler job running")
+        jobs = [slurm.sbatch(script, "-A", "climate", "-c", "2")]
+        jobs += [
+            slurm.sbatch(script, "-A", "genomics", "--comment=sco-contract=genomics-ckpt", "-c", "2") for _ in range(2)
+        ]
+
+        large = openstack_cloud.flavors["sco.large"]  # 4 vCPUs, 4 GiB: 4 units
+        pool = {"flavor": large, "image": openstack_cloud.image_id, "vcpus": 4, "ramMiB": 4096}
+        pools = [
+            {"name": "spot-a", "kind": "reclaimable", "cap": 1, "group": "rack-1", **pool},
+            {"name": "spot-b", "kind": "reclaimable", "cap": 1, "group": "rack-2", **pool},
+            {"name": "od", "kind": "on-demand", "cap": 2, "pricePerHour": "2.00", **pool},
+        ]
+        clouds = openstack_cloud.write_clouds_yaml(tmp_path / "clouds.yaml")
+        argv, env = lay_out(
+            tmp_path,
+            {
+                "control_loop_hall": HALL,
+                "control_loop_interval": "2min",
+                "control_loop_venv": str(Path(sys.executable).parent.parent),
+                "control_loop_collections_path": str(ROOT / "collections"),
+                "control_loop_data_dir": str(tmp_path / "runner"),
+                "control_loop_state_dsn": fleet_dsn,
+                "control_loop_cloud": "sco-loopback",
+                "control_loop_clouds_yaml": str(clouds),
+                "control_loop_bundle": str(tmp_path / "bundle.json"),
+                "control_loop_trust_dir": str(trust),
+                "control_loop_signing_keys": [str(tmp_path / "signing.key")],
+                "control_loop_kubernetes": {"url": kube.url},
+                "control_loop_slurm": {"slurm_conf": str(slurm.conf), "reclaimable_partitions": ["spot"]},
+                "control_loop_pools": pools,
+                "control_loop_settings": {"shares": {1: "1/2", 2: "1/2", 3: 1}, "idleGraceSeconds": 0},
+                "control_loop_ceiling_per_hour": "3.00",
+                "control_loop_timer_enabled": False,
+                "_control_loop_unit_dir": str(tmp_path / "units"),
+                "_control_loop_env_file": str(tmp_path / "etc" / "control-loop.env"),
+            },
+        )
+        assert argv[0] == str(BIN / "sco-control-loop") and "--private-data-dir" in argv
+        assert env == {"SCO_DB_DSN": fleet_dsn}
+
+        # run 1: demand -> plan -> arbitrate -> acquire
+        rc, first, out = run_loop(argv, env)
+        assert rc == 0, out
+        print(out)  # the run's summary, for the record (pytest -s)
+        assert first["demand_units"] == {"climate-sims": 2.0, "genomics-ckpt": 4.0, "guarded": 2.0, "web": 6.0}
+        assert first["uncontracted"] == 1
+        assert first["plan_changed"] is True
+        assert first["planned"] == {
+            "spot-a": {"target": 1, "launch": 1, "delete": 0},
+            "spot-b": {"target": 1, "launch": 1, "delete": 0},
+        }
+        # tier 3 does not fit the capped reclaimable pools: web may fall back (one od instance within the
+        # hall ceiling of 3.00/h), genomics may not
+        assert first["granted"] == ["web: 1 x od (2.00/h)"]
+        assert [r.split(":")[0] for r in first["refused"]] == ["genomics-ckpt"]
+        assert "its contract does not allow on-demand fallback" in first["refused"][0]
+        assert (first["launched"], first["deleted"], first["launch_failed"]) == (3, 0, 0)
+
+        servers = {s.name: s for s in conn.compute.servers(details=True, tags=f"sco-hall={HALL}")}
+        assert len(servers) == 3 and {s.status for s in servers.values()} == {"ACTIVE"}
+        with PgFleetStore(fleet_dsn) as store:
+            fleet = store.fleet(HALL)
+            plans = store.plans(HALL)
+            arbs = store.arbitrations(HALL)
+            runs = store.runs(HALL)
+        assert {i.pool for i in fleet} == {"spot-a", "spot-b", "od"}
+        launched_with = {p["pool"]: p["launch_contracts"] for p in plans[-1]["body"]["pools"] if p["launch"]}
+        for inst in fleet:
+            # each server carries the signed subset of exactly the contracts its entry was planned for
+            full = conn.compute.get_server(servers[inst.name].id)
+            files = {f["path"]: f for f in yaml.safe_load(base64.b64decode(full.user_data).decode())["write_files"]}
+            subset = Bundle.from_bytes(base64.b64decode(files[CACHE_PATH]["content"]), Keyring([key.public]))
+            assert sorted(subset.contracts) == list(inst.contracts)
+            assert list(inst.contracts) == (["web"] if inst.pool == "od" else launched_with[inst.pool])
+        assert plans[-1]["run_id"] == first["run_id"] and any(d["kind"] == "launch" for d in plans[-1]["decisions"])
+        assert {(a["contract"], a["outcome"]) for a in arbs} == {("web", "grant"), ("genomics-ckpt", "refuse")}
+        assert runs[-1]["status"] == "ok" and runs[-1]["summary"]["launched"] == 3
+
+        # run 2: the same pending work; the instances launched for it are there: nothing changes
+        rc, second, out = run_loop(argv, env)
+        assert rc == 0, out
+        assert second["plan_changed"] is False and second["planned"] == {}
+        assert (second["launched"], second["deleted"]) == (0, 0) and second["granted"] == []
+        assert {s.id for s in conn.compute.servers(tags=f"sco-hall={HALL}")} == {s.id for s in servers.values()}
+
+        # one run at a time: while another holder has the hall's control-loop lock, a run refuses to start
+        with connect(fleet_dsn) as other, hall_lock(other, f"{HALL}/control-loop"):
+            rc, _, out = run_loop(argv, env)
+        assert rc == 8 and "another writer holds the fleet-state lock" in out
+
+        # the demand goes: pods deleted, jobs cancelled
+        for ns, names in (("web", [f"web-{i}" for i in range(3)]), ("guarded", ["guarded-0", "guarded-1"])):
+            for name in names:
+                kube.cluster.delete_pod(ns, name, 0)
+        slurm.run("scancel", *map(str, jobs))
+        rc, third, out = run_loop(argv, env)
+        assert rc == 0, out
+        print(out)
+        assert third["demand_units"] == {}
+        assert third["planned"] == {
+            "spot-a": {"target": 0, "launch": 0, "delete": 1},
+            "spot-b": {"target": 0, "launch": 0, "delete": 1},
+            "od": {"target": 0, "launch": 0, "delete": 1},
+        }
+        assert (third["launched"], third["deleted"]) == (0, 3)
+        wait_for(lambda: not list(conn.compute.servers(tags=f"sco-hall={HALL}")), 60, "the idle servers gone")
+        with FleetState(fleet_dsn) as st:
+            assert st.instances(HALL) == []  # no live instance left
+            assert any(e["kind"] == "instance.deleted" for e in st.events(hall=HALL))
+    finally:
+        kube.stop()
+        cleanup(conn)
+        conn.close()
