@@ -83,12 +83,12 @@ PLAY = """
 """
 
 
-def run(tmp: Path, extra: dict[str, Any], *flags: str) -> dict[str, dict[str, Any]]:
+def run(tmp: Path, extra: dict[str, Any], *flags: str, play: str = PLAY) -> dict[str, dict[str, Any]]:
     import ansible_runner
 
     pdd = tmp / f"runner-{len(list(tmp.glob('runner-*')))}"
     (pdd / "project").mkdir(parents=True)
-    (pdd / "project" / "play.yml").write_text(PLAY)
+    (pdd / "project" / "play.yml").write_text(play)
     r = ansible_runner.run(
         private_data_dir=str(pdd),
         playbook="play.yml",
@@ -208,3 +208,62 @@ def test_bad_options_fail_with_every_problem(tmp_path: Path, hall: dict[str, Any
     assert r.rc != 0
     assert "module options: pools.0.cap: Input should be greater than or equal to 0" in res["problems"]
     assert any(p.startswith("module options: pools.1.kind:") for p in res["problems"])
+
+
+STATE_PLAY = """
+- name: Plan, arbitrate and acquire against the fleet state
+  hosts: localhost
+  gather_facts: false
+  module_defaults:
+    group/sco.orchestrator.control:
+      hall: local
+      bundle: "{{ bundle }}"
+      trust_dir: "{{ trust_dir }}"
+      state_dsn: "{{ dsn }}"
+  tasks:
+    - name: Plan
+      sco.orchestrator.plan:
+        demand: {demand: [{contract: web, units_milli: 12000}, {contract: guarded, units_milli: 80000}]}
+        pools: "{{ pools }}"
+      register: plan
+    - name: Arbitrate
+      sco.orchestrator.arbitrate:
+        plan: "{{ plan }}"
+        pools: "{{ pools }}"
+        ceiling_per_hour: "10.00"
+      register: arbitration
+    - name: Acquire
+      sco.orchestrator.acquire:
+        plan: "{{ plan }}"
+        arbitration: "{{ arbitration }}"
+        pools: "{{ pools }}"
+    - name: Reclaim
+      sco.orchestrator.reclaim:
+        nodes: []
+"""
+
+
+def test_check_mode_records_nothing_in_the_fleet_state_a_real_run_does(
+    tmp_path: Path, hall: dict[str, Any], fleet_dsn: str
+) -> None:
+    from sco.control.record import PgFleetStore
+
+    check = run(tmp_path, {**hall, "dsn": fleet_dsn}, "--check", play=STATE_PLAY)
+    with PgFleetStore(fleet_dsn) as store:
+        assert store.plans("local") == [] and store.arbitrations("local") == []
+    assert check["Plan"]["changed"] is True and "plan_id" not in check["Plan"]
+    # 80 units of guarded (tier 2) and 12 of web do not fit two pools of 4 x 8 units: short, neither may fall back
+    assert [r["contract"] for r in check["Arbitrate"]["arbitration"]["refusals"]] == ["guarded", "web"]
+    acq = check["Acquire"]
+    assert acq["changed"] is True and acq["launched"] == sum(e["launch"] for e in acq["entries"]) > 0
+    assert check["Reclaim"]["changed"] is False
+    od_only = [p for p in POOLS if p["kind"] != "reclaimable"]
+    real = run(tmp_path, {**hall, "dsn": fleet_dsn, "pools": od_only}, play=STATE_PLAY)
+    with PgFleetStore(fleet_dsn) as store:
+        plans = store.plans("local")
+        arbs = store.arbitrations("local")
+    assert [p["id"] for p in plans] == [real["Plan"]["plan_id"]]
+    assert plans[0]["digest"] == real["Plan"]["plan"]["digest"] and plans[0]["decisions"]
+    assert {(a["contract"], a["outcome"]) for a in arbs} == {("web", "refuse"), ("guarded", "refuse")}
+    assert all(a["reason"] for a in arbs)
+    assert real["Acquire"]["changed"] is False and real["Acquire"]["entries"] == []  # nothing to launch
