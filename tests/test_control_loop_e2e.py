@@ -296,3 +296,105 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
         kube.stop()
         cleanup(conn)
         conn.close()
+
+
+RECLAIM_PLAY = """
+- name: Launch, then reclaim
+  hosts: localhost
+  gather_facts: false
+  module_defaults:
+    group/sco.orchestrator.control:
+      hall: reclaimtest
+      cloud: sco-loopback
+      bundle: "{{ bundle }}"
+      trust_dir: "{{ trust_dir }}"
+  tasks:
+    - name: Plan
+      sco.orchestrator.plan:
+        demand: {demand: [{contract: web, units_milli: 3000}]}
+        pools: "{{ pools }}"
+      register: plan
+      when: nodes | length == 0
+    - name: Acquire
+      sco.orchestrator.acquire:
+        plan: "{{ plan }}"
+        pools: "{{ pools }}"
+        signing_keys: ["{{ signing_key }}"]
+      when: nodes | length == 0
+    - name: Reclaim
+      sco.orchestrator.reclaim:
+        nodes: "{{ nodes }}"
+        nats_url: "{{ nats_url }}"
+        window: 3
+      when: nodes | length > 0
+"""
+
+
+def test_reclaim_module_notices_then_deletes_at_the_deadline(  # type: ignore[no-untyped-def]
+    openstack_cloud, fleet_dsn, nats_server, tmp_path: Path
+) -> None:
+    import ansible_runner
+
+    key = generate()
+    trust = tmp_path / "trusted"
+    trust.mkdir()
+    write_keypair(key, tmp_path / "signing.key", trust / "signing.pub")
+    repo = tmp_path / "repo"
+    shutil.copytree(sample_repo(), repo)
+    shutil.rmtree(repo / "contracts")
+    (repo / "hall.yaml").write_text(TEST_POLICY)
+    (repo / "contracts.yaml").write_text(CONTRACTS)
+    (tmp_path / "bundle.json").write_bytes(sign(compile_repo(repo), [key]))
+    pool = {"flavor": openstack_cloud.flavors["sco.large"], "image": openstack_cloud.image_id, "vcpus": 4}
+    extra = {
+        "bundle": str(tmp_path / "bundle.json"),
+        "trust_dir": str(trust),
+        "signing_key": str(tmp_path / "signing.key"),
+        "pools": [{"name": "spot", "kind": "reclaimable", "cap": 2, "ramMiB": 4096, **pool}],
+        "nats_url": nats_server.url,
+        "ansible_python_interpreter": sys.executable,
+    }
+    clouds = openstack_cloud.write_clouds_yaml(tmp_path / "clouds.yaml")
+    env = {
+        "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"),
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "OS_CLIENT_CONFIG_FILE": str(clouds),
+        "SCO_DB_DSN": fleet_dsn,
+    }
+
+    def play(nodes: list[str], *flags: str) -> dict[str, Any]:
+        pdd = tmp_path / f"r{len(list(tmp_path.glob('r*')))}"
+        (pdd / "project").mkdir(parents=True)
+        (pdd / "project" / "play.yml").write_text(RECLAIM_PLAY)
+        r = ansible_runner.run(
+            private_data_dir=str(pdd),
+            playbook="play.yml",
+            extravars={**extra, "nodes": nodes},
+            envvars=env,
+            cmdline=" ".join(flags) or None,
+            quiet=True,
+        )
+        res = {e["event_data"]["task"]: e["event_data"]["res"] for e in r.events if e.get("event") == "runner_on_ok"}
+        assert r.rc == 0, r.stdout.read()
+        return res
+
+    conn = openstack_cloud.connect()
+    try:
+        assert play([])["Acquire"]["launched"] == 1
+        with FleetState(fleet_dsn) as st:
+            (inst,) = st.instances("reclaimtest")
+        check = play([inst.name], "--check")["Reclaim"]
+        assert check["changed"] is True and check["would_reclaim"] == [inst.name] and check["reclaimed"] == []
+        with FleetState(fleet_dsn) as st:
+            assert st.instance(inst.id).state == "active"  # check mode sent nothing
+        done = play([inst.name])["Reclaim"]
+        (r,) = done["reclaimed"]
+        assert r["name"] == inst.name and r["published"] is True and r["state"] == "deleted"
+        with FleetState(fleet_dsn) as st:
+            kinds = [e["kind"] for e in st.events(instance_id=inst.id)]
+        assert "reclaim.scheduled" in kinds and "notice.published" in kinds and kinds[-1] == "instance.deleted"
+        assert conn.compute.find_server(inst.server_id, ignore_missing=True) is None
+    finally:
+        for s in conn.compute.servers(tags="sco-hall=reclaimtest"):
+            conn.compute.delete_server(s.id, ignore_missing=True)
+        conn.close()
