@@ -3,6 +3,7 @@ a real run does, a second run is unchanged; shared options come from the action 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -267,3 +268,43 @@ def test_check_mode_records_nothing_in_the_fleet_state_a_real_run_does(
     assert {(a["contract"], a["outcome"]) for a in arbs} == {("web", "refuse"), ("guarded", "refuse")}
     assert all(a["reason"] for a in arbs)
     assert real["Acquire"]["changed"] is False and real["Acquire"]["entries"] == []  # nothing to launch
+
+
+def test_an_unreachable_scheduler_fails_the_step_with_a_clear_message(tmp_path: Path, hall: dict[str, Any]) -> None:
+    """No plan from half the demand: planning without a scheduler's pending work would scale its instances down."""
+    import ansible_runner
+
+    from tests.harness import free_port
+
+    pdd = tmp_path / "down"
+    (pdd / "project").mkdir(parents=True)
+    play = [
+        {
+            "name": "down",
+            "hosts": "localhost",
+            "gather_facts": False,
+            "tasks": [
+                {
+                    "name": "Demand",
+                    "sco.orchestrator.demand": {
+                        "hall": "local",
+                        "bundle": hall["bundle"],
+                        "trust_dir": hall["trust_dir"],
+                        "kubernetes": {"url": f"http://127.0.0.1:{free_port()}"},
+                    },
+                }
+            ],
+        }
+    ]
+    (pdd / "project" / "play.yml").write_text(yaml.safe_dump(play))
+    r = ansible_runner.run(
+        private_data_dir=str(pdd),
+        playbook="play.yml",
+        extravars={"ansible_python_interpreter": sys.executable},
+        envvars=ENV,
+        quiet=True,
+    )
+    res = next(e["event_data"]["res"] for e in r.events if e.get("event") == "runner_on_failed")
+    assert r.rc != 0
+    assert res["msg"].startswith("kubernetes: listing pods:"), res
+    assert "Traceback" not in json.dumps(res)

@@ -28,6 +28,7 @@ from typing import Any
 
 from sco.agent.budget import contract_from_comment
 from sco.control.units import UNIT_DOC, quantity, request_milli, slurm_memory_bytes
+from sco.errors import ScoError
 
 Obj = dict[str, Any]
 
@@ -36,8 +37,11 @@ GPU_RESOURCE_SUFFIX = "/gpu"  # nvidia.com/gpu, amd.com/gpu: extended resources 
 _SEP = "\x1f"  # squeue field separator no account, partition or comment contains
 
 
-class IntakeError(Exception):
-    """A scheduler could not be read (its message names which and why)."""
+class IntakeError(ScoError):
+    """A scheduler could not be read (its message names which and why). The run stops: a plan made from half
+    the demand would scale down the other scheduler's instances."""
+
+    exit_code = 10
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,13 @@ def kube_pods(api_client: Any, page: int = 500) -> list[Obj]:
     pods: list[Obj] = []
     token: str | None = None
     while True:
-        kwargs: dict[str, Any] = {"limit": page, "_preload_content": False, "_request_timeout": 30}
+        kwargs: dict[str, Any] = {
+            "limit": page,
+            # finished pods are neither demand nor load: leave them on the server
+            "field_selector": "status.phase!=Succeeded,status.phase!=Failed",
+            "_preload_content": False,
+            "_request_timeout": 30,
+        }
         if token:
             kwargs["_continue"] = token
         try:

@@ -73,7 +73,10 @@ def step_demand(params: Params, check: bool, store: FleetStore | None = None) ->
     reports = []
     kube = params.get("kubernetes") or {}
     if kube.get("url") or kube.get("kubeconfig"):
-        token = Path(kube["token_file"]).read_text().strip() if kube.get("token_file") else ""
+        try:
+            token = Path(kube["token_file"]).read_text().strip() if kube.get("token_file") else ""
+        except OSError as e:
+            raise ConfigError(f"kubernetes.token_file: {kube['token_file']}: {e.strerror}") from None
         api = intake.kube_api_client(kube.get("url", ""), token, kube.get("kubeconfig", ""), kube.get("ca_file", ""))
         reports.append(intake.from_pods(intake.kube_pods(api), bundle.contracts))
     slurm = params.get("slurm") or {}
