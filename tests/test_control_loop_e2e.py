@@ -398,3 +398,117 @@ def test_reclaim_module_notices_then_deletes_at_the_deadline(  # type: ignore[no
         for s in conn.compute.servers(tags="sco-hall=reclaimtest"):
             conn.compute.delete_server(s.id, ignore_missing=True)
         conn.close()
+
+
+BLAZAR_PLAY = """
+- name: Plan with committed capacity from Blazar
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Plan
+      sco.orchestrator.plan:
+        hall: blazartest
+        cloud: sco-loopback
+        bundle: "{{ bundle }}"
+        trust_dir: "{{ trust_dir }}"
+        demand: {demand: []}
+        pools: "{{ pools }}"
+        fleet: []
+        now: "{{ now }}"
+        reservations_from: blazar
+"""
+
+
+def test_floors_are_held_on_capacity_read_from_blazar_leases(blazar, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A tier-1 floor of 24 units on a committed pool whose lease (one host of 8 x 4-unit instances) is read from
+    the real Blazar: 6 instances launched for the floor, none beyond."""
+    import time
+    from datetime import UTC, datetime
+
+    import ansible_runner
+
+    key = generate()
+    trust = tmp_path / "trusted"
+    trust.mkdir()
+    write_keypair(key, tmp_path / "signing.key", trust / "signing.pub")
+    repo = tmp_path / "repo"
+    shutil.copytree(sample_repo(), repo)
+    shutil.rmtree(repo / "contracts")
+    (repo / "hall.yaml").write_text(TEST_POLICY)
+    (repo / "contracts.yaml").write_text(
+        CONTRACTS
+        + """---
+apiVersion: sco.dev/v1
+kind: WorkloadContract
+metadata: {name: api}
+spec:
+  scheduler: kubernetes
+  selector: {namespace: api}
+  tier: 1
+  drainBudgetSeconds: 6
+  checkpoint: {mode: none}
+  requeue: {policy: always}
+  floor: {vcpus: 24, memoryGiB: 16}
+"""
+    )
+    (tmp_path / "bundle.json").write_bytes(sign(compile_repo(repo), [key]))
+    conn = blazar.connect()
+    ep = {"service_type": "reservation"}
+    start = (int(time.time()) // 60 + 60) * 60  # an hour ahead: Blazar moves no host now
+    name = f"floor-{os.urandom(2).hex()}"
+    fmt = "%Y-%m-%d %H:%M"
+    body = {
+        "name": name,
+        "start_date": datetime.fromtimestamp(start, UTC).strftime(fmt),
+        "end_date": datetime.fromtimestamp(start + 7200, UTC).strftime(fmt),
+        "reservations": [
+            {
+                "resource_type": "physical:host",
+                "min": 1,
+                "max": 1,
+                "hypervisor_properties": "",
+                "resource_properties": "",
+            }
+        ],
+        "events": [],
+    }
+    resp = conn.session.post("/leases", json=body, endpoint_filter=ep, raise_exc=False)
+    assert resp.status_code in (200, 201, 202), resp.text
+    lease = resp.json()["lease"]
+    try:
+        pool = {"flavor": "f", "image": "i", "vcpus": 4, "ramMiB": 4096}
+        pools = [
+            {"name": "committed", "kind": "committed", "cap": 20, "lease": name, "instancesPerHost": 8, **pool},
+            {"name": "spot", "kind": "reclaimable", "cap": 4, **pool},
+        ]
+        pdd = tmp_path / "runner"
+        (pdd / "project").mkdir(parents=True)
+        (pdd / "project" / "play.yml").write_text(BLAZAR_PLAY)
+        clouds = blazar.write_clouds_yaml(tmp_path / "clouds.yaml")
+        r = ansible_runner.run(
+            private_data_dir=str(pdd),
+            playbook="play.yml",
+            extravars={
+                "bundle": str(tmp_path / "bundle.json"),
+                "trust_dir": str(trust),
+                "pools": pools,
+                "now": start + 60,
+                "ansible_python_interpreter": sys.executable,
+            },
+            envvars={
+                "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"),
+                "PATH": f"{BIN}:{os.environ['PATH']}",
+                "OS_CLIENT_CONFIG_FILE": str(clouds),
+            },
+            quiet=True,
+        )
+        res = next(e["event_data"]["res"] for e in r.events if e.get("event") in ("runner_on_ok", "runner_on_failed"))
+        assert r.rc == 0, res
+        plan = res["plan"]
+        assert plan["floors_milli"] == {"api": 24_000}
+        committed = next(p for p in plan["pools"] if p["pool"] == "committed")
+        assert (committed["launch"], committed["launch_contracts"]) == (6, ["api"])
+        assert any(d["kind"] == "floor" and "24 units on committed" in d["reason"] for d in plan["decisions"])
+    finally:
+        conn.session.delete(f"/leases/{lease['id']}", endpoint_filter=ep, raise_exc=False)
+        conn.close()

@@ -109,3 +109,48 @@ def test_summary_from_runner_events() -> None:
     assert "demand: web 6 units; 1 uncontracted (not counted)" in text and "launched 3, deleted 0" in text
     failed = summarise([ev("sco.orchestrator.plan", {"msg": "module options: invalid"}, "runner_on_failed")])
     assert failed["failed_tasks"] == ["plan: module options: invalid"]
+
+
+def test_committed_capacity_from_blazar_leases_per_pool() -> None:
+    from sco.control.inputs import PoolSpec
+    from sco.control.loop import committed_from_leases
+    from sco.provider.reservations import parse_leases
+
+    doc = {
+        "leases": [
+            {
+                "id": "l1",
+                "name": "floor",
+                "status": "ACTIVE",
+                "start_date": "2026-11-29T10:00:00",
+                "end_date": "2026-11-29T12:00:00",
+                "reservations": [
+                    {"resource_type": "physical:host", "max": 3},
+                    {"resource_type": "virtual:instance", "amount": 4},
+                ],
+            },
+            {
+                "id": "l2",
+                "name": "committed-b",
+                "status": "TERMINATED",
+                "start_date": "2026-11-29T10:00:00",
+                "end_date": "2026-11-29T12:00:00",
+                "reservations": [{"resource_type": "virtual:instance", "amount": 9}],
+            },
+        ]
+    }
+    base = {"flavor": "f", "vcpus": 4, "ramMiB": 4096, "cap": 20}
+    pools = [
+        PoolSpec.model_validate(
+            {"name": "committed-a", "kind": "committed", "lease": "floor", "instancesPerHost": 2, **base}
+        ),
+        PoolSpec.model_validate({"name": "committed-b", "kind": "committed", **base}),
+        PoolSpec.model_validate({"name": "floor", "kind": "reclaimable", **base}),  # not committed: ignored
+    ]
+    leases = parse_leases(doc)
+    at = leases[0].start + 60
+    assert committed_from_leases(leases, pools, at) == [
+        {"lease": "l1/physical:host", "pool": "committed-a", "instances": 6},
+        {"lease": "l1/virtual:instance", "pool": "committed-a", "instances": 4},
+    ]
+    assert committed_from_leases(leases, pools, leases[0].end) == []  # the lease is over

@@ -50,6 +50,10 @@ class PoolSpec(_Strict):
     price_per_hour: Annotated[Decimal, Field(ge=0)] = Decimal(0)
     image: str = ""
     """Image to boot (the acquirer's default when empty)."""
+    lease: str = ""
+    """Committed pools: the Blazar lease whose reservations back this pool (default: the pool's name)."""
+    instances_per_host: Annotated[int, Field(gt=0)] = 1
+    """Committed pools backed by host reservations (physical:host): instances of the flavour one host holds."""
 
     def resolve(self) -> Pool:
         return Pool(

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from sco.control import intake
 from sco.control.arbiter import Arbitration, arbitrate
-from sco.control.inputs import PlanDocument, contracts_from_bundle, parse, plan_input
+from sco.control.inputs import PlanDocument, PoolSpec, contracts_from_bundle, parse, plan_input
 from sco.control.model import ContractInfo, Instance
 from sco.control.planner import Plan, plan
 from sco.errors import ConfigError
@@ -114,6 +114,12 @@ def _document(params: Params, store: FleetStore | None, hall: str) -> PlanDocume
     if params.get("fleet") is not None:
         doc["fleet"] = params["fleet"]
     d = parse(doc, "module options")
+    if params.get("reservations_from") == "blazar":
+        from sco.provider.reservations import read_reservations
+
+        now = d.now if d.now is not None else time.time()
+        committed = committed_from_leases(read_reservations(_cloud(params)), d.pools, now)
+        d = parse({**doc, "reservations": committed}, "module options")
     if params.get("fleet") is None and store is not None:
         down = store.unavailable(hall)
         pools = [
@@ -122,6 +128,26 @@ def _document(params: Params, store: FleetStore | None, hall: str) -> PlanDocume
         ]
         d = d.model_copy(update={"pools": pools})
     return d
+
+
+def committed_from_leases(leases: list[Any], pools: list[PoolSpec], now: float) -> list[dict[str, Any]]:
+    """Blazar reservations in force at ``now`` as committed instances per committed pool.
+
+    A pool is backed by the lease named in its ``lease`` option (default: the pool's name). Instance reservations
+    (``virtual:instance``, ``flavor:instance``) count their amount; host reservations (``physical:host``) count
+    hosts times the pool's ``instancesPerHost``.
+    """
+    out = []
+    for p in pools:
+        if p.kind != "committed":
+            continue
+        name = p.lease or p.name
+        for r in leases:
+            if r.lease_name != name or not r.active_at(now):
+                continue
+            n = r.amount * p.instances_per_host if r.resource_type == "physical:host" else r.amount
+            out.append({"lease": f"{r.lease_id}/{r.resource_type}", "pool": p.name, "instances": n})
+    return out
 
 
 def contracts(params: Params) -> dict[str, ContractInfo]:

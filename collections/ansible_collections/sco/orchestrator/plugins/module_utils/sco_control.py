@@ -41,6 +41,7 @@ def planning_argument_spec() -> dict[str, Any]:
         "pools": {"type": "list", "elements": "dict", "required": True},
         "settings": {"type": "dict", "default": {}},
         "reservations": {"type": "list", "elements": "dict", "default": []},
+        "reservations_from": {"type": "str", "choices": ["options", "blazar"], "default": "options"},
         "fleet": {"type": "list", "elements": "dict"},
         "now": {"type": "float"},
     }
