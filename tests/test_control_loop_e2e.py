@@ -264,6 +264,7 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
         # run 2: the same pending work; the instances launched for it are there: nothing changes
         rc, second, out = run_loop(argv, env)
         assert rc == 0, out
+        print(out)
         assert second["plan_changed"] is False and second["planned"] == {}
         assert (second["launched"], second["deleted"]) == (0, 0) and second["granted"] == []
         assert {s.id for s in conn.compute.servers(tags=f"sco-hall={HALL}")} == {s.id for s in servers.values()}

@@ -308,3 +308,19 @@ def test_an_unreachable_scheduler_fails_the_step_with_a_clear_message(tmp_path: 
     assert r.rc != 0
     assert res["msg"].startswith("kubernetes: listing pods:"), res
     assert "Traceback" not in json.dumps(res)
+
+
+def test_a_pool_the_fleet_state_marks_unavailable_is_skipped(
+    tmp_path: Path, hall: dict[str, Any], fleet_dsn: str
+) -> None:
+    from sco.state.fleet import FleetState
+    from sco.state.fleet import Pool as StatePool
+
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(StatePool("local", "spot-a", flavor="m1.large", image="img"))
+        st.mark_unavailable("local", "spot-a", 300, "quota: instances exceeded")
+    res = run(tmp_path, {**hall, "dsn": fleet_dsn}, "--check", play=STATE_PLAY)["Plan"]
+    pools = {p["pool"]: p for p in res["plan"]["pools"]}
+    assert pools["spot-a"]["launch"] == 0 and pools["spot-b"]["launch"] > 0
+    (skip,) = [d for d in res["plan"]["decisions"] if d["kind"] == "skip_pool"]
+    assert skip["subject"] == "pool:spot-a" and "quota: instances exceeded (for " in skip["reason"]

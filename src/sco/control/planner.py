@@ -15,7 +15,9 @@ its lists. The steps, in order:
    has just been launched for it does not launch another one.
 4. **Place the rest on reclaimable pools**, tier by tier, one instance at a time onto the pool holding the
    least of that tier, never past a pool's cap and never more than the tier's share (``settings.shares``) of
-   the tier's units in one pool or one diversification group, so one reclaim wave cannot take a tier down.
+   the units this plan places for the tier in one pool or one diversification group, so one reclaim wave cannot
+   take a tier's new capacity down. (Instances already running stay where they are: moving work is the
+   schedulers' business, not the planner's.)
    What does not fit is the **shortfall**, handed to the fallback arbiter.
 5. **Scale down** idle instances (no load, not covering anything) of reclaimable and on-demand pools once they
    have been up for ``idle_grace_s``.
