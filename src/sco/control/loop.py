@@ -80,7 +80,7 @@ def step_demand(params: Params, check: bool, store: FleetStore | None = None) ->
         api = intake.kube_api_client(kube.get("url", ""), token, kube.get("kubeconfig", ""), kube.get("ca_file", ""))
         reports.append(intake.from_pods(intake.kube_pods(api), bundle.contracts))
     slurm = params.get("slurm") or {}
-    if slurm.get("slurm_conf") or slurm.get("enabled"):
+    if slurm:  # slurm_conf may be left to $SLURM_CONF or the default /etc/slurm/slurm.conf
         from sco.schedulers.slurm import SlurmClient
 
         client = SlurmClient(slurm_conf=slurm.get("slurm_conf", ""), timeout=float(slurm.get("timeout", 10)))
