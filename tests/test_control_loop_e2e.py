@@ -136,6 +136,15 @@ def lay_out(tmp: Path, extravars: dict[str, Any]) -> tuple[list[str], dict[str, 
     env = dict(line.split("=", 1) for line in Path(env_file).read_text().splitlines() if "=" in line)
     timer = (tmp / "units" / "sco-control-loop.timer").read_text()
     assert "OnUnitInactiveSec=2min" in timer
+    # systemd-analyze verify exits 0 even for a bad unit: what it says is the verdict
+    v = subprocess.run(
+        ["systemd-analyze", "verify", "./sco-control-loop.service", "./sco-control-loop.timer"],
+        cwd=tmp / "units",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert v.stderr.strip() == "", v.stderr
     return shlex.split(exec_start), env
 
 
