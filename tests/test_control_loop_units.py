@@ -154,3 +154,15 @@ def test_committed_capacity_from_blazar_leases_per_pool() -> None:
         {"lease": "l1/virtual:instance", "pool": "committed-a", "instances": 4},
     ]
     assert committed_from_leases(leases, pools, leases[0].end) == []  # the lease is over
+
+
+def test_a_bad_ceiling_is_a_clear_error() -> None:
+    import pytest
+
+    from sco.control.loop import _amount
+    from sco.errors import ConfigError
+
+    assert str(_amount("250.50", "ceiling_per_hour")) == "250.50"
+    for bad, message in (("lots", "is not an amount"), ("-1", "at least 0"), ("NaN", "finite")):
+        with pytest.raises(ConfigError, match=message):
+            _amount(bad, "ceiling_per_hour")

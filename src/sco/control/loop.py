@@ -174,6 +174,16 @@ def step_plan(params: Params, check: bool, store: FleetStore | None = None) -> d
 # --- arbitrate ----------------------------------------------------------------------------------------
 
 
+def _amount(value: Any, where: str) -> Decimal:
+    try:
+        d = Decimal(str(value if value is not None else 0))
+    except ArithmeticError:
+        raise ConfigError(f"{where}: {value!r} is not an amount of money such as 250.00") from None
+    if not d.is_finite() or d < 0:
+        raise ConfigError(f"{where}: must be a finite amount of at least 0, not {value!r}")
+    return d
+
+
 def step_arbitrate(params: Params, check: bool, store: FleetStore | None = None) -> dict[str, Any]:
     hall = str(params.get("hall") or "")
     d = _document(params, store, hall)
@@ -185,7 +195,7 @@ def step_arbitrate(params: Params, check: bool, store: FleetStore | None = None)
     if params.get("fleet") is None and store is not None:
         fleet = tuple(store.fleet(hall))
     pools = plan_input(d, {}, time.time()).pools
-    ceiling = Decimal(str(params.get("ceiling_per_hour") or 0))
+    ceiling = _amount(params.get("ceiling_per_hour"), "ceiling_per_hour")
     result = arbitrate(shortfall, contracts(params), pools, fleet, ceiling)
     out: dict[str, Any] = {"changed": bool(result.grants), "arbitration": result.to_dict(), "explain": result.explain()}
     if store is not None and not check:
