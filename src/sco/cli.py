@@ -416,6 +416,83 @@ def cmd_slurm_render(args: argparse.Namespace) -> int:
         time.sleep(args.interval)
 
 
+# --- contracts into the cluster (issue 13: Kubernetes admission reads them) -----------------------
+
+
+def cmd_publish_configmap(args: argparse.Namespace) -> int:
+    from sco.contract.bundle import Bundle
+    from sco.schedulers.kube_contracts import KubeConfigMaps, configmap, publish
+
+    keyring = _keyring(args)
+    if bool(args.bundle) == bool(args.url):
+        raise ConfigError("give a BUNDLE file or --url (the distributor's bundle URL), not both")
+    if args.url:
+        from sco.agent.bundle_cache import BundleCache, BundleFetcher
+
+        cache = BundleCache(Path(args.cache_dir), keyring)
+        fetcher = BundleFetcher(cache, args.url)
+
+        def load() -> Bundle:
+            offer = fetcher.refresh()
+            if offer.outcome in ("refused", "error"):
+                print(f"sco: warning: {offer.outcome}: {offer.reason}; keeping serial {offer.serial}", file=sys.stderr)
+            if cache.bundle is None:
+                raise ConfigError(f"{args.url}: no verified bundle yet")
+            return cache.bundle
+
+    else:
+
+        def load() -> Bundle:
+            return Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)
+
+    if args.output:
+        cm = configmap(load(), args.namespace, args.name)
+        text = json.dumps(cm, indent=2, sort_keys=True) + "\n"
+        if args.output == "-":
+            sys.stdout.write(text)
+        else:
+            Path(args.output).write_text(text)
+            print(f"{args.output}: configmap {args.namespace}/{args.name} for serial {cm['data']['_serial']}")
+        return 0
+    if not args.kube_url:
+        raise ConfigError("no Kubernetes API: give --kube-url (or $SCO_KUBE_URL), or --output to write the manifest")
+    api = KubeConfigMaps(
+        args.kube_url,
+        token_file=Path(args.token_file) if args.token_file else None,
+        ca_file=Path(args.ca_file) if args.ca_file else None,
+    )
+    while True:
+        result = publish(api, load(), args.namespace, args.name)
+        print(
+            json.dumps(
+                {"configmap": f"{args.namespace}/{args.name}", "outcome": result.outcome, "serial": result.serial}
+            ),
+            flush=True,
+        )
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
+
+
+def _add_publish_configmap(cs: Any) -> None:
+    x = cs.add_parser(
+        "publish-configmap", help="publish the bundle's contracts into the cluster as the ConfigMap admission reads"
+    )
+    x.add_argument("bundle", nargs="?", help="bundle file (or --url)")
+    x.add_argument("--url", default=_env("SCO_BUNDLE_URL"), help="fetch from the distributor [$SCO_BUNDLE_URL]")
+    x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
+    _add_trust(x)
+    x.add_argument("--kube-url", default=_env("SCO_KUBE_URL"), help="Kubernetes API URL [$SCO_KUBE_URL]")
+    x.add_argument("--token-file", default=_env("SCO_KUBE_TOKEN_FILE"), help="bearer token [$SCO_KUBE_TOKEN_FILE]")
+    x.add_argument("--ca-file", default=_env("SCO_KUBE_CA_FILE"), help="API server CA [$SCO_KUBE_CA_FILE]")
+    x.add_argument("--namespace", default=_env("SCO_CONTRACTS_NAMESPACE", "sco-system"))
+    x.add_argument("--name", default=_env("SCO_CONTRACTS_CONFIGMAP", "sco-contracts"))
+    x.add_argument("-o", "--output", help="write the ConfigMap manifest (JSON) here instead ('-': stdout)")
+    x.add_argument("--watch", action="store_true", help="keep publishing as the bundle changes")
+    x.add_argument("--interval", type=float, default=60.0)
+    x.set_defaults(func=cmd_publish_configmap)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sco.demo import run_demo
 
@@ -567,6 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--listen", default=_env("SCO_DISTRIBUTOR_LISTEN", "127.0.0.1:8470"))
     x.add_argument("-v", "--verbose", action="store_true")
     x.set_defaults(func=cmd_serve)
+
+    _add_publish_configmap(cs)
 
     n = sub.add_parser("node", help="node-side bundle cache")
     ns = n.add_subparsers(dest="node_command", required=True)
