@@ -174,7 +174,7 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
         (tmp_path / "bundle.json").write_bytes(sign(compile_repo(repo), [key]))
 
         # pending work: 3 x 2 CPUs of web (tier 3), 2 x 1 CPU of guarded (tier 2), a pod no contract selects
-        tol = [{"key": "sco.dev/capacity", "operator": "Equal", "value": "reclaimable", "effect": "NoSchedule"}]
+        tol = [{"key": "sco.dev/reclaim", "operator": "Equal", "value": "reclaimable", "effect": "NoSchedule"}]
 
         def pod(name: str, cpu: str) -> dict[str, Any]:
             res = {"requests": {"cpu": cpu, "memory": "1Gi"}}

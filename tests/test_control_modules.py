@@ -134,7 +134,7 @@ def test_ansible_doc_renders(module: str) -> None:
 def test_steps_check_then_real_then_unchanged(tmp_path: Path, hall: dict[str, Any]) -> None:
     kube = KubeApiStandIn().start()
     try:
-        tol = [{"key": "sco.dev/capacity", "operator": "Exists"}]
+        tol = [{"key": "sco.dev/reclaim", "operator": "Exists"}]
         for i in range(5):
             kube.cluster.create_pod(
                 "web",

@@ -20,7 +20,7 @@ from sco.schedulers.slurm import SlurmClient
 from sco.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import hall_bundle, wait_for
 
-TOLERATE = [{"key": "sco.dev/capacity", "operator": "Equal", "value": "reclaimable", "effect": "NoSchedule"}]
+TOLERATE = [{"key": "sco.dev/reclaim", "operator": "Equal", "value": "reclaimable", "effect": "NoSchedule"}]
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +66,10 @@ def test_quantities_follow_kubernetes() -> None:
 def test_tolerations_follow_tolerates_taint() -> None:
     taint = intake.RECLAIMABLE_TAINT
     assert tolerates(TOLERATE, taint)
-    assert tolerates([{"key": "sco.dev/capacity", "operator": "Exists"}], taint)  # any value, any effect
+    assert tolerates([{"key": "sco.dev/reclaim", "operator": "Exists"}], taint)  # any value, any effect
     assert tolerates([{"operator": "Exists"}], taint)  # empty key + Exists tolerates everything
-    assert not tolerates([{"key": "sco.dev/capacity", "value": "reserved", "effect": "NoSchedule"}], taint)
-    assert not tolerates([{"key": "sco.dev/capacity", "operator": "Exists", "effect": "NoExecute"}], taint)
+    assert not tolerates([{"key": "sco.dev/reclaim", "value": "reserved", "effect": "NoSchedule"}], taint)
+    assert not tolerates([{"key": "sco.dev/reclaim", "operator": "Exists", "effect": "NoExecute"}], taint)
     assert not tolerates([{"key": "other", "operator": "Exists"}], taint)
     assert not tolerates([], taint)
 
@@ -108,7 +108,7 @@ def test_pods_are_sorted_into_demand_uncontracted_ineligible_and_load(contracts:
         ("nobody/stray", "no contract selects namespace 'nobody' with labels {}")
     ]
     reasons = {u.ref: u.reason for u in report.ineligible}
-    assert reasons["web/no-toleration"] == "does not tolerate sco.dev/capacity=reclaimable:NoSchedule"
+    assert reasons["web/no-toleration"] == "does not tolerate sco.dev/reclaim=reclaimable:NoSchedule"
     assert "'lots' is not a Kubernetes quantity" in reasons["web/bad"]
     assert report.node_load_milli == {"node-a": 3000}
     assert DemandReport.from_dict(report.to_dict()).to_dict() == report.to_dict()

@@ -4,7 +4,7 @@ Sources:
 
 - **Kubernetes** (official ``kubernetes`` client; this is the control plane, not the lean agent): pods that are
   Pending and not yet bound to a node, and that tolerate the taint reclaimable instances register with,
-  ``sco.dev/capacity=reclaimable:NoSchedule`` (toleration matching as in Kubernetes' ``ToleratesTaint``). A pod's
+  ``sco.dev/reclaim=reclaimable:NoSchedule`` (toleration matching as in Kubernetes' ``ToleratesTaint``). A pod's
   request is what the scheduler charges: the larger of the sum of its containers and its largest init container,
   plus ``spec.overhead``; a container without requests is charged its limits (the API server defaults requests
   to limits). Pods bound to a node count towards that node's load.
@@ -32,7 +32,8 @@ from sco.errors import ScoError
 
 Obj = dict[str, Any]
 
-RECLAIMABLE_TAINT = {"key": "sco.dev/capacity", "value": "reclaimable", "effect": "NoSchedule"}
+# The taint reclaimable nodes register with (kubelet --register-with-taints; kyverno/README.md "Node conventions").
+RECLAIMABLE_TAINT = {"key": "sco.dev/reclaim", "value": "reclaimable", "effect": "NoSchedule"}
 GPU_RESOURCE_SUFFIX = "/gpu"  # nvidia.com/gpu, amd.com/gpu: extended resources the device plugins advertise
 _SEP = "\x1f"  # squeue field separator no account, partition or comment contains
 

@@ -6,7 +6,8 @@ DOCUMENTATION = r"""
 module: demand
 short_description: Read the schedulers' pending work as units per contract and tier
 description:
-  - Lists pending pods that tolerate reclaimable capacity (Kubernetes, through the official client) and pending
+  - Lists pending pods that tolerate the taint reclaimable nodes register with, C(sco.dev/reclaim=reclaimable:NoSchedule)
+    (Kubernetes, through the official client), and pending
     jobs on reclaimable partitions (Slurm, through C(squeue) against slurmctld), and folds their requests into one
     unit - 1 unit = 1 vCPU = 4 GiB of memory = 1/8 GPU, by the dominant resource - per contract and tier.
   - Work no contract selects is not counted; it is returned in C(report.uncontracted) with the reason.
