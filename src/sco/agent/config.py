@@ -80,6 +80,9 @@ class AgentConfig:
     """One bundle request, connect to last byte; a slower answer is refused and the last good bundle kept."""
     metadata_max_bytes: int = 1024 * 1024
     """Largest instance-metadata response accepted."""
+    rearm_check_seconds: float = 5.0
+    """After a drain, how often the agent checks whether the node was put back in service (untainted or
+    resumed); until then further notices are counted, not drained again."""
     # Overrides of the hall policy in the bundle (tests use short windows); 0 means "from the bundle".
     notice_window_seconds: float = 0
     safety_margin_seconds: float = -1
@@ -224,6 +227,8 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
             p.append(Problem(where, f"agent.{name}", f"expected 0 (from the bundle) or {lo} to {hi}, got {v}"))
     if cfg.safety_margin_seconds != -1 and not 0 <= cfg.safety_margin_seconds <= 600:
         p.append(Problem(where, "agent.safety_margin_seconds", "expected -1 (from the bundle) or 0 to 600"))
+    if not 0.05 <= cfg.rearm_check_seconds <= 300:
+        p.append(Problem(where, "agent.rearm_check_seconds", "expected 0.05 to 300 seconds"))
     if not 0.01 <= cfg.spool_sync_interval <= 60:
         p.append(Problem(where, "agent.spool_sync_interval", "expected 0.01 to 60 seconds"))
     if not 1.0 <= cfg.bundle_fetch_deadline_seconds <= 600:

@@ -42,7 +42,6 @@ log = logging.getLogger("sco.agent")
 sys.modules.setdefault("aiohttp", None)  # type: ignore[arg-type]
 
 OUTCOMES = ("drain.drained", "drain.overrun")
-REARM_CHECK_S = 5.0  # while the node stays drained, how often the agent looks whether it was put back
 PUBLISH_WARN_EVERY_S = 60.0
 
 
@@ -242,7 +241,7 @@ class Agent:
         """After a drain the node stays drained: notices are absorbed until someone puts it back."""
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), REARM_CHECK_S)
+                await asyncio.wait_for(self._stop.wait(), self.cfg.rearm_check_seconds)
             if self.book.current is None or self.drain is not None or self._stop.is_set():
                 continue
             try:
