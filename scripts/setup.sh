@@ -33,4 +33,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q -e '.[dev]'
   touch "$stamp"
 fi
+# OpenStack services for the provider tests, in their own venv (.venv-openstack).
+bash scripts/openstack/setup.sh
 echo "setup: ok ($("$VENV/bin/python" --version))"
