@@ -335,6 +335,7 @@ RECLAIM_PLAY = """
       sco.orchestrator.reclaim:
         nodes: "{{ nodes }}"
         nats_url: "{{ nats_url }}"
+        notice_keys: ["{{ signing_key }}"]
         window: 3
       when: nodes | length > 0
 """

@@ -8,6 +8,7 @@ thin wrappers around these functions, so everything here is tested without Ansib
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,10 +62,9 @@ def load_bundle(params: Params) -> Any:
 
 def open_store(params: Params) -> Any:
     """The fleet state (PostgreSQL) as a FleetStore, from ``state_dsn``."""
-    import importlib
+    from sco.control.record import PgFleetStore
 
-    record = importlib.import_module("sco.control.record")  # needs the fleet-state layer (sco.state)
-    return record.PgFleetStore(str(params["state_dsn"]))
+    return PgFleetStore(str(params["state_dsn"]))
 
 
 def step_demand(params: Params, check: bool, store: FleetStore | None = None) -> dict[str, Any]:
@@ -389,7 +389,14 @@ def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, An
 
     if not params.get("nats_url"):
         raise ConfigError("nats_url: the hall's notice relay")
-    keys = [load_private(Path(k)) for k in params.get("notice_keys") or []] or None
+    files = list(params.get("notice_keys") or []) or (
+        [os.environ["SCO_NOTICE_KEY"]] if os.environ.get("SCO_NOTICE_KEY") else []
+    )
+    if not files:
+        raise ConfigError(
+            "notice_keys: give the hall's notice signing key(s) (or $SCO_NOTICE_KEY): agents refuse unsigned notices"
+        )
+    keys = [load_private(Path(k)) for k in files]
 
     async def go() -> list[dict[str, Any]]:
         with (

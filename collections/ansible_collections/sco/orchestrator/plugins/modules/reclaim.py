@@ -29,7 +29,9 @@ options:
     type: float
     default: 120
   notice_keys:
-    description: Keys that sign the notices (when the agents require signed notices).
+    description:
+      - The hall's notice signing keys (C(sco keygen --purpose notice)); agents refuse unsigned notices.
+      - Falls back to C($SCO_NOTICE_KEY); required unless in check mode or nothing is to be reclaimed.
     type: list
     elements: path
     default: []
