@@ -611,6 +611,52 @@ def _add_fleet_commands(sub: Any) -> None:
 # --- parser ---------------------------------------------------------------------------------------
 
 
+# --- plan (issue 11: the portfolio planner) --------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import yaml
+
+    from sco.contract.bundle import Bundle
+    from sco.control.inputs import contracts_from_bundle, parse, plan_input
+    from sco.control.planner import plan
+
+    bundle = Bundle.from_bytes(_read(args.bundle), _keyring(args), args.bundle)
+    try:
+        doc = yaml.safe_load(_read(args.input))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{args.input}: not YAML/JSON: {e}") from None
+    inp = plan_input(parse(doc, args.input), contracts_from_bundle(bundle.contracts), time.time())
+    result = plan(inp)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+        return 0
+    print(f"{'pool':<24} {'kind':<12} {'now':>5} {'target':>6} {'launch':>6} {'delete':>6}  subset")
+    for x in result.pools:
+        print(
+            f"{x.pool:<24} {x.kind:<12} {x.current:>5} {x.target:>6} {x.launch:>6} {len(x.delete):>6}  "
+            f"{','.join(x.launch_contracts)}"
+        )
+    for name, milli in sorted(result.shortfall_milli.items()):
+        print(f"shortfall {name}: {milli / 1000:g} units (for the fallback arbiter)")
+    print(f"plan {result.digest[:16]}: {'changes' if result.changed else 'unchanged'}")
+    if args.explain:
+        print()
+        for line in result.explain():
+            print(line)
+    return 0
+
+
+def _plan_subcommand(sub: Any) -> None:
+    x = sub.add_parser("plan", help="the portfolio planner: target instances per pool, every decision explained")
+    x.add_argument("--input", required=True, metavar="FILE", help="pools, settings, reservations, fleet, demand")
+    x.add_argument("--bundle", default=_env("SCO_BUNDLE"), required=_env("SCO_BUNDLE") is None, help="[$SCO_BUNDLE]")
+    _add_trust(x)
+    x.add_argument("--explain", action="store_true", help="print every decision with its reason")
+    x.add_argument("--json", action="store_true", help="the whole plan as JSON")
+    x.set_defaults(func=cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sco", description="Spot Capacity Orchestrator")
     p.add_argument("--version", action="version", version=f"sco {__version__}")
@@ -738,6 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--watch", action="store_true")
     x.add_argument("--interval", type=float, default=60.0)
     x.set_defaults(func=cmd_slurm_render)
+
+    _plan_subcommand(sub)
 
     d = sub.add_parser("demo", help="the main job on the embedded local hall")
     d.add_argument("--workdir", help="keep the demo's files here (default: a temporary directory)")

@@ -1,0 +1,96 @@
+#!/usr/bin/python
+# Thin module: docs and argument spec here; the reclaimer lives in sco.provider.reclaimer.
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: reclaim
+short_description: Reclaim instances - notice, drain window, delete
+description:
+  - Sends each named instance its reclaim notice on both channels (the hall's NATS notice relay and the instance
+    metadata), waits out the notice window while the node agent drains, then deletes the server - the
+    provider's reclaimer, recorded in the fleet state.
+  - Instances already under reclaim are left as they are (no second notice), so a repeated task reports no change.
+  - In check mode reports which instances would be reclaimed.
+version_added: 0.1.0
+author: Spot Capacity Orchestrator developers
+extends_documentation_fragment:
+  - sco.orchestrator.control
+options:
+  nodes:
+    description: Instance (node) names to reclaim.
+    type: list
+    elements: str
+    required: true
+  nats_url:
+    description: The hall's notice relay.
+    type: str
+  window:
+    description: Seconds from the notice to the delete (120 in production).
+    type: float
+    default: 120
+  notice_keys:
+    description:
+      - The hall's notice signing keys (C(sco keygen --purpose notice)); agents refuse unsigned notices.
+      - Falls back to C($SCO_NOTICE_KEY); required unless in check mode or nothing is to be reclaimed.
+    type: list
+    elements: path
+    default: []
+  wait:
+    description: Wait for the deletes (else return once every notice is sent).
+    type: bool
+    default: true
+  lock_wait:
+    description: Seconds to wait for the hall's fleet-state writer lock.
+    type: float
+    default: 0
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+requirements:
+  - sco (this project's Python package) with openstacksdk, psycopg and nats-py
+"""
+
+EXAMPLES = r"""
+- name: Reclaim two nodes
+  sco.orchestrator.reclaim:
+    hall: hall-a
+    cloud: hall-a
+    nodes: [hall-a-spot-a-s1f2e3d4c-0, hall-a-spot-a-s1f2e3d4c-1]
+    nats_url: nats://relay.hall-a:4222
+"""
+
+RETURN = r"""
+reclaimed:
+  description: Per instance - name, notice id, terminate_at, published (relay reached), state after the run.
+  returned: success
+  type: list
+  elements: dict
+would_reclaim:
+  description: Names that are (or in check mode would be) reclaimed now.
+  returned: success
+  type: list
+  elements: str
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.sco.orchestrator.plugins.module_utils.sco_control import common_argument_spec, run_step
+
+
+def main() -> None:
+    spec = {
+        **common_argument_spec(),
+        "nodes": {"type": "list", "elements": "str", "required": True},
+        "nats_url": {"type": "str"},
+        "window": {"type": "float", "default": 120},
+        "notice_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
+        "wait": {"type": "bool", "default": True},
+        "lock_wait": {"type": "float", "default": 0},
+    }
+    run_step(AnsibleModule(argument_spec=spec, supports_check_mode=True), "reclaim")
+
+
+if __name__ == "__main__":
+    main()

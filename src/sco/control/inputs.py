@@ -1,0 +1,185 @@
+"""Planning inputs as people and playbooks write them (pydantic, ``extra="forbid"``), resolved to the dataclasses of
+``sco.control.model``. Errors name the document and the field (``plan.yaml: pools.2.cap: ...``).
+
+One document shape serves ``sco plan --input FILE`` and the collection's modules (their options use the same keys)::
+
+    pools:                 # the hall's pools (configuration)
+      - {name: spot-a, kind: reclaimable, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 20, group: rack-1}
+      - {name: committed, kind: committed, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 8}
+      - {name: od, kind: on-demand, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 10, pricePerHour: "0.90"}
+    settings: {shares: {1: "1/2", 2: "1/2", 3: 1}, idleGraceSeconds: 600, settleSeconds: 300}
+    reservations: [{lease: 7f3c..., pool: committed, instances: 4}]     # from Blazar
+    fleet: [{id: ..., name: spot-a-1, pool: spot-a, contracts: [web], launchedAt: 1764400000}]  # fleet state
+    demand: {demand: [{contract: web, units_milli: 4000, ...}], node_load_milli: {spot-a-1: 2000}}  # intake
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from decimal import Decimal
+from fractions import Fraction
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
+
+from sco.control.model import ContractInfo, Instance, PlanInput, PlanSettings, Pool, Reservation
+from sco.control.units import flavor_milli
+from sco.errors import ConfigError, Problem
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+NonNeg = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+
+class PoolSpec(_Strict):
+    name: NonEmpty
+    kind: Literal["reclaimable", "committed", "on-demand"]
+    flavor: NonEmpty
+    """Nova flavour (or Ironic resource class) the pool's instances are launched with."""
+    vcpus: Annotated[int, Field(gt=0)]
+    ram_mib: Annotated[int, Field(gt=0, alias="ramMiB")]
+    gpus: NonNeg = 0
+    cap: NonNeg
+    group: str = ""
+    available: bool = True
+    unavailable_reason: str = ""
+    price_per_hour: Annotated[Decimal, Field(ge=0)] = Decimal(0)
+    image: str = ""
+    """Image to boot (the acquirer's default when empty)."""
+    lease: str = ""
+    """Committed pools: the Blazar lease whose reservations back this pool (default: the pool's name)."""
+    instances_per_host: Annotated[int, Field(gt=0)] = 1
+    """Committed pools backed by host reservations (physical:host): instances of the flavour one host holds."""
+
+    def resolve(self) -> Pool:
+        return Pool(
+            name=self.name,
+            kind=self.kind,
+            flavor_milli=flavor_milli(self.vcpus, self.ram_mib, self.gpus),
+            cap=self.cap,
+            group=self.group,
+            available=self.available,
+            unavailable_reason=self.unavailable_reason,
+            price_per_hour=self.price_per_hour,
+            flavor=self.flavor,
+        )
+
+
+Tier = Annotated[int, Field(ge=1, le=3)]  # "3" from JSON or YAML keys is 3
+
+
+def _default_shares() -> dict[Tier, str | int | float]:
+    return {1: "1/2", 2: "1/2", 3: 1}
+
+
+class SettingsSpec(_Strict):
+    shares: dict[Tier, str | int | float] = Field(default_factory=_default_shares)
+    """Most of a tier's new units in one pool or group, as a fraction ("1/2", 0.5, 1)."""
+    idle_grace_seconds: Annotated[float, Field(ge=0)] = 600.0
+    settle_seconds: Annotated[float, Field(ge=0)] = 300.0
+
+    @field_validator("shares")
+    @classmethod
+    def _fractions(cls, v: dict[int, Any]) -> dict[int, Any]:
+        for tier, share in v.items():
+            try:
+                f = Fraction(str(share))
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"tier {tier}: {share!r} is not a fraction such as 1/2 or 0.5") from None
+            if not 0 < f <= 1:
+                raise ValueError(f"tier {tier}: a share must be above 0 and at most 1, not {share}")
+        return v
+
+
+class ReservationSpec(_Strict):
+    lease: NonEmpty
+    pool: NonEmpty
+    instances: NonNeg
+
+
+class InstanceSpec(_Strict):
+    id: NonEmpty
+    name: NonEmpty
+    pool: NonEmpty
+    contracts: list[str] = Field(default_factory=list)
+    launched_at: float = 0.0
+    state: str = "active"
+
+
+class DemandLine(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    contract: NonEmpty
+    units_milli: NonNeg
+
+
+class DemandSpec(BaseModel):
+    """The intake's report (``DemandReport.to_dict()``); its other keys are for people."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    demand: list[DemandLine] = Field(default_factory=list)
+    node_load_milli: dict[str, NonNeg] = Field(default_factory=dict)
+
+
+class PlanDocument(_Strict):
+    pools: list[PoolSpec]
+    settings: SettingsSpec = Field(default_factory=SettingsSpec)
+    reservations: list[ReservationSpec] = Field(default_factory=list)
+    fleet: list[InstanceSpec] = Field(default_factory=list)
+    demand: DemandSpec = Field(default_factory=DemandSpec)
+    now: float | None = None
+    """Plan as of this Unix time (default: now)."""
+
+    @field_validator("pools")
+    @classmethod
+    def _unique(cls, v: list[PoolSpec]) -> list[PoolSpec]:
+        seen: set[str] = set()
+        for p in v:
+            if p.name in seen:
+                raise ValueError(f"pool {p.name!r} is defined twice")
+            seen.add(p.name)
+        return v
+
+
+def problems(e: ValidationError, where: str) -> list[Problem]:
+    return [Problem(where, ".".join(str(x) for x in err["loc"]), err["msg"]) for err in e.errors()]
+
+
+def parse(doc: Any, where: str) -> PlanDocument:
+    if not isinstance(doc, Mapping):
+        raise ConfigError(
+            f"{where}: expected a mapping", [Problem(where, "", "expected a mapping of pools, fleet, ...")]
+        )
+    try:
+        return PlanDocument.model_validate(doc)
+    except ValidationError as e:
+        raise ConfigError(f"{where}: invalid planning input", problems(e, where)) from None
+
+
+def contracts_from_bundle(contracts: Mapping[str, Mapping[str, Any]]) -> dict[str, ContractInfo]:
+    return {name: ContractInfo.from_bundle(name, c) for name, c in contracts.items()}
+
+
+def plan_input(d: PlanDocument, contracts: Mapping[str, ContractInfo], now: float) -> PlanInput:
+    demand: dict[str, int] = {}
+    for line in d.demand.demand:
+        demand[line.contract] = demand.get(line.contract, 0) + line.units_milli
+    return PlanInput(
+        contracts=dict(contracts),
+        demand=demand,
+        pools=tuple(p.resolve() for p in d.pools),
+        fleet=tuple(
+            Instance(i.id, i.name, i.pool, tuple(sorted(i.contracts)), i.launched_at, i.state) for i in d.fleet
+        ),
+        reservations=tuple(Reservation(r.lease, r.pool, r.instances) for r in d.reservations),
+        node_load_milli=dict(d.demand.node_load_milli),
+        settings=PlanSettings(
+            now=d.now if d.now is not None else now,
+            shares={t: Fraction(str(s)) for t, s in d.settings.shares.items()},
+            idle_grace_s=d.settings.idle_grace_seconds,
+            settle_s=d.settings.settle_seconds,
+        ),
+    )
