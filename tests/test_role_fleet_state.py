@@ -19,12 +19,12 @@ from tests.testhosts import REPO
 VENV = Path(sys.executable).parent.parent
 
 
-def play(tmp: Path, extravars: dict[str, Any], check: bool = False) -> Any:
+def play(tmp: Path, extravars: dict[str, Any], check: bool = False, playbook: str | None = None) -> Any:
     import ansible_runner
 
     pdd = tmp / f"runner-{len(list(tmp.glob('runner-*')))}"
     (pdd / "project").mkdir(parents=True)
-    (pdd / "project" / "fleet_state.yml").write_text((REPO / "playbooks" / "fleet_state.yml").read_text())
+    (pdd / "project" / "fleet_state.yml").write_text(playbook or (REPO / "playbooks" / "fleet_state.yml").read_text())
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     return ansible_runner.run(
         private_data_dir=str(pdd),
@@ -128,6 +128,27 @@ def test_check_mode_then_real_then_idempotent(postgres: Any, tmp_path: Path, nam
     r = play(tmp_path, ev, check=True)
     assert r.rc == 0 and changed(r) == 0, output(r)
 
+    # the DSN it hands to the plays that follow (control_loop_state_dsn) reaches the database as SCO's role
+    handed = tmp_path / "handed-dsn"
+    r = play(tmp_path, {**ev, "handed": str(handed)}, playbook=HAND_ON)
+    assert r.rc == 0, output(r)
+    with connect(handed.read_text()) as c:
+        assert c.execute("SELECT current_user, current_database()").fetchone() == (names["user"], names["db"])
+
+
+HAND_ON = """
+- name: The role, then a play step that uses the DSN it hands on
+  hosts: sco_control
+  roles:
+    - role: sco.orchestrator.fleet_state
+  tasks:
+    - name: Keep the DSN
+      ansible.builtin.copy:
+        content: "{{ fleet_state_dsn }}"
+        dest: "{{ handed }}"
+        mode: "0600"
+"""
+
 
 def test_check_mode_lists_pending_migrations_of_an_existing_database(
     postgres: Any, tmp_path: Path, names: dict[str, str]
@@ -152,6 +173,7 @@ def test_check_mode_lists_pending_migrations_of_an_existing_database(
     ("over", "named"),
     [
         ({"fleet_state_db_password": "short"}, "fleet_state_db_password"),
+        ({"fleet_state_db_password": "correct horse battery"}, "fleet_state_db_password"),
         ({"fleet_state_db_name": "Fleet-State"}, "fleet_state_db_name"),
         ({"fleet_state_port": 70000}, "fleet_state_port"),
         ({"fleet_state_ssl_mode": "sometimes"}, "fleet_state_ssl_mode"),
