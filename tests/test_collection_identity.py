@@ -4,6 +4,7 @@ install the version that matches the collection, the modules say what is missing
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -124,30 +125,47 @@ def test_module_documents_where_it_runs_and_knows_its_release() -> None:
 # --- defect 3: nothing ran on day one ------------------------------------------------------------------------------
 
 
+def ansible(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / argv[0]), *argv[1:]], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+
+
 def test_plain_ansible_finds_the_collection_and_the_inventory() -> None:
-    env = clean_env()
-    graph = subprocess.run(
-        [str(BIN / "ansible-inventory"), "--graph"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-    )
+    graph = ansible("ansible-inventory", "--graph")  # ansible.cfg: the local hall by default
     assert graph.returncode == 0, graph.stderr
-    for group in ("@sco_nodes", "@sco_relay", "@sco_control", "@sco_distributor", "@slurm_controllers"):
+    for group in ("@sco_nodes", "@sco_relay", "@sco_control", "@sco_distributor", "@sco_kube_nodes"):
         assert group in graph.stdout, graph.stdout
-    hosts = subprocess.run(
-        [str(BIN / "ansible-playbook"), "--list-hosts", "playbooks/site.yml"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    for playbook in ("site.yml", "bake_image.yml", "drill.yml"):
+        syntax = ansible("ansible-playbook", "--syntax-check", f"playbooks/{playbook}")
+        assert syntax.returncode == 0, syntax.stderr
+    hosts = ansible("ansible-playbook", "--list-hosts", "playbooks/site.yml")
     assert hosts.returncode == 0, hosts.stderr
-    assert "hosts (0)" not in hosts.stdout and "localhost" in hosts.stdout
-    syntax = subprocess.run(
-        [str(BIN / "ansible-playbook"), "--syntax-check", "playbooks/site.yml"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert syntax.returncode == 0, syntax.stderr
+    # every play matches the local host, except Slurm admission: the local hall runs Kubernetes
+    assert hosts.stdout.count("hosts (0)") == 1 and "pattern: ['slurm_controllers']\n    hosts (0)" in hosts.stdout
+
+
+@pytest.mark.parametrize(
+    ("hall", "groups"),
+    [
+        ("hall-a", {"sco_kube_nodes": 4, "spark_nodes": 2, "sco_relay": 1, "kube_control_plane": 1}),
+        ("hall-b", {"sco_slurm_nodes": 8, "slurm_controllers": 1, "slurm_login": 2, "sco_relay": 1}),
+    ],
+)
+def test_example_halls_have_their_groups(hall: str, groups: dict[str, int]) -> None:
+    out = ansible("ansible-inventory", "-i", f"inventories/{hall}", "--list")
+    assert out.returncode == 0, out.stderr
+    inv = json.loads(out.stdout)
+    for group, n in groups.items():
+        assert len(inv[group]["hosts"]) == n, (group, inv[group])
+    hosts = ansible("ansible-playbook", "-i", f"inventories/{hall}", "--list-hosts", "playbooks/site.yml")
+    assert hosts.returncode == 0, hosts.stderr
+    # every play of the site playbook matches hosts of this hall except the other kind's scheduler plays
+    assert hosts.stdout.count("hosts (0)") <= 1, hosts.stdout
+    # the role variables resolve from the hall's settings
+    node = inv[next(iter(groups))]["hosts"][0]
+    var = ansible(
+        "ansible", "-i", f"inventories/{hall}", "--playbook-dir", "playbooks", "-m", "debug", "-a",
+        "var=node_agent_bundle_url", node,
+    )  # fmt: skip
+    assert f"/v1/halls/{hall}/bundle.json" in var.stdout, var.stdout + var.stderr
