@@ -11,11 +11,11 @@ description:
   - Validates every contract and the hall policy of a contract repository, checks feasibility, and writes a
     canonical signed bundle. The same input gives the same bytes, so a second run reports no change.
   - The serial only grows; it continues from the bundle already at O(dest).
-  - Runs where the signing keys and the contract repository are, usually the controller or the execution
+  - "Runs where the signing keys and the contract repository are, usually the controller or the execution
     environment (C(delegate_to: localhost)); that Python needs the C(spot-capacity-orchestrator) distribution of
-    this collection's release, and the module fails with the install command when it is missing or of another release.
+    this collection's release, and the module fails with the install command when it is missing or of another release."
 version_added: 0.1.0
-author: Spot Capacity Orchestrator developers
+author: Spot Capacity Orchestrator developers (@sco-dev)
 extends_documentation_fragment:
   - sco.orchestrator.signing
 options:
@@ -32,8 +32,10 @@ options:
     type: int
 attributes:
   check_mode:
+    description: Compiles and reports the serial it would write, writes nothing.
     support: full
   diff_mode:
+    description: No diff; the bundle is canonical JSON, compare serials and digests instead.
     support: none
 requirements:
   - spot-capacity-orchestrator of the collection's release (C(pip install spot-capacity-orchestrator==0.1.0)),
