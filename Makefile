@@ -14,8 +14,8 @@ demo: setup
 	$(VENV)/bin/sco demo
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks molecule
+	$(VENV)/bin/ruff format --check src tests benchmarks molecule
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	cd collections/ansible_collections/sco/orchestrator && ANSIBLE_COLLECTIONS_PATH=$(CURDIR)/collections \

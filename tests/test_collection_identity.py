@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -169,3 +170,37 @@ def test_example_halls_have_their_groups(hall: str, groups: dict[str, int]) -> N
         "var=node_agent_bundle_url", node,
     )  # fmt: skip
     assert f"/v1/halls/{hall}/bundle.json" in var.stdout, var.stdout + var.stderr
+
+
+# --- what an AWX execution environment gets ----------------------------------------------------------------------
+
+
+def test_execution_environment_definition_builds_a_context(tmp_path: Path) -> None:
+    shutil.copytree(REPO / "ee", tmp_path / "ee")
+    built = ansible("ansible-galaxy", "collection", "build", str(COLL), "--output-path", str(tmp_path / "dist"))
+    assert built.returncode == 0, built.stderr
+    (tmp_path / "dist" / f"sco-orchestrator-{galaxy_version()}.tar.gz").rename(
+        tmp_path / "ee" / "sco-orchestrator.tar.gz"
+    )
+    ctx = ansible(
+        "ansible-builder", "create", "-f", str(tmp_path / "ee" / "execution-environment.yml"), "--context",
+        str(tmp_path / "ctx"),
+    )  # fmt: skip
+    assert ctx.returncode == 0, ctx.stdout + ctx.stderr
+    assert (tmp_path / "ctx" / "_build" / "collections" / "sco-orchestrator.tar.gz").is_file()
+    assert (
+        "/build/collections/sco-orchestrator.tar.gz" in (tmp_path / "ctx" / "_build" / "requirements.yml").read_text()
+    )
+    # what the collection itself asks of any EE that installs it (meta/execution-environment.yml)
+    deps = ansible("ansible-builder", "introspect", "collections")
+    assert deps.returncode == 0, deps.stderr
+    assert f"spot-capacity-orchestrator=={galaxy_version()}  # from collection sco.orchestrator" in deps.stdout
+    assert "openssh-client [platform:dpkg]" in deps.stdout
+
+
+def test_changelog_fragments_lint() -> None:
+    lint = subprocess.run(
+        [str(BIN / "antsibull-changelog"), "lint"], cwd=COLL, capture_output=True, text=True, timeout=60
+    )
+    assert lint.returncode == 0 and lint.stdout.strip() == "", lint.stdout + lint.stderr
+    assert list((COLL / "changelogs" / "fragments").glob("*.yml"))
