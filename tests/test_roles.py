@@ -216,3 +216,36 @@ def test_slurm_admission_role_wants_the_lua_plugin_loaded(tmp_path: Path, host: 
         assert "WARNING slurm_admission" not in ok.stdout.read()
     finally:
         conf.unlink()
+
+
+def test_bake_image_installs_and_enables_without_host_state(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    """playbooks/bake_image.yml (node_agent_image_build): enabled, never started even where systemd seems to run,
+    and nothing of the build host left: no node name, no credentials, no spool or bundle cache, no wheelhouse."""
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    # what an earlier life of this machine left behind
+    host.ssh("mkdir", "-p", "/var/lib/sco/spool", "/var/lib/sco/bundle", "/etc/sco", "/run/systemd/system")
+    host.ssh("sh", "-c", "echo x > /var/lib/sco/spool/events.log; echo SCO_AGENT_HALL=old > /etc/sco/agent.env")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_wheelhouse": str(wheelhouse),
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_nats_password": "must-not-be-baked",
+        "node_agent_metadata_url": "",
+    }
+    try:
+        r = play(tmp_path, host, ev, playbook="bake_image.yml")
+        assert r.rc == 0, r.stdout.read()
+        started = [e for e in r.events if e.get("event_data", {}).get("task") == "Start the agent"]
+        assert started and all(e["event"] == "runner_on_skipped" for e in started)
+    finally:
+        host.ssh("rmdir", "/run/systemd/system")
+    assert host.ssh("systemctl", "is-enabled", "sco-agent.service").stdout.strip() == "enabled"
+    cfg = host.ssh("cat", "/etc/sco/agent.toml").stdout
+    assert "node =" not in cfg and "must-not-be-baked" not in cfg and "node-spot-a" not in cfg
+    assert host.ssh("ls", "-A", "/var/lib/sco").stdout == ""
+    assert host.ssh("test", "-e", "/opt/sco-wheelhouse", check=False).returncode != 0
+    assert host.ssh("test", "-e", "/etc/sco/agent.env", check=False).returncode != 0
+    # at first boot the node takes its name from its hostname
+    out = host.ssh("/opt/sco/bin/sco-agent", "check-config", "--config", "/etc/sco/agent.toml").stdout
+    assert f"node {host.name}, hall local, kubernetes" in out
