@@ -14,6 +14,7 @@ from typing import Any
 
 from tests.harness import AgentEnv, NatsServer, add_pod, ensure_stream, wait_for
 
+from sco.agent.kube_drain import taint_value
 from sco.agent.spool import read_events
 from sco.standins.kube_apiserver import KubeApiStandIn
 
@@ -25,7 +26,8 @@ def _pct(values: list[float], p: float) -> float:
 
 def _taint_time(kube: KubeApiStandIn, node: str, nid: str) -> float | None:
     for a in reversed(kube.cluster.audit):
-        if a["verb"] == "patch" and a["name"] == node and any(t.get("value") == nid for t in a.get("taints", [])):
+        value = taint_value(nid)  # the taint carries a label-valid hash of the notice id
+        if a["verb"] == "patch" and a["name"] == node and any(t.get("value") == value for t in a.get("taints", [])):
             return float(a["at"])
     return None
 

@@ -8,7 +8,7 @@ VENV=${VENV:-.venv}
 # slurm-wlm: the real slurmctld/slurmd the Slurm tests run; lua5.1: the job_submit.lua benchmark.
 # debootstrap, openssh-client, socat, iproute2: the SSH test hosts (network namespaces) Ansible runs against.
 APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates systemd procps slurm-wlm lua5.1
-  debootstrap openssh-client socat iproute2)
+  debootstrap openssh-client socat iproute2 openssl)
 
 need_apt=()
 for p in "${APT_PACKAGES[@]}"; do

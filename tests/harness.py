@@ -370,3 +370,64 @@ def add_pod(
     return kube.cluster.create_pod(
         ns, {"metadata": md, "spec": {"nodeName": node, "terminationGracePeriodSeconds": grace}}
     )
+
+
+def make_tls(d: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for ``host`` signed by it (openssl): (ca.crt, server.crt, server.key)."""
+    d.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, crt = (d / n for n in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt"))
+    ext = d / "ext.cnf"
+    ext.write_text(f"subjectAltName=IP:{host},DNS:localhost\nbasicConstraints=CA:FALSE\n")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+        "-days",
+        "2",
+        "-subj",
+        "/CN=sco-test-ca",
+    )
+    run(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        "/CN=kube-standin",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-out",
+        str(crt),
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+    )
+    return ca, crt, key

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sco.agent import config as agent_config
-from sco.agent.budget import grace_seconds
 from sco.agent.notices import NoticeBook, NoticeRefused, parse_metadata, parse_nats
 from sco.agent.sdnotify import notify, watchdog_interval
 from sco.agent.spool import CRITICAL, ROUTINE, Spool, read_events
@@ -82,14 +81,6 @@ def test_notice_book_dedup_and_earliest_wins() -> None:
     earlier = parse_nats(nats_notice(terminateAt=NOW + 60), hall="h", node="a", now=NOW, window=120)
     assert book.offer(earlier) == "earlier"
     assert book.offer(a) == "duplicate" and book.seen["n1"].terminate_at == NOW + 60
-
-
-@given(budget=st.floats(0, 200), left=st.floats(-50, 200), margin=st.floats(0, 20))
-def test_grace_is_the_smaller_of_budget_and_time_left(budget: float, left: float, margin: float) -> None:
-    g = grace_seconds(budget, NOW + left, NOW, margin)
-    assert g >= 0
-    assert g <= budget and g <= max(0.0, left - margin)
-    assert g >= min(budget, left - margin) - 1
 
 
 def test_spool_torn_tail_is_cut_and_counted(tmp_path: Path) -> None:

@@ -46,11 +46,6 @@ class KubeBudgets:
         return PodBudget(None, float(own), 0.0)
 
 
-def grace_seconds(budget_s: float, deadline: float, now: float, margin: float) -> int:
-    """The smaller of the budget and the time left to the deadline less the margin, whole seconds, >= 0."""
-    return max(0, int(min(budget_s, deadline - now - margin)))
-
-
 CONTRACT_COMMENT_KEY = "sco-contract"
 
 

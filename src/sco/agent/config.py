@@ -44,7 +44,13 @@ class AgentConfig:
     kube_url: str = ""
     """Kubernetes API server URL (kubernetes scheduler)."""
     kube_token_file: str = ""
+    """Bearer token file, read again every minute (bound tokens are rotated in place) and after a 401."""
     kube_ca_file: str = ""
+    """The cluster's CA (PEM); "system" trusts the system store. Required with an https kube_url."""
+    kube_kubeconfig: str = ""
+    """A kubeconfig (current context: server, CA, token / tokenFile, client certificate) instead of the above."""
+    kube_in_cluster: int = 0
+    """1: find the API server as a pod does (KUBERNETES_SERVICE_HOST/PORT, the service account's token and CA)."""
     taint_key: str = "sco.dev/reclaim"
     slurm_conf: str = ""
     """slurm.conf for the Slurm commands (SLURM_CONF); empty: the commands' default."""
@@ -155,8 +161,17 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.node", f"expected a DNS-style name, got {cfg.node!r}"))
     if cfg.scheduler not in ("kubernetes", "slurm"):
         p.append(Problem(where, "agent.scheduler", f"expected kubernetes or slurm, got {cfg.scheduler!r}"))
-    if cfg.scheduler == "kubernetes" and not _url(cfg.kube_url, ("http", "https")):
+    direct = cfg.scheduler == "kubernetes" and not cfg.kube_kubeconfig and not cfg.kube_in_cluster
+    if direct and not _url(cfg.kube_url, ("http", "https")):
         p.append(Problem(where, "agent.kube_url", "the kubernetes scheduler needs an http(s) API server URL"))
+    if direct and cfg.kube_url.startswith("https:") and not cfg.kube_ca_file:
+        p.append(
+            Problem(
+                where, "agent.kube_ca_file", 'https needs the cluster\'s CA file (or "system" for the system store)'
+            )
+        )
+    if cfg.kube_kubeconfig and not Path(cfg.kube_kubeconfig).is_file():
+        p.append(Problem(where, "agent.kube_kubeconfig", f"{cfg.kube_kubeconfig}: no such file"))
     for u in filter(None, cfg.nats_url.split(",")):
         if not _url(u.strip(), ("nats", "tls")):
             p.append(Problem(where, "agent.nats_url", f"{u!r} is not a nats:// URL"))
@@ -176,7 +191,7 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.trust_dir", f"{cfg.trust_dir} holds no *.pub key: no bundle could verify"))
     for name in ("kube_token_file", "kube_ca_file"):
         value = getattr(cfg, name)
-        if value and not Path(value).is_file():
+        if value and not (name == "kube_ca_file" and value == "system") and not Path(value).is_file():
             p.append(Problem(where, f"agent.{name}", f"{value}: no such file"))
     try:
         cfg.subject(cfg.notice_subject)
@@ -198,7 +213,10 @@ bundle_url = "http://127.0.0.1:8470/v1/halls/local/bundle.json"
 nats_url = "nats://127.0.0.1:4222"
 metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
 kube_url = "https://127.0.0.1:6443"
-kube_token_file = ""                # a node-bound token: the agent may taint and evict on its own node only
+kube_token_file = ""                # a node-bound token (read again every minute): its own node only
+kube_ca_file = ""                   # the cluster's CA; "system" for the system store (required with https)
+# kube_kubeconfig = "/etc/sco/kubeconfig"   # or: a kubeconfig's current context
+# kube_in_cluster = 1                       # or: KUBERNETES_SERVICE_HOST/PORT and the service account
 taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
 """

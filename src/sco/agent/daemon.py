@@ -24,15 +24,16 @@ from typing import Any
 
 from sco import __version__
 from sco._http import AsyncHttpClient, HttpError
-from sco.agent.budget import KubeBudgets, SlurmBudgets
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.config import AgentConfig
-from sco.agent.kube_drain import KubernetesDrain, Resume
+from sco.agent.deadline import Deadline
+from sco.agent.drain import Drain, DrainPath
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
+from sco.agent.resume import DrainRecord
 from sco.agent.sdnotify import notify, watchdog_interval
-from sco.agent.slurm_drain import SlurmDrain, SlurmResume, report_late
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.signing import Keyring
+from sco.errors import ConfigError
 
 log = logging.getLogger("sco.agent")
 
@@ -59,14 +60,14 @@ class Agent:
         self.book = NoticeBook()
         self.refused: Counter[str] = Counter()
         self._refused_seen: set[str] = set()
-        self.drain: KubernetesDrain | SlurmDrain | None = None
+        self.path: DrainPath | None = None
+        self.drain: Drain | None = None
         self.drain_task: asyncio.Task[None] | None = None
         self.outcomes: list[dict[str, Any]] = []
         self.nc: Any = None
         self._stop = asyncio.Event()
         self._wake_publisher = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._reporting: set[str] = set()
         self.kube: Any = None
         self.slurm: Any = None
 
@@ -125,7 +126,7 @@ class Agent:
         if verdict == "duplicate":
             return
         if self.drain is not None:
-            if n.terminate_at < self.drain.deadline:
+            if n.terminate_at < self.drain.deadline.terminate_at:
                 self.spool.append(
                     "notice.deadline",
                     CRITICAL,
@@ -141,7 +142,7 @@ class Agent:
         self.spool.append("notice.accepted", CRITICAL, **n.as_event())
         self._start_drain(n, None)
 
-    def _start_drain(self, n: Notice, resume: Resume | SlurmResume | None) -> None:
+    def _start_drain(self, n: Notice, record: DrainRecord | None) -> None:
         if self.cache.bundle is None:
             self.spool.append(
                 "bundle.missing",
@@ -149,41 +150,19 @@ class Agent:
                 notice=n.id,
                 reason="no verified bundle cached: work keeps its own grace, capped by the deadline",
             )
-        drain: KubernetesDrain | SlurmDrain
-        if self.cfg.scheduler == "slurm":
-            drain = SlurmDrain(
-                slurm=self.slurm,
-                spool=self.spool,
-                budgets=SlurmBudgets(self.cache.bundle),
-                node=self.cfg.node,
-                notice=n,
-                margin=self.margin,
-                slurmd_spool_dir=Path(self.cfg.slurmd_spool_dir.replace("%n", self.cfg.node)),
-                cgroup_root=Path(self.cfg.cgroup_root),
-                resume=resume if isinstance(resume, SlurmResume) else None,
-                clock=self.clock,
-            )
-        else:
-            drain = KubernetesDrain(
-                kube=self.kube,
-                spool=self.spool,
-                budgets=KubeBudgets(self.cache.bundle),
-                node=self.cfg.node,
-                taint_key=self.cfg.taint_key,
-                notice=n,
-                margin=self.margin,
-                resume=resume if isinstance(resume, Resume) else None,
-                clock=self.clock,
-            )
+        assert self.path is not None
+        received = (record.received_at if record else None) or n.received_at
+        deadline = Deadline(n.terminate_at, self.margin, received, self.clock)
+        drain = self.path.drain(n, deadline, record)
         self.drain = drain
         self.drain_task = asyncio.create_task(self._run_drain(drain), name=f"drain:{n.id}")
         self._wake_publisher.set()
 
-    async def _run_drain(self, drain: KubernetesDrain | SlurmDrain) -> None:
+    async def _run_drain(self, drain: Drain) -> None:
         try:
             outcome = await drain.run()
             self.outcomes.append({"notice": drain.notice.id, **outcome})
-            self._report_pending()
+            self._follow_ups()
         except Exception:
             log.exception("drain for notice %s failed", drain.notice.id)
             self.spool.append("drain.error", CRITICAL, notice=drain.notice.id)
@@ -226,43 +205,20 @@ class Agent:
             "spool",
             float(open_notice["received_at"]),
         )
-        resume: Resume | SlurmResume
-        done: dict[str, Any]
-        if self.cfg.scheduler == "slurm":
-            resume = SlurmResume.from_spool(self.spool, nid)
-            done = {
-                "drain_set": resume.drain_set,
-                "signalled": len(resume.signalled),
-                "requeued": len(resume.requeued),
-                "around": resume.around,
-            }
-        else:
-            resume = Resume.from_spool(self.spool, nid)
-            done = {"tainted": resume.tainted, "requested": len(resume.requested), "forced": len(resume.forced)}
+        assert self.path is not None
+        resume = self.path.record(self.spool, nid)
+        done = resume.summary()
         self.spool.append(
             "drain.resumed", CRITICAL, notice=nid, deadline_in_s=round(n.terminate_at - self.clock(), 3), **done
         )
         log.info("resuming drain for notice %s (%.1f s to the deadline)", nid, n.terminate_at - self.clock())
         self._start_drain(n, resume)
 
-    def _report_pending(self) -> None:
-        """Start telling slurmctld what was done around it, for every report the spool has not closed."""
-        if self.cfg.scheduler != "slurm":
-            return
-        pending: dict[str, dict[str, Any]] = {}
-        for ev in self.spool.events():
-            if ev["type"] == "scheduler.report_pending":
-                pending[str(ev["notice"])] = ev
-            elif ev["type"] == "scheduler.told":
-                pending.pop(str(ev["notice"]), None)
-        for nid, ev in pending.items():
-            if nid in self._reporting:
-                continue
-            self._reporting.add(nid)
-            self._spawn(
-                report_late(self.slurm, self.spool, self.cfg.node, nid, list(ev["jobs"]), ev["reason"], self._stop),
-                f"report:{nid}",
-            )
+    def _follow_ups(self) -> None:
+        """Start what the drain path still owes (e.g. telling slurmctld what was done around it)."""
+        assert self.path is not None
+        for name, coro in self.path.follow_ups(self._stop):
+            self._spawn(coro, name)
 
     # --- root tasks --------------------------------------------------------------------------------
 
@@ -405,26 +361,56 @@ class Agent:
     def stop(self) -> None:
         self._stop.set()
 
-    async def run(self) -> int:
-        from sco.schedulers.kube import KubeClient
-        from sco.schedulers.slurm import SlurmClient
+    def _drain_path(self) -> DrainPath:
+        """The one place that asks which scheduler this node runs beside."""
+        if self.cfg.scheduler == "slurm":
+            from sco.agent.slurm_drain import SlurmPath
+            from sco.schedulers.slurm import SlurmClient
 
+            self.slurm = SlurmClient(
+                slurm_conf=self.cfg.slurm_conf, bin_dir=self.cfg.slurm_bin_dir, timeout=self.api_timeout
+            )
+            return SlurmPath(
+                slurm=self.slurm,
+                spool=self.spool,
+                bundle=lambda: self.cache.bundle,
+                node=self.cfg.node,
+                slurmd_spool_dir=Path(self.cfg.slurmd_spool_dir.replace("%n", self.cfg.node)),
+                cgroup_root=Path(self.cfg.cgroup_root),
+            )
+        from sco.agent.kube_drain import KubePath
+        from sco.schedulers.kube import KubeClient, KubeConfigError
+
+        try:
+            self.kube = KubeClient(
+                KubePath.credentials(self.cfg), timeout=self.api_timeout, max_connections=self.cfg.evict_concurrency
+            )
+        except (KubeConfigError, OSError) as e:  # no CA for https, an unreadable kubeconfig
+            raise ConfigError(f"kubernetes credentials: {e}") from None
+        return KubePath(
+            kube=self.kube,
+            spool=self.spool,
+            bundle=lambda: self.cache.bundle,
+            node=self.cfg.node,
+            taint_key=self.cfg.taint_key,
+            api_timeout=self.api_timeout,
+        )
+
+    async def _preflight(self) -> None:
+        """Say at start-up what would stop a drain (unknown node, refused credential): fix it before a notice."""
+        assert self.path is not None
+        problems = await self.path.preflight()
+        for p in problems:
+            log.error("preflight: %s", p)
+        if problems:
+            self.spool.append("scheduler.preflight", CRITICAL, problems=problems)
+
+    async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
-        if self.cfg.scheduler == "slurm":
-            self.slurm = SlurmClient(
-                slurm_conf=self.cfg.slurm_conf, bin_dir=self.cfg.slurm_bin_dir, timeout=self.api_timeout
-            )
-        else:
-            self.kube = KubeClient(
-                self.cfg.kube_url,
-                token_file=self.cfg.kube_token_file or None,  # type: ignore[arg-type]
-                ca_file=self.cfg.kube_ca_file or None,  # type: ignore[arg-type]
-                timeout=self.api_timeout,
-                max_connections=self.cfg.evict_concurrency,
-            )
+        self.path = self._drain_path()
         b = self.cache.bundle
         self.spool.append(
             "agent.started",
@@ -435,7 +421,7 @@ class Agent:
             spool_records=self.spool.recovery.records,
         )
         self._resume_from_spool()
-        self._report_pending()
+        self._follow_ups()
         self._spawn(self._nats_link(), "nats")
         if self.cfg.metadata_url:
             self._spawn(self._metadata_poll(), "metadata-poll")
@@ -443,6 +429,7 @@ class Agent:
             self._spawn(self._bundle_refresh(), "bundle-refresh")
         self._spawn(self._publisher(), "publisher")
         self._spawn(self._housekeeping(), "housekeeping")
+        self._spawn(self._preflight(), "preflight")  # says what would stop a drain, once
         self._ready()
         await self._stop.wait()
         await self._shutdown()
@@ -459,6 +446,6 @@ class Agent:
         if self.nc is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.close(), 2)
-        if self.kube is not None:
-            await self.kube.close()
+        if self.path is not None:
+            await self.path.close()
         self.spool.close()

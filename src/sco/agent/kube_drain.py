@@ -1,32 +1,57 @@
 """The Kubernetes drain path (seed view 19, first row): taint, evict in parallel through the Eviction API,
 retry a PodDisruptionBudget's 429 until the pod's budget is spent and then delete with the grace that
-remains, verify until no evictable pod is left ("drained") or the deadline comes ("overrun").
+remains, verify until every evictable pod seen is gone ("drained") or the overrun time comes ("overrun").
 
 The scheduler's eviction does the work: this path never kills a container itself, so two systems never
 evict the same pod. Every step is spooled before or as it is taken, so a restarted agent resumes the same
 drain against the same deadline without tainting again or evicting twice.
+
+What a real API server makes necessary (upstream 1.30, kubectl ``pkg/drain``):
+- grace is never 0 (a grace-0 delete removes the object at once while kubelet still runs the containers), so
+  a pod is gone when its uid has left the API, or its phase is terminal;
+- every eviction and delete carries ``preconditions.uid``: a pod recreated under the same name is never hit;
+- the taint is retried beside the evictions, never in front of them; "drained" needs the taint;
+- pods are watched, not polled (one consistent list, then a watch; 410 Gone means list again);
+- one :class:`~sco.agent.deadline.Deadline` read live: a later notice with an earlier time cuts graces
+  already granted (a second delete with a shorter grace), and the outcome is spooled at the overrun time
+  however the API behaves: no call runs past it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-from sco.agent.budget import KubeBudgets, PodBudget, grace_seconds
+from sco.agent.budget import KubeBudgets, PodBudget
+from sco.agent.config import AgentConfig
+from sco.agent.deadline import Deadline
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
-from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
+from sco.contract.bundle import Bundle
+from sco.schedulers.kube import (
+    Credentials,
+    KubeClient,
+    KubeCredentialError,
+    KubeError,
+    KubeGone,
+    KubeUnreachable,
+)
 
 log = logging.getLogger("sco.agent.kube")
 
 Obj = dict[str, Any]
-POLL_S = 0.25
 BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
+HEARTBEAT_S = 1.0  # with nothing heard for this long, ask the API whether it still answers
+NOTICE_ANNOTATION = "sco.dev/reclaim-notice"
+TERMINAL = ("Succeeded", "Failed")
 
 
 def evictable(pod: Obj) -> bool:
@@ -36,11 +61,30 @@ def evictable(pod: Obj) -> bool:
         return False
     if "kubernetes.io/config.mirror" in (md.get("annotations") or {}):
         return False
-    return not (pod.get("status", {}).get("phase") in ("Succeeded", "Failed") and not md.get("deletionTimestamp"))
+    return not (pod.get("status", {}).get("phase") in TERMINAL and not md.get("deletionTimestamp"))
+
+
+def taint_value(notice_id: str) -> str:
+    """A taint value must be a label value (63 characters of [A-Za-z0-9-_.]): a short hash of the notice id;
+    the id itself goes into the node's ``sco.dev/reclaim-notice`` annotation."""
+    return "n-" + hashlib.sha256(notice_id.encode()).hexdigest()[:16]
 
 
 def _key(pod: Obj) -> str:
     return f"{pod['metadata'].get('namespace', '')}/{pod['metadata']['name']}"
+
+
+def _ts(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 @dataclass
@@ -50,14 +94,20 @@ class Resume(DrainRecord):
     tainted: bool = False
     requested: dict[str, int] = field(default_factory=dict)  # pod uid -> grace asked for
     forced: dict[str, int] = field(default_factory=dict)
+    asked_at: dict[str, float] = field(default_factory=dict)  # pod uid -> when its grace started
 
     def apply(self, type_: str, ev: dict[str, Any]) -> None:
         if type_ == "node.tainted":
             self.tainted = True
-        elif type_ == "eviction.requested":
+        elif type_ in ("eviction.requested", "grace.shortened"):
             self.requested[ev["uid"]] = int(ev["grace"])
+            self.asked_at[ev["uid"]] = float(ev["at"])
         elif type_ == "eviction.forced":
             self.forced[ev["uid"]] = int(ev["grace"])
+            self.asked_at[ev["uid"]] = float(ev["at"])
+
+    def summary(self) -> dict[str, Any]:
+        return {"tainted": self.tainted, "requested": len(self.requested), "forced": len(self.forced)}
 
 
 @dataclass
@@ -65,13 +115,21 @@ class PodState:
     key: str
     uid: str
     budget: PodBudget
-    state: str = "pending"  # pending | blocked | requested | forced | gone
+    state: str = "pending"  # pending | blocked | requested | forced | gone | replaced
     forced: bool = False
     last_error: str = ""
     pod: Obj = field(default_factory=dict)
+    grace_ends: float | None = None  # when the grace granted (by us or someone else) runs out
+    held: bool = False  # terminal but kept by finalizers: its containers have stopped
+
+    @property
+    def gone(self) -> bool:
+        return self.state in ("gone", "replaced")
 
 
 class KubernetesDrain:
+    Record = Resume
+
     def __init__(
         self,
         *,
@@ -81,106 +139,223 @@ class KubernetesDrain:
         node: str,
         taint_key: str,
         notice: Notice,
-        margin: float,
+        deadline: Deadline,
+        api_timeout: float = 0.8,
         resume: Resume | None = None,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube, self.spool, self.budgets = kube, spool, budgets
         self.node, self.taint_key, self.notice = node, taint_key, notice
-        self.deadline = notice.terminate_at
-        self.margin = margin
+        self.deadline = deadline
+        self.api_timeout = api_timeout
         self.resume = resume or Resume()
-        self.clock = clock
-        self.started_at = self.resume.received_at or notice.received_at
         self.pods: dict[str, PodState] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.outcome: Obj | None = None
-        self._unreachable_logged = False
+        self.tainted = self.resume.tainted
+        self.taint_error = ""
+        self.inventoried = False  # the first full list has been seen
+        self.heard_at = self.deadline.now()  # last time the API answered anything
+        self._changed = asyncio.Event()
+        self._logged: set[str] = set()
 
     # --- helpers -----------------------------------------------------------------------------------
+
+    @property
+    def started_at(self) -> float:
+        return self.deadline.started_at
 
     def _event(self, type_: str, priority: int = ROUTINE, **fields: Any) -> None:
         self.spool.append(type_, priority, notice=self.notice.id, **fields)
 
-    def update_deadline(self, terminate_at: float) -> None:
-        if terminate_at < self.deadline:
-            self.deadline = terminate_at
+    def update_deadline(self, terminate_at: float) -> bool:
+        moved = self.deadline.move_earlier(terminate_at)
+        if moved:
+            self._changed.set()  # the verifier cuts graces that now end past the kill time
+        return moved
 
-    def _left(self) -> float:
-        return self.deadline - self.clock()
+    def summary(self) -> Obj:
+        return self.resume.summary()
 
-    def _unreachable(self, what: str, err: Exception) -> None:
-        if not self._unreachable_logged:
-            self._unreachable_logged = True
-            self._event("scheduler.unreachable", what=what, error=str(err))
-        log.warning("API server did not answer (%s): %s", what, err)
+    def _heard(self) -> None:
+        self.heard_at = self.deadline.now()
 
-    # --- steps -------------------------------------------------------------------------------------
+    def _api_problem(self, what: str, err: Exception) -> None:
+        kind = "scheduler.credentials" if isinstance(err, KubeCredentialError) else "scheduler.unreachable"
+        if kind not in self._logged:
+            self._logged.add(kind)
+            self._event(kind, CRITICAL if kind == "scheduler.credentials" else ROUTINE, what=what, error=str(err))
+        log.warning("API server (%s): %s", what, err)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks[name] = asyncio.create_task(coro, name=name)
+
+    def _timeout(self) -> float:
+        return self.deadline.call_timeout(self.api_timeout)
+
+    async def _pause(self, delay: float) -> None:
+        await asyncio.sleep(max(0.0, min(delay, self.deadline.until_overrun())))
+
+    # --- the taint, beside the evictions ------------------------------------------------------------
 
     async def _taint(self) -> None:
-        if self.resume.tainted:
+        if self.tainted:
             return
         delay = BACKOFF_START_S
-        while self._left() > 0:
+        while not self.deadline.overrun():
             try:
-                await self.kube.taint_node(self.node, self.taint_key, self.notice.id)
-                first_action_ms = round((self.clock() - self.started_at) * 1000, 1)
-                self._event("node.tainted", CRITICAL, key=self.taint_key, first_action_ms=first_action_ms)
-                return
+                await self.kube.taint_node(
+                    self.node,
+                    self.taint_key,
+                    taint_value(self.notice.id),
+                    annotations={NOTICE_ANNOTATION: self.notice.id},
+                    timeout=self._timeout(),
+                )
             except (KubeUnreachable, KubeError) as e:
-                self._unreachable("taint", e)
-                await asyncio.sleep(delay)
+                if isinstance(e, KubeError):
+                    self._heard()
+                    if e.status == 404:
+                        self.taint_error = f'node "{self.node}" not found (404): {e.message}'
+                    elif isinstance(e, KubeCredentialError):
+                        self.taint_error = f'credential may not patch node "{self.node}" ({e})'
+                    else:
+                        self.taint_error = str(e)
+                else:
+                    self.taint_error = f"API server did not answer: {e}"
+                self._api_problem("taint", e)
+                await self._pause(delay)
                 delay = min(BACKOFF_MAX_S, delay * 2)
-
-    async def _list(self) -> list[Obj] | None:
-        try:
-            return [p for p in await self.kube.pods_on_node(self.node) if evictable(p)]
-        except (KubeUnreachable, KubeError) as e:
-            self._unreachable("list pods", e)
-            return None
-
-    def _track(self, pod: Obj) -> None:
-        uid = pod["metadata"]["uid"]
-        if uid in self.pods:
-            self.pods[uid].pod = pod
+                continue
+            self._heard()
+            self.tainted = True
+            first_action_ms = round(self.deadline.elapsed() * 1000, 1)
+            self._event(
+                "node.tainted",
+                CRITICAL,
+                key=self.taint_key,
+                value=taint_value(self.notice.id),
+                first_action_ms=first_action_ms,
+            )
+            self._changed.set()
             return
+
+    # --- observing the node's pods: one list, then a watch -----------------------------------------
+
+    async def _observe(self) -> None:
+        rv: str | None = None
+        delay = BACKOFF_START_S
+        while not self.deadline.overrun():
+            try:
+                if rv is None:
+                    items, rv = await self.kube.pods_on_node(self.node, timeout=self._timeout())
+                    self._heard()
+                    self._sync(items)
+                    delay = BACKOFF_START_S
+                async for ev in self.kube.watch_pods(self.node, rv, timeout_s=300):
+                    self._heard()
+                    obj = ev.get("object") or {}
+                    rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+                    if ev.get("type") in ("ADDED", "MODIFIED"):
+                        self._seen(obj)
+                    elif ev.get("type") == "DELETED":
+                        self._left(obj)
+            except KubeGone:
+                rv = None  # compacted: list again (a consistent read) and watch from there
+                continue
+            except (KubeUnreachable, KubeError) as e:
+                self._api_problem("list/watch pods", e)
+            await self._pause(delay)
+            delay = min(BACKOFF_MAX_S, delay * 2)
+
+    def _sync(self, items: list[Obj]) -> None:
+        present = set()
+        for p in items:
+            present.add(p["metadata"]["uid"])
+            self._seen(p)
+        for st in self.pods.values():
+            if st.uid not in present and not st.gone:
+                self._mark_gone(st, "left the API")
+        self.inventoried = True
+        self._changed.set()
+
+    def _seen(self, pod: Obj) -> None:
+        uid = pod["metadata"]["uid"]
+        st = self.pods.get(uid)
+        if st is None:
+            if not evictable(pod):
+                return
+            st = self._track(pod)
+        st.pod = pod
+        md = pod["metadata"]
+        end = _ts(md.get("deletionTimestamp"))
+        if end is not None and (st.grace_ends is None or end < st.grace_ends):
+            st.grace_ends = end
+        if pod.get("status", {}).get("phase") in TERMINAL and not st.gone:
+            st.held = bool(md.get("finalizers"))
+            self._mark_gone(st, "terminal phase")  # its containers have stopped
+        self._changed.set()
+
+    def _left(self, pod: Obj) -> None:
+        st = self.pods.get(pod["metadata"]["uid"])
+        if st is not None and not st.gone:
+            self._mark_gone(st, "left the API")
+
+    def _mark_gone(self, st: PodState, how: str) -> None:
+        st.state = "gone"
+        t = self._tasks.pop(f"evict:{st.uid}", None)
+        if t is not None:
+            t.cancel()
+        self._event("pod.gone", pod=st.key, uid=st.uid, how=how, after_s=round(self.deadline.elapsed(), 3))
+        self._changed.set()
+
+    def _track(self, pod: Obj) -> PodState:
+        uid = pod["metadata"]["uid"]
         st = PodState(_key(pod), uid, self.budgets.for_pod(pod), pod=pod)
         self.pods[uid] = st
+        if uid in self.resume.asked_at:
+            g = self.resume.requested.get(uid, self.resume.forced.get(uid, 0))
+            st.grace_ends = self.resume.asked_at[uid] + g
         if uid in self.resume.forced:
             st.state, st.forced = "forced", True
         elif uid in self.resume.requested:
             st.state = "requested"
         elif pod["metadata"].get("deletionTimestamp"):
-            st.state = "requested"  # already terminating: someone else asked; do not ask twice
+            st.state = "requested"  # already terminating: someone else asked; only its grace may be cut
         else:
-            self._tasks[uid] = asyncio.create_task(self._evict(st), name=f"evict:{st.key}")
+            self._spawn(self._evict(st), f"evict:{uid}")
+        return st
+
+    # --- evictions ---------------------------------------------------------------------------------
 
     async def _evict(self, st: PodState) -> None:
         ns, name = st.key.split("/", 1)
-        # The pod's budget runs from the notice; PDB retries stop when it is spent.
-        budget_end = min(self.started_at + st.budget.drain_seconds, self.deadline - self.margin)
         delay = BACKOFF_START_S
         while True:
-            now = self.clock()
-            if now >= budget_end:
+            # The pod's budget runs from the notice; read live, so an earlier deadline shortens it.
+            budget_end = self.deadline.budget_end(st.budget.drain_seconds)
+            if self.deadline.now() >= budget_end:
                 await self._force(st, ns, name)
                 return
-            grace = grace_seconds(st.budget.drain_seconds, self.deadline, now, self.margin)
+            grace = self.deadline.grace(st.budget.drain_seconds)
+            wait = delay
             try:
-                r = await self.kube.evict(ns, name, grace)
-            except KubeUnreachable as e:
-                self._unreachable("evict", e)
+                r = await self.kube.evict(ns, name, grace, uid=st.uid, timeout=self._timeout())
+            except (KubeUnreachable, KubeCredentialError) as e:
+                self._api_problem("evict", e)
                 st.last_error = str(e)
             else:
+                self._heard()
                 if r.accepted:
                     st.state = "requested"
+                    st.grace_ends = self.deadline.now() + grace
                     self._event(
                         "eviction.requested", CRITICAL, pod=st.key, uid=st.uid, grace=grace, contract=st.budget.contract
                     )
                     return
-                if r.status == 404:
-                    return  # already gone; the verifier records it
+                if r.status in (404, 409):
+                    self._replaced(st, r.status)
+                    return
                 st.last_error = f"HTTP {r.status}: {r.message}"
+                wait = max(delay, r.retry_after)
                 if r.status == 429 and st.state != "blocked":
                     st.state = "blocked"
                     self._event(
@@ -188,28 +363,36 @@ class KubernetesDrain:
                         pod=st.key,
                         uid=st.uid,
                         reason=r.message,
-                        budget_left_s=round(budget_end - now, 2),
+                        budget_left_s=round(budget_end - self.deadline.now(), 2),
                     )
-            await asyncio.sleep(min(delay, max(0.0, budget_end - self.clock())))
+            await asyncio.sleep(max(0.0, min(wait, budget_end - self.deadline.now())))
             delay = min(BACKOFF_MAX_S, delay * 2)
 
+    def _replaced(self, st: PodState, status: int) -> None:
+        """404: gone; 409 on the uid precondition: the name now belongs to another pod. Stop either way."""
+        if status == 409 and not st.gone:
+            st.state = "replaced"
+            self._event("pod.replaced", pod=st.key, uid=st.uid, after_s=round(self.deadline.elapsed(), 3))
+            self._changed.set()
+
     async def _force(self, st: PodState, ns: str, name: str) -> None:
-        """Budget spent (a PDB never allowed): delete with the grace that remains (seed view 19, risk)."""
-        while True:
-            now = self.clock()
-            grace = grace_seconds(st.budget.final_write_seconds, self.deadline, now, self.margin)
+        """Budget spent (a PDB never allowed): delete with the final-write grace that remains, at least 1 s."""
+        while not self.deadline.overrun():
+            grace = self.deadline.grace(st.budget.final_write_seconds)
             try:
-                r = await self.kube.delete_pod(ns, name, grace)
-            except KubeUnreachable as e:
-                self._unreachable("delete", e)
-                if self._left() <= 0:
-                    return
-                await asyncio.sleep(BACKOFF_START_S)
+                r = await self.kube.delete_pod(ns, name, grace, uid=st.uid, timeout=self._timeout())
+            except (KubeUnreachable, KubeCredentialError) as e:
+                self._api_problem("delete", e)
+                st.last_error = str(e)
+                await self._pause(BACKOFF_START_S)
                 continue
-            if r.status == 404:
+            self._heard()
+            if r.status in (404, 409):
+                self._replaced(st, r.status)
                 return
             if r.status < 300:
                 st.state, st.forced = "forced", True
+                st.grace_ends = self.deadline.now() + grace
                 self._event(
                     "eviction.forced",
                     CRITICAL,
@@ -221,57 +404,173 @@ class KubernetesDrain:
                 )
                 return
             st.last_error = f"HTTP {r.status}: {r.message}"
-            if self._left() <= 0:
-                return
-            await asyncio.sleep(BACKOFF_START_S)
+            await self._pause(BACKOFF_START_S)
+
+    async def _shorten(self, st: PodState) -> None:
+        """The deadline moved earlier: a grace that now ends past the kill time is cut by a second delete
+        (upstream shortens a terminating pod's grace)."""
+        ns, name = st.key.split("/", 1)
+        grace = self.deadline.grace(float("inf"))  # all that is left before the kill time, at least 1 s
+        try:
+            r = await self.kube.delete_pod(ns, name, grace, uid=st.uid, timeout=self._timeout())
+        except (KubeUnreachable, KubeCredentialError) as e:
+            self._api_problem("delete (shorten grace)", e)
+            return
+        self._heard()
+        if r.status in (404, 409):
+            self._replaced(st, r.status)
+            return
+        if r.status < 300:
+            before = st.grace_ends
+            st.grace_ends = self.deadline.now() + grace
+            self._event(
+                "grace.shortened",
+                CRITICAL,
+                pod=st.key,
+                uid=st.uid,
+                grace=grace,
+                was_ending_in_s=round((before or 0) - self.deadline.now(), 2),
+            )
+
+    # --- the verifier ------------------------------------------------------------------------------
+
+    async def run(self) -> Obj:
+        """Drain, verify, and return the outcome, spooled at the overrun time at the latest."""
+        self._spawn(self._taint(), "taint")
+        self._spawn(self._observe(), "observe")
+        try:
+            while True:
+                self._changed.clear()
+                if self.inventoried and self.tainted and all(st.gone for st in self.pods.values()):
+                    return self._finish("drained")
+                if self.deadline.overrun():
+                    return self._finish("overrun")
+                for st in list(self.pods.values()):
+                    name = f"shorten:{st.uid}"
+                    pending = name in self._tasks and not self._tasks[name].done()
+                    if (
+                        not st.gone
+                        and not pending
+                        and st.grace_ends is not None
+                        and self.deadline.ends_too_late(st.grace_ends)
+                    ):
+                        self._spawn(self._shorten(st), name)
+                beat = self._tasks.get("heartbeat")
+                if self.deadline.now() - self.heard_at > HEARTBEAT_S and (beat is None or beat.done()):
+                    self._spawn(self._heartbeat(), "heartbeat")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), max(0.0, min(0.25, self.deadline.until_overrun())))
+        finally:
+            for t in self._tasks.values():
+                t.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _heartbeat(self) -> None:
+        """A quiet watch is not a silent API: a one-item list served from the API server's watch cache
+        (resourceVersion=0, cheap) says whether it still answers."""
+        try:
+            await self.kube.list_pods(self.node, resource_version="0", limit=1, timeout=self._timeout())
+            self._heard()
+        except KubeError as e:
+            self._heard()  # it answered, if only to refuse
+            self._api_problem("heartbeat", e)
+        except KubeUnreachable as e:
+            self._api_problem("heartbeat", e)
+
+    def _silent(self) -> bool:
+        return self.deadline.now() - self.heard_at > max(2.0, 2 * self.api_timeout)
 
     def _why(self, st: PodState) -> str:
+        if self._silent():
+            return f"unknown (API silent since {_iso(self.heard_at)})"
         md = st.pod.get("metadata", {})
-        phase = st.pod.get("status", {}).get("phase")
         if st.state in ("pending", "blocked"):
             return f"PodDisruptionBudget: {st.last_error}" if st.state == "blocked" else f"not evicted: {st.last_error}"
-        if md.get("finalizers") and phase in ("Succeeded", "Failed"):
-            return f"stuck finalizer: {', '.join(md['finalizers'])}"
         if md.get("deletionTimestamp"):
             return f"slow preStop or shutdown (grace {md.get('deletionGracePeriodSeconds')} s)"
         return f"still running after {st.state} eviction"
 
-    async def run(self) -> Obj:
-        """Drain, verify, and return the outcome event."""
-        await self._taint()
-        while True:
-            pods = await self._list()
-            if pods is not None:
-                now_present = set()
-                for p in pods:
-                    self._track(p)
-                    now_present.add(p["metadata"]["uid"])
-                for st in self.pods.values():
-                    if st.uid not in now_present and st.state != "gone":
-                        st.state = "gone"
-                        self._event(
-                            "pod.gone", pod=st.key, uid=st.uid, after_s=round(self.clock() - self.started_at, 3)
-                        )
-                if not now_present:
-                    return self._finish("drained")
-            overrun_at = self.deadline - min(1.0, self.margin / 2)
-            if self.clock() >= overrun_at:
-                return self._finish("overrun")
-            await asyncio.sleep(POLL_S)
-
     def _finish(self, outcome: str) -> Obj:
-        for t in self._tasks.values():
-            t.cancel()
-        now = self.clock()
+        now = self.deadline.now()
         fields: Obj = {
             "elapsed_s": round(now - self.started_at, 3),
-            "deadline_in_s": round(self.deadline - now, 3),
+            "deadline_in_s": round(self.deadline.terminate_at - now, 3),
             "pods": len(self.pods),
             "forced": sum(1 for s in self.pods.values() if s.forced),
         }
+        held = [s.key for s in self.pods.values() if s.held]
+        if held:
+            fields["held_by_finalizers"] = held  # containers stopped; only the API object remains
         if outcome == "overrun":
-            fields["remaining"] = [{"pod": s.key, "why": self._why(s)} for s in self.pods.values() if s.state != "gone"]
+            reasons = []
+            if not self.tainted:
+                reasons.append(f"node not tainted: {self.taint_error or 'no answer from the API server'}")
+            if not self.inventoried:
+                reasons.append(f"the node's pods could not be listed (API silent since {_iso(self.heard_at)})")
+            remaining = [s for s in self.pods.values() if not s.gone]
+            if remaining:
+                reasons.append(f"{len(remaining)} pod(s) not verifiably gone")
+            fields["reasons"] = reasons
+            fields["remaining"] = [{"pod": s.key, "uid": s.uid, "why": self._why(s)} for s in remaining]
         self._event(f"drain.{outcome}", CRITICAL, **fields)
         self.outcome = {"outcome": outcome, **fields}
         log.info("drain %s for notice %s: %s", outcome, self.notice.id, fields)
         return self.outcome
+
+
+class KubePath:
+    """The Kubernetes drain path for this node (see :class:`sco.agent.drain.DrainPath`)."""
+
+    def __init__(
+        self,
+        *,
+        kube: KubeClient,
+        spool: Spool,
+        bundle: Callable[[], Bundle | None],
+        node: str,
+        taint_key: str,
+        api_timeout: float,
+    ) -> None:
+        self.kube, self.spool, self.bundle = kube, spool, bundle
+        self.node, self.taint_key, self.api_timeout = node, taint_key, api_timeout
+
+    @staticmethod
+    def credentials(cfg: AgentConfig) -> Credentials:
+        """In-cluster discovery, a kubeconfig, or the URL with a token file and a CA file (in that order)."""
+        if cfg.kube_in_cluster:
+            return Credentials.in_cluster()
+        if cfg.kube_kubeconfig:
+            return Credentials.from_kubeconfig(Path(cfg.kube_kubeconfig))
+        return Credentials(
+            cfg.kube_url,
+            token_file=Path(cfg.kube_token_file) if cfg.kube_token_file else None,
+            ca_file=cfg.kube_ca_file or None,
+        )
+
+    def record(self, spool: Spool, notice_id: str) -> Resume:
+        return Resume.from_spool(spool, notice_id)
+
+    def drain(self, notice: Notice, deadline: Deadline, record: DrainRecord | None) -> KubernetesDrain:
+        return KubernetesDrain(
+            kube=self.kube,
+            spool=self.spool,
+            budgets=KubeBudgets(self.bundle()),
+            node=self.node,
+            taint_key=self.taint_key,
+            notice=notice,
+            deadline=deadline,
+            api_timeout=self.api_timeout,
+            resume=record if isinstance(record, Resume) else None,
+        )
+
+    async def preflight(self) -> list[str]:
+        return await self.kube.preflight(self.node)
+
+    def follow_ups(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        return []  # nothing is ever done around the API server that it must be told later
+
+    async def close(self) -> None:
+        await self.kube.close()
+
+
+__all__ = ["KubePath", "KubernetesDrain", "Resume", "evictable", "taint_value"]

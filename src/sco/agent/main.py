@@ -1,7 +1,9 @@
 """``sco-agent``: the node agent's command.
 
     sco-agent run --config /etc/sco/agent.toml     run the agent (systemd: Type=notify)
-    sco-agent check-config --config FILE           print every problem, exit 5 if any
+    sco-agent check-config --config FILE [--api]   print every problem, exit 5 if any; asks the Kubernetes
+                                                   API whether it knows the node and lets the credential
+                                                   patch it (with --api, a refusal exits 5 too)
     sco-agent sample-config                        a commented agent.toml
     sco-agent events --state-dir DIR [--after N]   the spooled events, one JSON object per line
 
@@ -19,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from sco.agent import config
 from sco.errors import ScoError
 
 
@@ -35,13 +38,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--check-config", action="store_true", help="check the configuration and exit")
     c = sub.add_parser("check-config", help="check the configuration and exit")
     c.add_argument("--config", help="agent.toml [$SCO_AGENT_CONFIG]")
+    c.add_argument(
+        "--api",
+        action="store_true",
+        help="fail (exit 5) when the API server does not know the node or refuses the credential",
+    )
     sub.add_parser("sample-config", help="print a commented agent.toml")
     e = sub.add_parser("events", help="print spooled events as JSON lines")
     e.add_argument("--state-dir", default=os.environ.get("SCO_AGENT_STATE_DIR", "/var/lib/sco"))
     e.add_argument("--after", type=int, default=0, help="only events with a higher seq")
     args = p.parse_args(argv)
-
-    from sco.agent import config
 
     try:
         if args.cmd == "sample-config":
@@ -57,7 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config.load(_config_path(args))
         if args.cmd == "check-config" or args.check_config:
             print(f"{_config_path(args) or 'environment'}: ok (node {cfg.node}, hall {cfg.hall}, {cfg.scheduler})")
-            return 0
+            if cfg.scheduler != "kubernetes":
+                return 0
+            problems = asyncio.run(_kube_preflight(cfg))
+            strict = getattr(args, "api", False)
+            for line in problems:
+                print(f"sco-agent: {'error' if strict else 'warning'}: kubernetes: {line}", file=sys.stderr)
+            return 5 if problems and strict else 0
         logging.basicConfig(
             level=getattr(logging, cfg.log_level.upper()),
             format="%(levelname)s %(name)s: %(message)s",
@@ -72,6 +84,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+async def _kube_preflight(cfg: config.AgentConfig) -> list[str]:
+    """Whether the API server knows this node and lets the credential patch it (a server-side dry run)."""
+    from sco.agent.kube_drain import KubePath
+    from sco.schedulers.kube import KubeClient, KubeConfigError
+
+    try:
+        kube = KubeClient(KubePath.credentials(cfg), timeout=2.0, max_connections=1)
+    except (KubeConfigError, OSError, ValueError) as e:
+        return [f"credentials: {e}"]
+    try:
+        return await kube.preflight(cfg.node)
+    finally:
+        await kube.close()
 
 
 if __name__ == "__main__":

@@ -27,3 +27,7 @@ class DrainRecord:
     def apply(self, type_: str, ev: dict[str, Any]) -> None:
         """Take one of this notice's events into account."""
         raise NotImplementedError
+
+    def summary(self) -> dict[str, Any]:
+        """What was already done, for the ``drain.resumed`` event."""
+        raise NotImplementedError

@@ -19,16 +19,18 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sco.agent.budget import SlurmBudgets
+from sco.agent.deadline import Deadline
 from sco.agent.jobprocs import alive, job_environment, job_processes
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
+from sco.contract.bundle import Bundle
 from sco.schedulers.slurm import Job, SlurmClient, SlurmCommandError, SlurmUnreachable
 
 log = logging.getLogger("sco.agent.slurm")
@@ -70,6 +72,14 @@ class SlurmResume(DrainRecord):
         elif type_ == "scheduler.unreachable":
             self.around = True
 
+    def summary(self) -> dict[str, Any]:
+        return {
+            "drain_set": self.drain_set,
+            "signalled": len(self.signalled),
+            "requeued": len(self.requeued),
+            "around": self.around,
+        }
+
 
 @dataclass
 class JobState:
@@ -91,27 +101,29 @@ class SlurmDrain:
         budgets: SlurmBudgets,
         node: str,
         notice: Notice,
-        margin: float,
+        deadline: Deadline,
         slurmd_spool_dir: Path,
         cgroup_root: Path = Path("/sys/fs/cgroup"),
         resume: SlurmResume | None = None,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self.slurm, self.spool, self.budgets = slurm, spool, budgets
-        self.node, self.notice, self.margin = node, notice, margin
-        self.deadline = notice.terminate_at
+        self.node, self.notice = node, notice
+        self.deadline = deadline
         self.slurmd_spool_dir, self.cgroup_root = slurmd_spool_dir, cgroup_root
         self.resume = resume or SlurmResume()
-        self.clock = clock
-        self.started_at = self.resume.received_at or notice.received_at
+        self.clock = deadline.now
+        self.started_at = deadline.started_at
         self.jobs: dict[int, JobState] = {}
         self.outcome: dict[str, Any] | None = None
 
     def _event(self, type_: str, priority: int = ROUTINE, **fields: Any) -> None:
         self.spool.append(type_, priority, notice=self.notice.id, **fields)
 
-    def update_deadline(self, terminate_at: float) -> None:
-        self.deadline = min(self.deadline, terminate_at)
+    def update_deadline(self, terminate_at: float) -> bool:
+        return self.deadline.move_earlier(terminate_at)
+
+    def summary(self) -> dict[str, Any]:
+        return self.resume.summary()
 
     @property
     def reason(self) -> str:
@@ -119,11 +131,11 @@ class SlurmDrain:
         return f"sco reclaim {self.notice.id}: instance gone at {gone}"
 
     def _budget_end(self, js: JobState) -> float:
-        return min(self.started_at + js.drain_s, self.deadline - self.margin)
+        return self.deadline.budget_end(js.drain_s)
 
     def _track(self, job: Job) -> JobState:
         if job.id not in self.jobs:
-            default = max(0.0, self.deadline - self.margin - self.started_at)
+            default = max(0.0, self.deadline.kill_at - self.started_at)
             b, drain_s, final_s, sig = self.budgets.for_job(job.account, job.partition, job.comment, default)
             self.jobs[job.id] = JobState(job, drain_s, final_s, sig, b.contract if b else None)
         return self.jobs[job.id]
@@ -193,14 +205,13 @@ class SlurmDrain:
         )
 
     async def _verify(self) -> dict[str, Any]:
-        overrun_at = self.deadline - min(1.0, self.margin / 2)
         ours = {str(j) for j in self.jobs}
         while True:
             steps = await self.slurm.steps_on_node(self.node)
             left = sorted({s.split(".")[0] for s in steps} & ours)
             if not left:
                 return self._finish("drained", path="scheduler")
-            if self.clock() >= overrun_at:
+            if self.deadline.overrun():
                 return self._finish(
                     "overrun",
                     path="scheduler",
@@ -250,7 +261,6 @@ class SlurmDrain:
                     budget_s=js.drain_s,
                 )
         self._event("scheduler.report_pending", CRITICAL, jobs=sorted(procs), reason=self.reason)
-        overrun_at = self.deadline - min(1.0, self.margin / 2)
         termed: set[int] = set()
         while True:
             now = self.clock()
@@ -264,9 +274,9 @@ class SlurmDrain:
                     termed.add(jid)
                     self._kill(pids, signal.SIGTERM)
                     self._event("job.terminated", CRITICAL, job=jid, pids=sorted(pids), path="around")
-                if now >= self.deadline - self.margin:
+                if now >= self.deadline.kill_at:
                     self._kill(pids, signal.SIGKILL)
-            if now >= overrun_at:
+            if self.deadline.overrun():
                 return self._finish(
                     "overrun",
                     path="around",
@@ -290,7 +300,7 @@ class SlurmDrain:
         now = self.clock()
         body = {
             "elapsed_s": round(now - self.started_at, 3),
-            "deadline_in_s": round(self.deadline - now, 3),
+            "deadline_in_s": round(self.deadline.terminate_at - now, 3),
             "jobs": sorted(self.jobs),
             **fields,
         }
@@ -298,6 +308,62 @@ class SlurmDrain:
         self.outcome = {"outcome": outcome, **body}
         log.info("drain %s for notice %s: %s", outcome, self.notice.id, body)
         return self.outcome
+
+
+class SlurmPath:
+    """The Slurm drain path for this node (see :class:`sco.agent.drain.DrainPath`)."""
+
+    def __init__(
+        self,
+        *,
+        slurm: SlurmClient,
+        spool: Spool,
+        bundle: Callable[[], Bundle | None],
+        node: str,
+        slurmd_spool_dir: Path,
+        cgroup_root: Path,
+    ) -> None:
+        self.slurm, self.spool, self.bundle, self.node = slurm, spool, bundle, node
+        self.slurmd_spool_dir, self.cgroup_root = slurmd_spool_dir, cgroup_root
+        self._reporting: set[str] = set()
+
+    def record(self, spool: Spool, notice_id: str) -> SlurmResume:
+        return SlurmResume.from_spool(spool, notice_id)
+
+    def drain(self, notice: Notice, deadline: Deadline, record: DrainRecord | None) -> SlurmDrain:
+        return SlurmDrain(
+            slurm=self.slurm,
+            spool=self.spool,
+            budgets=SlurmBudgets(self.bundle()),
+            node=self.node,
+            notice=notice,
+            deadline=deadline,
+            slurmd_spool_dir=self.slurmd_spool_dir,
+            cgroup_root=self.cgroup_root,
+            resume=record if isinstance(record, SlurmResume) else None,
+        )
+
+    async def preflight(self) -> list[str]:
+        return []  # slurmctld may be away at boot: the path around it covers that
+
+    def follow_ups(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        """A report to slurmctld for every drain done around it that the spool has not closed, each once."""
+        pending: dict[str, dict[str, Any]] = {}
+        for ev in self.spool.events():
+            if ev["type"] == "scheduler.report_pending":
+                pending[str(ev["notice"])] = ev
+            elif ev["type"] == "scheduler.told":
+                pending.pop(str(ev["notice"]), None)
+        out: list[tuple[str, Coroutine[Any, Any, None]]] = []
+        for nid, ev in pending.items():
+            if nid not in self._reporting:
+                self._reporting.add(nid)
+                coro = report_late(self.slurm, self.spool, self.node, nid, list(ev["jobs"]), ev["reason"], stop)
+                out.append((f"report:{nid}", coro))
+        return out
+
+    async def close(self) -> None:
+        pass
 
 
 async def report_late(
