@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sco.contract.compiler import compile_repo
+from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey, generate, sign, write_keypair
 from sco.demo import sample_repo
 from sco.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNOTATION, KubeApiStandIn
@@ -225,12 +226,19 @@ spec:
 """
 
 
-def hall_bundle(root: Path, key: PrivateKey) -> bytes:
-    """A small hall with a 20 s notice window (tests stay fast), signed with ``key``."""
+def notice_keys_yaml(*keys: PrivateKey) -> str:
+    """The hall policy's noticeKeys entry trusting ``keys``."""
+    entries = ", ".join(f"{{keyid: '{k.keyid}', public: '{bytes(k.signing_key.verify_key).hex()}'}}" for k in keys)
+    return f"  noticeKeys: [{entries}]\n"
+
+
+def hall_bundle(root: Path, key: PrivateKey, notice_key: PrivateKey | None = None) -> bytes:
+    """A small hall with a 20 s notice window (tests stay fast), signed with ``key``; ``notice_key`` is the
+    reclaimer's notice key the hall policy names."""
     repo = root / "repo"
     shutil.copytree(sample_repo(), repo)
     shutil.rmtree(repo / "contracts")
-    (repo / "hall.yaml").write_text(TEST_POLICY)
+    (repo / "hall.yaml").write_text(TEST_POLICY + (notice_keys_yaml(notice_key) if notice_key else ""))
     (repo / "contracts.yaml").write_text(TEST_CONTRACTS)
     return sign(compile_repo(repo), [key])
 
@@ -251,12 +259,15 @@ class AgentEnv:
         self.root, self.kube, self.nats, self.node = root, kube, nats, node
         self.metadata = metadata
         self.key = generate()
+        self.notice_key = generate()  # the reclaimer's: notices over NATS are signed with it
         self.trust = root / "trusted"
         self.trust.mkdir(parents=True, exist_ok=True)
         write_keypair(self.key, root / "signing.key", self.trust / "signing.pub")
         self.state = root / "state"
         (self.state / "bundle").mkdir(parents=True, exist_ok=True)
-        (self.state / "bundle" / "bundle.json").write_bytes(hall_bundle(root, self.key))  # as cloud-init would
+        (self.state / "bundle" / "bundle.json").write_bytes(
+            hall_bundle(root, self.key, self.notice_key)
+        )  # as cloud-init would
         lines = {
             "hall": "local",
             "node": node,
@@ -318,17 +329,22 @@ class AgentEnv:
     def of(self, type_: str) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["type"] == type_]
 
+    def notice_doc(self, nid: str, terminate_in: float, **extra: Any) -> dict[str, Any]:
+        return {
+            "id": nid,
+            "hall": "local",
+            "node": self.node,
+            "terminateAt": time.time() + terminate_in,
+            "issuedAt": time.time(),
+            **extra,
+        }
+
     def notice(self, nid: str, terminate_in: float, **extra: Any) -> bytes:
-        return json.dumps(
-            {
-                "id": nid,
-                "hall": "local",
-                "node": self.node,
-                "terminateAt": time.time() + terminate_in,
-                "issuedAt": time.time(),
-                **extra,
-            }
-        ).encode()
+        """A notice signed with the hall's notice key, as the reclaimer sends it."""
+        return sign_notice(self.notice_doc(nid, terminate_in, **extra), [self.notice_key])
+
+    def unsigned_notice(self, nid: str, terminate_in: float, **extra: Any) -> bytes:
+        return json.dumps(self.notice_doc(nid, terminate_in, **extra)).encode()
 
     def send(self, data: bytes, node: str | None = None) -> float:
         t = time.time()

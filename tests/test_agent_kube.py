@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from sco.contract.notice import sign_notice
 from sco.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, MetadataServer, NatsServer, add_pod, free_port, stream_events, wait_for
 
@@ -158,10 +159,10 @@ def test_overrun_names_each_pod_and_why(agent: AgentEnv, kube: KubeApiStandIn) -
 def test_malformed_and_foreign_notices_are_refused(agent: AgentEnv, kube: KubeApiStandIn) -> None:
     agent.start().wait_subscribed()
     agent.send(b"{not json")
-    agent.send(agent.notice("x-1", WINDOW).replace(b'"node-1"', b'"node-9"'))
+    agent.send(agent.notice("x-1", WINDOW, node="node-9"))
     agent.send(agent.notice("x-2", 10_000))  # absurd: beyond twice the window
     agent.send(agent.notice("x-3", -100))  # stale
-    agent.send(b'{"id": "x-4", "node": "node-1"}')  # no terminateAt
+    agent.send(sign_notice({"id": "x-4", "node": "node-1"}, [agent.notice_key]))  # no terminateAt
     refused = wait_for(lambda: len(agent.of("notice.refused")) >= 5 and agent.of("notice.refused"), 10, "refusals")
     kinds = sorted(e["kind"] for e in refused)
     assert kinds == ["absurd", "absurd", "foreign", "malformed", "malformed"]

@@ -76,7 +76,7 @@ def test_metadata_notice() -> None:
 def test_notice_book_dedup_and_earliest_wins() -> None:
     book = NoticeBook()
     a = parse_nats(nats_notice(), hall="h", node="a", now=NOW, window=120)
-    assert book.offer(a) == "new"
+    assert book.offer(a) == "start"
     assert book.offer(a) == "duplicate"
     earlier = parse_nats(nats_notice(terminateAt=NOW + 60), hall="h", node="a", now=NOW, window=120)
     assert book.offer(earlier) == "earlier"

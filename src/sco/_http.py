@@ -24,6 +24,13 @@ class HttpTimeout(HttpError):
     """No complete answer within the call's timeout."""
 
 
+class HttpTooLarge(HttpError):
+    """The response body exceeds the client's cap (an endless or absurd body is refused, never buffered)."""
+
+
+DEFAULT_MAX_BODY = 64 << 20  # the largest answer the agent expects: a node's pod list (110 pods: ~1 MiB)
+
+
 @dataclass
 class Response:
     status: int
@@ -46,6 +53,7 @@ class AsyncHttpClient:
         max_connections: int = 16,
         headers: dict[str, str] | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
     ) -> None:
         u = urllib.parse.urlsplit(base_url)
         if u.scheme not in ("http", "https"):
@@ -54,7 +62,8 @@ class AsyncHttpClient:
         self.port = u.port or (443 if u.scheme == "https" else 80)
         self.prefix = u.path.rstrip("/")
         self.ssl = (ssl_context or ssl.create_default_context()) if u.scheme == "https" else None
-        self.timeout = timeout
+        self.timeout = timeout  # the whole exchange, connect to last body byte: a 1 byte/s peer cannot stall a call
+        self.max_body = max_body
         self.headers = {"Host": f"{self.host}:{self.port}", "Accept": "application/json", **(headers or {})}
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(max_connections)
@@ -113,6 +122,9 @@ class AsyncHttpClient:
                 writer.write(raw)
                 await writer.drain()
                 resp, keep = await self._read(reader, method)
+            except HttpTooLarge:
+                writer.close()
+                raise
             except (OSError, asyncio.IncompleteReadError, ValueError) as e:
                 writer.close()
                 if reused and attempt == 0:
@@ -127,6 +139,12 @@ class AsyncHttpClient:
                 writer.close()
             return resp
         raise HttpError("unreachable")  # pragma: no cover
+
+    def _check_size(self, n: int) -> None:
+        if n > self.max_body:
+            raise HttpTooLarge(
+                f"{self.host}:{self.port}: a response body of {n}+ bytes exceeds the {self.max_body} byte cap"
+            )
 
     async def _read(self, reader: asyncio.StreamReader, method: str) -> tuple[Response, bool]:
         line = await reader.readline()
@@ -145,18 +163,28 @@ class AsyncHttpClient:
             body = b""
         elif headers.get("transfer-encoding", "").lower() == "chunked":
             chunks = []
+            total = 0
             while True:
                 size = int((await reader.readline()).split(b";")[0], 16)
                 if size == 0:
                     await reader.readline()
                     break
+                total += size
+                self._check_size(total)
                 chunks.append(await reader.readexactly(size))
                 await reader.readline()
             body = b"".join(chunks)
         elif "content-length" in headers:
-            body = await reader.readexactly(int(headers["content-length"]))
+            length = int(headers["content-length"])
+            self._check_size(length)
+            body = await reader.readexactly(length)
         else:
-            body = await reader.read()
-            return Response(status, headers, body), False
+            pieces: list[bytes] = []
+            total = 0
+            while chunk := await reader.read(65536):
+                total += len(chunk)
+                self._check_size(total)
+                pieces.append(chunk)
+            return Response(status, headers, b"".join(pieces)), False
         keep = headers.get("connection", "").lower() != "close"
         return Response(status, headers, body), keep

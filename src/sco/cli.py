@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sco import __version__
-from sco.errors import ConfigError, ScoError
+from sco.errors import ConfigError, FetchError, ScoError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -56,7 +56,129 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     name = args.name or key.keyid
     write_keypair(key, out / f"{name}.key", out / f"{name}.pub")
     print(f"keyid {key.keyid}: private {out / (name + '.key')} (0600), public {out / (name + '.pub')}")
+    if args.purpose == "notice":
+        # Same Ed25519 key; nodes trust it through the bundle, so it goes into the hall policy.
+        public = bytes(key.signing_key.verify_key).hex()
+        print("add to hall.yaml spec.noticeKeys (then compile and publish the bundle):")
+        print(f"  - {{keyid: '{key.keyid}', public: '{public}'}}")
     return 0
+
+
+# --- notices and events ---------------------------------------------------------------------------
+
+
+def _nats_auth(args: argparse.Namespace) -> dict[str, Any]:
+    if args.creds:
+        return {"user_credentials": args.creds}
+    if args.nkey_seed:
+        return {"nkeys_seed": args.nkey_seed}
+    if args.token:
+        return {"token": args.token}
+    if args.user:
+        return {"user": args.user, "password": args.password or ""}
+    return {}
+
+
+def _add_nats(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=_env("SCO_NATS_URL", "nats://127.0.0.1:4222"), help="[$SCO_NATS_URL]")
+    p.add_argument("--user", default=_env("SCO_NATS_USER"), help="[$SCO_NATS_USER]")
+    p.add_argument("--password", default=_env("SCO_NATS_PASSWORD"), help="[$SCO_NATS_PASSWORD]")
+    p.add_argument("--token", default=_env("SCO_NATS_TOKEN"), help="[$SCO_NATS_TOKEN]")
+    p.add_argument("--nkey-seed", default=_env("SCO_NATS_NKEY_SEED"), help="nkey seed file [$SCO_NATS_NKEY_SEED]")
+    p.add_argument("--creds", default=_env("SCO_NATS_CREDS"), help="NATS creds file [$SCO_NATS_CREDS]")
+
+
+def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
+    import asyncio
+
+    async def main() -> Any:
+        import nats
+
+        async def quiet(e: Exception) -> None:  # the failure is reported once, below
+            pass
+
+        try:
+            # nats-py keeps retrying a refused first connection whatever its options say: bound it here.
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    args.nats,
+                    connect_timeout=5,
+                    allow_reconnect=False,
+                    max_reconnect_attempts=0,
+                    error_cb=quiet,
+                    **_nats_auth(args),
+                ),
+                10,
+            )
+        except Exception as e:
+            raise FetchError(f"{args.nats}: cannot connect: {type(e).__name__}: {e}") from None
+        try:
+            return await work(nc)
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+def cmd_notice_send(args: argparse.Namespace) -> int:
+    import uuid
+
+    from sco.contract.notice import sign_notice
+    from sco.contract.signing import load_private
+
+    keys = [load_private(Path(k)) for k in args.signing_key]
+    if not 0 <= args.in_seconds <= 3600:
+        raise ConfigError(f"--in {args.in_seconds}: expected 0 to 3600 seconds")
+    now = time.time()
+    notice = {
+        "id": args.id or f"reclaim-{uuid.uuid4().hex[:12]}",
+        "hall": args.hall,
+        "node": args.node,
+        "issuedAt": round(now, 3),
+        "terminateAt": round(now + args.in_seconds, 3),
+    }
+    raw = sign_notice(notice, keys)
+    subject = f"sco.notice.{args.hall}.{args.node}"
+    if args.dry_run:
+        sys.stdout.write(raw.decode() + "\n")
+        return 0
+
+    async def send(nc: Any) -> None:
+        await nc.publish(subject, raw)
+        await nc.flush(timeout=5)
+
+    _nats_run(args, send)
+    print(
+        f"sent notice {notice['id']} to {subject}: instance gone in {args.in_seconds:g} s (signed by "
+        f"{', '.join(k.keyid for k in keys)})"
+    )
+    return 0
+
+
+def cmd_events_stream(args: argparse.Namespace) -> int:
+    async def ensure(nc: Any) -> str:
+        return await ensure_events_stream(nc, args.name, args.subjects, args.max_age_days)
+
+    print(_nats_run(args, ensure))
+    return 0
+
+
+async def ensure_events_stream(
+    nc: Any, name: str = "SCO_EVENTS", subjects: str = "sco.events.>", max_age_days: float = 30
+) -> str:
+    """Create the JetStream stream the agents publish events to (idempotent): without it events go nowhere."""
+    from nats.js.api import StreamConfig
+    from nats.js.errors import NotFoundError
+
+    js = nc.jetstream(timeout=5)
+    cfg = StreamConfig(name=name, subjects=[subjects], duplicate_window=120, max_age=max_age_days * 86400)
+    try:
+        await js.stream_info(name)
+        await js.update_stream(cfg)
+        return f"stream {name} on {subjects}: updated"
+    except NotFoundError:
+        await js.add_stream(cfg)
+        return f"stream {name} on {subjects}: created"
 
 
 # --- contracts ------------------------------------------------------------------------------------
@@ -228,7 +350,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     if not args.url:
         raise ConfigError("no bundle URL: give --url or set $SCO_BUNDLE_URL")
     cache = BundleCache(Path(args.cache_dir), _keyring(args))
-    fetcher = BundleFetcher(cache, args.url)
+    fetcher = BundleFetcher(cache, args.url, max_bytes=args.max_bytes, deadline_s=args.deadline)
     while True:
         offer = fetcher.refresh()
         line = {
@@ -294,6 +416,83 @@ def cmd_slurm_render(args: argparse.Namespace) -> int:
         time.sleep(args.interval)
 
 
+# --- contracts into the cluster (issue 13: Kubernetes admission reads them) -----------------------
+
+
+def cmd_publish_configmap(args: argparse.Namespace) -> int:
+    from sco.contract.bundle import Bundle
+    from sco.schedulers.kube_contracts import KubeConfigMaps, configmap, publish
+
+    keyring = _keyring(args)
+    if bool(args.bundle) == bool(args.url):
+        raise ConfigError("give a BUNDLE file or --url (the distributor's bundle URL), not both")
+    if args.url:
+        from sco.agent.bundle_cache import BundleCache, BundleFetcher
+
+        cache = BundleCache(Path(args.cache_dir), keyring)
+        fetcher = BundleFetcher(cache, args.url)
+
+        def load() -> Bundle:
+            offer = fetcher.refresh()
+            if offer.outcome in ("refused", "error"):
+                print(f"sco: warning: {offer.outcome}: {offer.reason}; keeping serial {offer.serial}", file=sys.stderr)
+            if cache.bundle is None:
+                raise ConfigError(f"{args.url}: no verified bundle yet")
+            return cache.bundle
+
+    else:
+
+        def load() -> Bundle:
+            return Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)
+
+    if args.output:
+        cm = configmap(load(), args.namespace, args.name)
+        text = json.dumps(cm, indent=2, sort_keys=True) + "\n"
+        if args.output == "-":
+            sys.stdout.write(text)
+        else:
+            Path(args.output).write_text(text)
+            print(f"{args.output}: configmap {args.namespace}/{args.name} for serial {cm['data']['_serial']}")
+        return 0
+    if not args.kube_url:
+        raise ConfigError("no Kubernetes API: give --kube-url (or $SCO_KUBE_URL), or --output to write the manifest")
+    api = KubeConfigMaps(
+        args.kube_url,
+        token_file=Path(args.token_file) if args.token_file else None,
+        ca_file=Path(args.ca_file) if args.ca_file else None,
+    )
+    while True:
+        result = publish(api, load(), args.namespace, args.name)
+        print(
+            json.dumps(
+                {"configmap": f"{args.namespace}/{args.name}", "outcome": result.outcome, "serial": result.serial}
+            ),
+            flush=True,
+        )
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
+
+
+def _add_publish_configmap(cs: Any) -> None:
+    x = cs.add_parser(
+        "publish-configmap", help="publish the bundle's contracts into the cluster as the ConfigMap admission reads"
+    )
+    x.add_argument("bundle", nargs="?", help="bundle file (or --url)")
+    x.add_argument("--url", default=_env("SCO_BUNDLE_URL"), help="fetch from the distributor [$SCO_BUNDLE_URL]")
+    x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
+    _add_trust(x)
+    x.add_argument("--kube-url", default=_env("SCO_KUBE_URL"), help="Kubernetes API URL [$SCO_KUBE_URL]")
+    x.add_argument("--token-file", default=_env("SCO_KUBE_TOKEN_FILE"), help="bearer token [$SCO_KUBE_TOKEN_FILE]")
+    x.add_argument("--ca-file", default=_env("SCO_KUBE_CA_FILE"), help="API server CA [$SCO_KUBE_CA_FILE]")
+    x.add_argument("--namespace", default=_env("SCO_CONTRACTS_NAMESPACE", "sco-system"))
+    x.add_argument("--name", default=_env("SCO_CONTRACTS_CONFIGMAP", "sco-contracts"))
+    x.add_argument("-o", "--output", help="write the ConfigMap manifest (JSON) here instead ('-': stdout)")
+    x.add_argument("--watch", action="store_true", help="keep publishing as the bundle changes")
+    x.add_argument("--interval", type=float, default=60.0)
+    x.set_defaults(func=cmd_publish_configmap)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sco.demo import run_demo
 
@@ -311,7 +510,41 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keygen", help="create an Ed25519 signing key pair")
     k.add_argument("--out-dir", default=_env("SCO_KEY_DIR", "."), help="where to write NAME.key/NAME.pub")
     k.add_argument("--name", help="file name stem (default: the key id)")
+    k.add_argument(
+        "--for",
+        dest="purpose",
+        choices=["bundle", "notice"],
+        default="bundle",
+        help="notice: also print the hall policy's noticeKeys entry",
+    )
     k.set_defaults(func=cmd_keygen)
+
+    nt = sub.add_parser("notice", help="signed reclaim notices")
+    nts = nt.add_subparsers(dest="notice_command", required=True)
+    x = nts.add_parser("send", help="sign a reclaim notice and publish it on sco.notice.<hall>.<node>")
+    x.add_argument("--hall", required=True)
+    x.add_argument("--node", required=True)
+    x.add_argument(
+        "--signing-key",
+        action="append",
+        required=True,
+        metavar="KEY",
+        help="notice key (its public half is in the hall policy's noticeKeys)",
+    )
+    x.add_argument("--in", dest="in_seconds", type=float, default=120.0, help="seconds until the instance is gone")
+    x.add_argument("--id", help="notice id (default: a random one)")
+    x.add_argument("--dry-run", action="store_true", help="print the signed notice instead of sending it")
+    _add_nats(x)
+    x.set_defaults(func=cmd_notice_send)
+
+    ev = sub.add_parser("events", help="the JetStream stream node events go to")
+    evs = ev.add_subparsers(dest="events_command", required=True)
+    x = evs.add_parser("create-stream", help="create (or update) the events stream: idempotent")
+    x.add_argument("--name", default="SCO_EVENTS")
+    x.add_argument("--subjects", default="sco.events.>")
+    x.add_argument("--max-age-days", type=float, default=30)
+    _add_nats(x)
+    x.set_defaults(func=cmd_events_stream)
 
     c = sub.add_parser("contract", help="compile, sign, verify and distribute contract bundles")
     cs = c.add_subparsers(dest="contract_command", required=True)
@@ -366,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("-v", "--verbose", action="store_true")
     x.set_defaults(func=cmd_serve)
 
+    _add_publish_configmap(cs)
+
     n = sub.add_parser("node", help="node-side bundle cache")
     ns = n.add_subparsers(dest="node_command", required=True)
     x = ns.add_parser("fetch-bundle", help="fetch, verify and cache the hall's bundle")
@@ -374,6 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trust(x)
     x.add_argument("--watch", action="store_true", help="keep refreshing")
     x.add_argument("--interval", type=float, default=60.0)
+    x.add_argument("--max-bytes", type=int, default=32 << 20, help="refuse a larger response (default 32 MiB)")
+    x.add_argument("--deadline", type=float, default=30.0, help="seconds for the whole request (default 30)")
     x.set_defaults(func=cmd_fetch)
     x = ns.add_parser("bundle-status", help="the cached bundle: serial, age, last refresh outcome")
     x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))

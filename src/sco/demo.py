@@ -1,10 +1,13 @@
 """The main job on the embedded ``local`` hall, end to end on loopback.
 
-1. Contracts: compile the sample repository, sign it, publish it, serve it over HTTP.
+1. Contracts: a bundle key and the reclaimer's notice key; compile the sample repository (its hall policy
+   naming the notice key), sign it, publish it, serve it over HTTP.
 2. A node: a Kubernetes API stand-in with node ``local-node-1`` running pods of the sample contracts, a NATS
-   server (the hall's notice relay), and the node agent as its own process, fetching the bundle.
-3. A reclaim notice (T+120 s) over NATS: the agent taints the node, evicts every pod in parallel with its
-   contract's budget as grace, verifies, and spools the outcome; the demo prints the spooled events.
+   server (the hall's notice relay) with the JetStream stream for events, and the node agent as its own
+   process, fetching the bundle.
+3. An unsigned notice is refused. A signed reclaim notice (T+120 s) over NATS: the agent taints the node,
+   evicts every pod in parallel with its contract's budget as grace, verifies, and spools the outcome; the
+   demo prints the spooled events and how many reached JetStream.
 4. The node refuses a tampered bundle and keeps its last good one.
 """
 
@@ -28,7 +31,8 @@ from sco.agent.bundle_cache import BundleCache, BundleFetcher
 from sco.agent.spool import read_events
 from sco.contract.compiler import compile_repo
 from sco.contract.distributor import DistributorServer, bundle_path, publish
-from sco.contract.signing import Keyring, generate, sign, write_keypair
+from sco.contract.notice import sign_notice
+from sco.contract.signing import Keyring, PrivateKey, generate, sign, write_keypair
 from sco.errors import ConfigError
 from sco.standins.kube_apiserver import PRESTOP_ANNOTATION, KubeApiStandIn
 
@@ -83,6 +87,37 @@ async def _publish(url: str, subject: str, data: bytes) -> None:
     await nc.close()
 
 
+async def _create_stream(url: str) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream(timeout=5).add_stream(name="SCO_EVENTS", subjects=["sco.events.>"], duplicate_window=120)
+    finally:
+        await nc.close()
+
+
+async def _stream_count(url: str) -> int:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        info = await nc.jetstream(timeout=5).stream_info("SCO_EVENTS")
+        return int(info.state.messages)
+    finally:
+        await nc.close()
+
+
+def _repo_with_notice_key(work: Path, notice_key: PrivateKey) -> Path:
+    """The sample repository with the hall policy trusting the demo's notice key."""
+    repo = work / "repo"
+    shutil.copytree(sample_repo(), repo)
+    public = bytes(notice_key.signing_key.verify_key).hex()
+    with open(repo / "hall.yaml", "a") as f:
+        f.write(f"  noticeKeys:\n    - {{keyid: '{notice_key.keyid}', public: '{public}'}}\n")
+    return repo
+
+
 def run_demo(workdir: Path | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sco-demo-") as tmp:
         work = Path(workdir or tmp)
@@ -106,13 +141,15 @@ def run_demo(workdir: Path | None = None) -> int:
 
 
 def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) -> int:
-    repo = sample_repo()
     key = generate()
     trust = work / "trusted"
     trust.mkdir()
     write_keypair(key, work / "signing.key", trust / f"{key.keyid}.pub")
     keyring = Keyring([key.public])
-    _say("keygen", f"signing key {key.keyid}")
+    notice_key = generate()
+    write_keypair(notice_key, work / "notice.key", work / "notice.pub")
+    _say("keygen", f"bundle signing key {key.keyid}; reclaimer's notice key {notice_key.keyid} (in the hall policy)")
+    repo = _repo_with_notice_key(work, notice_key)
 
     payload = compile_repo(repo)
     raw = sign(payload, [key])
@@ -148,7 +185,8 @@ def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) 
     )
     nats_url = f"nats://127.0.0.1:{nats_port}"
     _wait(lambda: _port_open(nats_port), 10, "nats-server")
-    _say("nats", f"notice relay at {nats_url} (JetStream on)")
+    asyncio.run(_create_stream(nats_url))
+    _say("nats", f"notice relay at {nats_url}; JetStream stream SCO_EVENTS on sco.events.>")
 
     kube = KubeApiStandIn().start()
     servers.append(kube)
@@ -192,6 +230,14 @@ def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) 
     cache = BundleCache(state / "bundle", keyring)
     _say("agent", f"sco-agent running for {NODE}; bundle serial {published.serial} fetched and verified")
 
+    subject = f"sco.notice.local.{NODE}"
+    forged = {"id": "forged-1", "hall": "local", "node": NODE, "terminateAt": time.time() + 60}
+    asyncio.run(_publish(nats_url, subject, json.dumps(forged).encode()))
+    refused = _wait(
+        lambda: [e for e in read_events(state / "spool") if e["type"] == "notice.refused"], 10, "the refusal"
+    )
+    _say("notice", f"an unsigned notice from anyone on the relay: refused ({refused[0]['kind']})")
+
     terminate_at = time.time() + 120
     notice = {
         "id": "reclaim-demo-1",
@@ -201,15 +247,15 @@ def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) 
         "issuedAt": time.time(),
     }
     t0 = time.time()
-    asyncio.run(_publish(nats_url, f"sco.notice.local.{NODE}", json.dumps(notice).encode()))
-    _say("notice", "reclaim notice over NATS: instance gone at T+120 s")
+    asyncio.run(_publish(nats_url, subject, sign_notice(notice, [notice_key])))
+    _say("notice", f"reclaim notice signed by {notice_key.keyid} over NATS: instance gone at T+120 s")
 
     def outcome() -> list[dict[str, Any]]:
         return [e for e in read_events(state / "spool") if e["type"] in ("drain.drained", "drain.overrun")]
 
     _wait(outcome, 120, "the drain outcome")
     for e in read_events(state / "spool"):
-        if e["type"] in ("agent.started", "bundle.accepted"):
+        if e["type"] in ("agent.started", "bundle.accepted", "notice.refused"):
             continue
         detail = {k: v for k, v in e.items() if k not in ("seq", "at", "type", "hall", "node", "notice")}
         _say("event", f"T+{e['at'] - t0:6.3f} s  {e['type']:20} {json.dumps(detail, sort_keys=True)}")
@@ -224,6 +270,12 @@ def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) 
         f"taints {[t['key'] for t in node['spec'].get('taints', [])]}, unschedulable "
         f"{node['spec'].get('unschedulable')}, pods left {left}",
     )
+    spooled = final["seq"]
+    try:
+        in_stream = _wait(lambda: (n := asyncio.run(_stream_count(nats_url))) >= spooled and n, 15, "JetStream")
+    except ConfigError:
+        in_stream = asyncio.run(_stream_count(nats_url))
+    _say("events", f"{in_stream} of {spooled} spooled events in JetStream stream SCO_EVENTS")
 
     tampered = bytearray(raw)
     i = raw.rindex(b'"drainBudgetSeconds":') + len(b'"drainBudgetSeconds":')
@@ -233,7 +285,12 @@ def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) 
     _say("tamper", f"node: {bad.outcome}: {bad.reason}")
     _say("keep", f"node still holds serial {cache.bundle.serial if cache.bundle else None}")
 
-    ok = final["type"] == "drain.drained" and bad.outcome == "refused" and final["at"] < terminate_at
+    ok = (
+        final["type"] == "drain.drained"
+        and bad.outcome == "refused"
+        and final["at"] < terminate_at
+        and in_stream >= spooled
+    )
     _say(
         "done",
         f"{final['type']} in {final['at'] - t0:.2f} s, {terminate_at - final['at']:.1f} s before the "

@@ -59,6 +59,17 @@ class RollbackError(BundleError):
     """The bundle's serial is lower than the one already accepted."""
 
 
+class NoticeAuthError(ScoError):
+    """A reclaim notice is not signed by a trusted notice key (or is not a notice at all)."""
+
+    exit_code = 3
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind  # "malformed" | "unsigned" | "untrusted" | "forged"
+        self.reason = reason
+
+
 class KeyFileError(ScoError):
     """A key file is missing, malformed or has unsafe permissions."""
 

@@ -10,8 +10,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import http.client
 import json
+import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -37,7 +41,8 @@ class CacheState:
     last_check_at: float | None = None
     last_outcome: str | None = None
     last_error: str | None = None
-    refused: int = 0
+    refused: int = 0  # distinct bundles refused (the same bad bundle fetched again is not counted again)
+    refused_digests: list[str] = field(default_factory=list)  # sha256 of the last refused bundles
     history: list[dict[str, Any]] = field(default_factory=list)  # last few refusals, newest last
 
 
@@ -85,7 +90,7 @@ class BundleCache:
             self.bundle = Bundle.from_bytes(raw, self.keyring, str(self.bundle_path))
         except BundleError as e:
             # Never silently trust a cache that no longer verifies (key removed, disk damage).
-            self._refuse(f"cached bundle does not verify: {e}")
+            self._refuse(f"cached bundle does not verify: {'; '.join(e.lines())}", raw=raw)
             return
         if self.state.serial != self.bundle.serial:
             # e.g. written by cloud-init at first boot; accepted now.
@@ -94,10 +99,13 @@ class BundleCache:
             self.state.accepted_at = self.clock()
             self._write_state()
 
-    def _refuse(self, reason: str, outcome: str = "refused") -> Offer:
+    def _refuse(self, reason: str, outcome: str = "refused", raw: bytes | None = None) -> Offer:
         """Keep the current bundle and record why; ``outcome`` is "refused" (bad bundle) or "error"."""
-        if outcome == "refused":
+        digest = hashlib.sha256(raw).hexdigest() if raw is not None else None
+        if outcome == "refused" and (digest is None or digest not in self.state.refused_digests):
             self.state.refused += 1
+            if digest is not None:
+                self.state.refused_digests = [*self.state.refused_digests[-15:], digest]
         self.state.last_outcome = outcome
         self.state.last_error = reason
         self.state.history = [*self.state.history[-9:], {"at": self.clock(), "reason": reason}]
@@ -111,7 +119,7 @@ class BundleCache:
             new = Bundle.from_bytes(raw, self.keyring, source)
             verdict = successor(self.bundle, new)
         except BundleError as e:
-            return self._refuse(str(e))
+            return self._refuse("; ".join(e.lines()), raw=raw)
         if verdict is Succession.REPLACE:
             atomic_write(self.bundle_path, raw)
             self.bundle = new
@@ -142,34 +150,93 @@ class BundleCache:
         }
 
 
-def http_get(url: str, etag: str | None, timeout: float = 5.0) -> tuple[int, bytes, str | None]:
-    """A conditional GET with ``http.client``: (status, body, etag)."""
+DEFAULT_MAX_BYTES = 32 << 20  # the largest bundle measured (10,000 contracts) is ~4 MiB
+DEFAULT_DEADLINE_S = 30.0
+
+
+class ResponseRefused(FetchError):
+    """The distributor's answer was too large or too slow: refused, the last good bundle stays."""
+
+
+def http_get(
+    url: str,
+    etag: str | None,
+    timeout: float = 5.0,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> tuple[int, bytes, str | None]:
+    """A conditional GET with ``http.client``: (status, body, etag).
+
+    ``timeout`` bounds each socket operation; ``deadline_s`` the whole request (a peer sending one byte a
+    second never trips a per-operation timeout); ``max_bytes`` the body, checked against Content-Length
+    before reading and while reading.
+    """
     u = urllib.parse.urlsplit(url)
     if u.scheme not in ("http", "https"):
         raise FetchError(f"{url}: only http and https URLs are supported")
     conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(u.hostname or "localhost", u.port, timeout=timeout)
+    conn = conn_cls(u.hostname or "localhost", u.port, timeout=min(timeout, deadline_s))
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read at once
+
+    timer = threading.Timer(deadline_s, expire)
+    timer.daemon = True
+    timer.start()
     try:
         headers = {"If-None-Match": etag} if etag else {}
         conn.request("GET", u.path or "/", headers=headers)
         resp = conn.getresponse()
-        body = resp.read()
-        return resp.status, body, resp.getheader("ETag")
+        length = resp.getheader("Content-Length")
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            raise ResponseRefused(f"{url}: refused response: Content-Length {length} exceeds the {max_bytes} byte cap")
+        parts: list[bytes] = []
+        total = 0
+        while chunk := resp.read(65536):
+            total += len(chunk)
+            if total > max_bytes:
+                raise ResponseRefused(f"{url}: refused response: body exceeds the {max_bytes} byte cap")
+            parts.append(chunk)
+        if expired.is_set():
+            raise OSError("deadline")
+        return resp.status, b"".join(parts), resp.getheader("ETag")
     except (OSError, http.client.HTTPException) as e:
+        if expired.is_set():
+            raise ResponseRefused(
+                f"{url}: refused response: not complete within the {deadline_s:g} s deadline"
+            ) from None
         raise FetchError(f"{url}: {e}") from None
     finally:
+        timer.cancel()
         conn.close()
 
 
 class BundleFetcher:
     """One refresh: conditional GET, verify, offer to the cache. Never raises on a bad bundle."""
 
-    def __init__(self, cache: BundleCache, url: str, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        cache: BundleCache,
+        url: str,
+        timeout: float = 5.0,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+    ) -> None:
         self.cache, self.url, self.timeout = cache, url, timeout
+        self.max_bytes, self.deadline_s = max_bytes, deadline_s
 
     def refresh(self) -> Offer:
         try:
-            status, body, etag = http_get(self.url, self.cache.state.etag, self.timeout)
+            status, body, etag = http_get(
+                self.url, self.cache.state.etag, self.timeout, max_bytes=self.max_bytes, deadline_s=self.deadline_s
+            )
         except FetchError as e:
             self.cache.state.last_check_at = self.cache.clock()
             return self.cache._refuse(f"fetch failed: {e}", outcome="error")

@@ -6,10 +6,13 @@ refuses to start with any. No pydantic here: it would cost the agent ~10 MiB of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 import re
 import socket
+import tempfile
 import tomllib
 import urllib.parse
 from dataclasses import dataclass
@@ -37,6 +40,13 @@ class AgentConfig:
     """Distributor URL of the hall's bundle; empty: only the bundle cloud-init wrote is used."""
     nats_url: str = "nats://127.0.0.1:4222"
     """Notice relay and event sink; several URLs comma-separated."""
+    nats_user: str = ""
+    """The node's own NATS identity, so the relay's permissions apply (subscribe to its notice subject,
+    publish to its events subject): user and password, a token, an nkey seed file or a creds file."""
+    nats_password: str = ""
+    nats_token: str = ""
+    nats_nkey_seed_file: str = ""
+    nats_creds_file: str = ""
     notice_subject: str = "sco.notice.{hall}.{node}"
     events_subject: str = "sco.events.{hall}.{node}"
     metadata_url: str = "http://169.254.169.254/openstack/latest/meta_data.json"
@@ -64,6 +74,12 @@ class AgentConfig:
     """Longest a routine event stays written but not fdatasync'ed (critical ones are synced at once)."""
     evict_concurrency: int = 16
     """Parallel connections to the API server during a drain."""
+    bundle_max_bytes: int = 32 * 1024 * 1024
+    """Largest bundle response accepted (the largest bundle measured is ~4 MiB); larger is refused."""
+    bundle_fetch_deadline_seconds: float = 30.0
+    """One bundle request, connect to last byte; a slower answer is refused and the last good bundle kept."""
+    metadata_max_bytes: int = 1024 * 1024
+    """Largest instance-metadata response accepted."""
     # Overrides of the hall policy in the bundle (tests use short windows); 0 means "from the bundle".
     notice_window_seconds: float = 0
     safety_margin_seconds: float = -1
@@ -90,17 +106,20 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str, problems: list[Pr
         if typ == "Path":
             return Path(str(value))
         if typ == "int":
-            if isinstance(value, bool):
-                raise ValueError
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError  # 2.5 connections is a typo, not 2
             return int(value)
         if typ == "float":
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            f_value = float(value)
+            if not math.isfinite(f_value):
+                raise ValueError
+            return f_value
         if not isinstance(value, str):
             raise ValueError
         return value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         problems.append(
             Problem(
                 where,
@@ -119,15 +138,23 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> AgentConfig:
     where = str(path) if path else "environment"
     if path is not None:
         try:
-            doc = tomllib.loads(Path(path).read_text())
+            doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         unknown_tables = set(doc) - {"agent"}
         for t in sorted(unknown_tables):
             problems.append(Problem(where, t, "unknown table (expected [agent])"))
-        raw = dict(doc.get("agent", {}))
+        table = doc.get("agent", {})
+        if not isinstance(table, dict):
+            kind = "an array of tables ([[agent]])" if isinstance(table, list) else f"{type(table).__name__}"
+            raise ConfigError(f"{path}: agent: expected one [agent] table, got {kind}")
+        raw = dict(table)
     fields = {f.name: f for f in dataclasses.fields(AgentConfig)}
     for key in sorted(set(raw) - set(fields)):
         problems.append(Problem(where, f"agent.{key}", "unknown setting"))
@@ -185,6 +212,28 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.spool_max_bytes", "must be at least 65536"))
     if not 1 <= cfg.evict_concurrency <= 256:
         p.append(Problem(where, "agent.evict_concurrency", "must be between 1 and 256"))
+    # Intervals: 0 means "from the bundle"; anything else near 0 (or negative) would be a busy loop.
+    for name, lo, hi in (
+        ("metadata_poll_seconds", 0.5, 300),
+        ("bundle_refresh_seconds", 1, 86_400),
+        ("notice_window_seconds", 10, 3600),
+        ("scheduler_api_timeout_ms", 10, 60_000),
+    ):
+        v = getattr(cfg, name)
+        if v != 0 and not lo <= v <= hi:
+            p.append(Problem(where, f"agent.{name}", f"expected 0 (from the bundle) or {lo} to {hi}, got {v}"))
+    if cfg.safety_margin_seconds != -1 and not 0 <= cfg.safety_margin_seconds <= 600:
+        p.append(Problem(where, "agent.safety_margin_seconds", "expected -1 (from the bundle) or 0 to 600"))
+    if not 0.01 <= cfg.spool_sync_interval <= 60:
+        p.append(Problem(where, "agent.spool_sync_interval", "expected 0.01 to 60 seconds"))
+    if not 1.0 <= cfg.bundle_fetch_deadline_seconds <= 600:
+        p.append(Problem(where, "agent.bundle_fetch_deadline_seconds", "expected 1 to 600 seconds"))
+    if not 64 * 1024 <= cfg.bundle_max_bytes <= 1 << 30:
+        p.append(Problem(where, "agent.bundle_max_bytes", "expected 65536 to 1 GiB"))
+    if not 4096 <= cfg.metadata_max_bytes <= 64 << 20:
+        p.append(Problem(where, "agent.metadata_max_bytes", "expected 4096 to 64 MiB"))
+    p += _check_nats_auth(cfg, where)
+    p += _check_state_dir(cfg, where)
     if cfg.log_level not in ("debug", "info", "warning", "error"):
         p.append(Problem(where, "agent.log_level", "expected debug, info, warning or error"))
     if not cfg.trust_dir.is_dir() or not any(cfg.trust_dir.glob("*.pub")):
@@ -193,12 +242,73 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         value = getattr(cfg, name)
         if value and not (name == "kube_ca_file" and value == "system") and not Path(value).is_file():
             p.append(Problem(where, f"agent.{name}", f"{value}: no such file"))
-    try:
-        cfg.subject(cfg.notice_subject)
-        cfg.subject(cfg.events_subject)
-    except (KeyError, IndexError) as e:
-        p.append(Problem(where, "agent.notice_subject", f"unknown placeholder {e}"))
+    for name in ("notice_subject", "events_subject"):
+        template = getattr(cfg, name)
+        try:
+            subject = cfg.subject(template)
+        except (KeyError, IndexError, ValueError) as e:
+            p.append(Problem(where, f"agent.{name}", f"unknown placeholder {e}"))
+            continue
+        # The node's own subject only: a wildcard would take (or send) other nodes' notices or events.
+        if "{node}" not in template or any(c in subject for c in "*> \t"):
+            p.append(Problem(where, f"agent.{name}", "must name this node ({node}) and hold no wildcard"))
     return p
+
+
+def _check_nats_auth(cfg: AgentConfig, where: str) -> list[Problem]:
+    p: list[Problem] = []
+    methods = [
+        m
+        for m, on in (
+            ("nats_user", bool(cfg.nats_user)),
+            ("nats_token", bool(cfg.nats_token)),
+            ("nats_nkey_seed_file", bool(cfg.nats_nkey_seed_file)),
+            ("nats_creds_file", bool(cfg.nats_creds_file)),
+        )
+        if on
+    ]
+    if len(methods) > 1:
+        p.append(Problem(where, "agent.nats_user", f"give one NATS identity, not {', '.join(methods)}"))
+    if cfg.nats_password and not cfg.nats_user:
+        p.append(Problem(where, "agent.nats_password", "a password needs nats_user"))
+    for name in ("nats_nkey_seed_file", "nats_creds_file"):
+        value = getattr(cfg, name)
+        if value and not Path(value).is_file():
+            p.append(Problem(where, f"agent.{name}", f"{value}: no such file"))
+    return p
+
+
+def _check_state_dir(cfg: AgentConfig, where: str) -> list[Problem]:
+    """The spool must be writable with room for its bound: found now, not as a traceback at the first notice."""
+    d = cfg.state_dir
+    existing = d
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return [Problem(where, "agent.state_dir", f"{existing} is not a directory")]
+    for sub in (d, d / "spool", d / "bundle"):
+        if sub.exists() and not sub.is_dir():
+            return [Problem(where, "agent.state_dir", f"{sub} is not a directory")]
+    probe_dir = next((x for x in (d / "spool", d, existing) if x.is_dir()), existing)
+    try:
+        with tempfile.TemporaryFile(dir=probe_dir):
+            pass
+    except OSError as e:
+        return [Problem(where, "agent.state_dir", f"{probe_dir} is not writable: {e.strerror or e}")]
+    st = os.statvfs(probe_dir)
+    free = st.f_bavail * st.f_frsize
+    with contextlib.suppress(OSError):
+        free += (d / "spool" / "events.spool").stat().st_size  # the spool's own bytes count as room
+    if free < cfg.spool_max_bytes:
+        return [
+            Problem(
+                where,
+                "agent.state_dir",
+                f"{probe_dir} has {free // 1024} KiB free, less than the spool bound "
+                f"(spool_max_bytes {cfg.spool_max_bytes // 1024} KiB)",
+            )
+        ]
+    return []
 
 
 SAMPLE = """\
@@ -211,6 +321,8 @@ state_dir = "/var/lib/sco"          # spool/ and bundle/ live here
 trust_dir = "/etc/sco/trusted"      # *.pub keys the bundle must be signed by
 bundle_url = "http://127.0.0.1:8470/v1/halls/local/bundle.json"
 nats_url = "nats://127.0.0.1:4222"
+# The node's own NATS identity (one of): nats_user + nats_password, nats_token, nats_nkey_seed_file, nats_creds_file
+nats_creds_file = ""                # e.g. /etc/sco/nats/node-1.creds
 metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
 kube_url = "https://127.0.0.1:6443"
 kube_token_file = ""                # a node-bound token (read again every minute): its own node only
@@ -219,6 +331,8 @@ kube_ca_file = ""                   # the cluster's CA; "system" for the system 
 # kube_in_cluster = 1                       # or: KUBERNETES_SERVICE_HOST/PORT and the service account
 taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
+bundle_max_bytes = 33554432         # larger bundle responses are refused (the last good bundle stays)
+bundle_fetch_deadline_seconds = 30  # one bundle request, connect to last byte
 """
 
 __all__ = ["SAMPLE", "AgentConfig", "check", "load"]

@@ -16,22 +16,22 @@ import logging
 import signal
 import sys
 import time
-import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from sco import __version__
-from sco._http import AsyncHttpClient, HttpError
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.config import AgentConfig
 from sco.agent.deadline import Deadline
 from sco.agent.drain import Drain, DrainPath
-from sco.agent.notices import Notice, NoticeBook, NoticeRefused, parse_metadata, parse_nats
+from sco.agent.notice_sources import MetadataNoticeSource, NatsNoticeSource, NoticeSource
+from sco.agent.notices import Notice, NoticeBook, NoticeRefused
 from sco.agent.resume import DrainRecord
 from sco.agent.sdnotify import notify, watchdog_interval
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
+from sco.contract.notice import notice_keyring
 from sco.contract.signing import Keyring
 from sco.errors import ConfigError
 
@@ -42,6 +42,17 @@ log = logging.getLogger("sco.agent")
 sys.modules.setdefault("aiohttp", None)  # type: ignore[arg-type]
 
 OUTCOMES = ("drain.drained", "drain.overrun")
+REARM_CHECK_S = 5.0  # while the node stays drained, how often the agent looks whether it was put back
+PUBLISH_WARN_EVERY_S = 60.0
+
+
+def boot_id() -> str:
+    """This instance's boot: a drain latch from another boot (a new instance) does not hold."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 class Agent:
@@ -60,6 +71,26 @@ class Agent:
         self.book = NoticeBook()
         self.refused: Counter[str] = Counter()
         self._refused_seen: set[str] = set()
+        self._record_budget = (0.0, 0)  # (second, records) for refusal / absorbed records: floods cost no disk
+        self._absorbed_recorded = 0
+        self._keys: tuple[str | None, Keyring] = (None, Keyring())
+        self.absorbed = 0
+        common: dict[str, Any] = {
+            "hall": cfg.hall,
+            "node": cfg.node,
+            "clock": clock,
+            "window": lambda: self.window,
+            "deliver": self.accept,
+            "refuse": self._refuse,
+        }
+        self.nats_source = NatsNoticeSource(trusted=self.notice_keys, **common)
+        self.metadata_source = MetadataNoticeSource(
+            url=cfg.metadata_url,
+            interval=lambda: self._policy("metadataPollSeconds", self.cfg.metadata_poll_seconds, 5),
+            max_bytes=cfg.metadata_max_bytes,
+            **common,
+        )
+        self._publish_failing: tuple[float, str] | None = None
         self.path: DrainPath | None = None
         self.drain: Drain | None = None
         self.drain_task: asyncio.Task[None] | None = None
@@ -93,54 +124,137 @@ class Agent:
 
     # --- notices -----------------------------------------------------------------------------------
 
+    def notice_keys(self) -> Keyring:
+        """The notice keys the cached bundle's hall policy names (rebuilt when the bundle changes)."""
+        b = self.cache.bundle
+        digest = b.content_digest if b else None
+        if self._keys[0] != digest:
+            self._keys = (digest, notice_keyring(b.policy) if b else Keyring())
+        return self._keys[1]
+
     def handle_raw(self, raw: bytes, source: str) -> None:
-        now = self.clock()
-        hall, node, window = self.cfg.hall, self.cfg.node, self.window
-        try:
-            if source == "nats":
-                notice: Notice | None = parse_nats(raw, hall=hall, node=node, now=now, window=window)
-            else:
-                notice = parse_metadata(raw, hall=hall, node=node, now=now, window=window)
-        except NoticeRefused as e:
-            self.refused[e.kind] += 1
-            digest = hashlib.sha256(raw).hexdigest()
-            if digest not in self._refused_seen:  # the metadata poll repeats the same refusal every 5 s
-                if len(self._refused_seen) > 1000:
-                    self._refused_seen.clear()
-                self._refused_seen.add(digest)
-                self.spool.append(
-                    "notice.refused",
-                    ROUTINE,
-                    source=source,
-                    kind=e.kind,
-                    reason=e.reason,
-                    refused_total=dict(self.refused),
-                )
-                log.warning("refused %s notice (%s): %s", source, e.kind, e.reason)
+        src: NoticeSource = self.nats_source if source == "nats" else self.metadata_source
+        src.handle(raw)
+
+    def _may_record(self) -> bool:
+        """At most 20 refusal/absorbed records a second: a flood is counted, not written one by one."""
+        sec = int(self.clock())
+        at, n = self._record_budget
+        if at != sec:
+            at, n = sec, 0
+        self._record_budget = (at, n + 1)
+        return n < 20
+
+    def _refuse(self, source: str, e: NoticeRefused, raw: bytes) -> None:
+        self.refused[e.kind] += 1
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest in self._refused_seen:
             return
-        if notice is not None:
-            self.accept(notice)
+        if len(self._refused_seen) > 1000:
+            self._refused_seen.clear()
+        self._refused_seen.add(digest)
+        if self._may_record():
+            self.spool.append(
+                "notice.refused",
+                ROUTINE,
+                source=source,
+                kind=e.kind,
+                reason=e.reason,
+                bytes=len(raw),
+                refused_total=dict(self.refused),
+            )
+            log.warning("refused %s notice (%s): %s", source, e.kind, e.reason[:300])
 
     def accept(self, n: Notice) -> None:
         verdict = self.book.offer(n)
         if verdict == "duplicate":
             return
-        if self.drain is not None:
-            if n.terminate_at < self.drain.deadline.terminate_at:
-                self.spool.append(
-                    "notice.deadline",
-                    CRITICAL,
-                    notice=self.drain.notice.id,
-                    terminate_at=n.terminate_at,
-                    from_notice=n.id,
-                    source=n.source,
-                )
-                self.drain.update_deadline(n.terminate_at)
+        drain = self.drain
+        if verdict == "start" and drain is None:
+            self.spool.append("notice.accepted", CRITICAL, **n.as_event())
+            self._start_drain(n, None)
             return
-        if verdict != "new":
-            return  # an earlier time for a notice whose drain has already finished
-        self.spool.append("notice.accepted", CRITICAL, **n.as_event())
-        self._start_drain(n, None)
+        if drain is not None and n.terminate_at <= drain.deadline.terminate_at - 1.0:
+            self.spool.append(
+                "notice.deadline",
+                CRITICAL,
+                notice=drain.notice.id,
+                terminate_at=n.terminate_at,
+                from_notice=n.id,
+                source=n.source,
+            )
+            drain.update_deadline(n.terminate_at)
+            return
+        # Another notice while the node drains or after it drained: counted, never a second drain.
+        self.absorbed += 1
+        if self._may_record():
+            self.spool.append(
+                "notice.absorbed",
+                ROUTINE,
+                notice=n.id,
+                source=n.source,
+                terminate_at=n.terminate_at,
+                draining=drain is not None,
+                of=self.book.current.id if self.book.current else None,
+                absorbed_total=self.absorbed,
+            )
+
+    def _restore_book(self) -> None:
+        """After a restart on the same instance, a drain this instance started still holds: no second one."""
+        last: dict[str, Any] | None = None
+        deadline: float | None = None
+        boot = None
+        for ev in self.spool.events():
+            t = ev["type"]
+            if t == "agent.started":
+                boot = ev.get("boot_id")
+            elif t == "notice.accepted":
+                last, deadline = ev, float(ev["terminate_at"])
+            elif t == "notice.deadline" and last is not None and ev.get("notice") == last["notice"]:
+                deadline = min(deadline or float(ev["terminate_at"]), float(ev["terminate_at"]))
+            elif t == "notice.rearmed":
+                last, deadline = None, None
+        if last is None or deadline is None or boot != boot_id():
+            return
+        self.book.restore(
+            Notice(
+                str(last["notice"]),
+                self.cfg.hall,
+                self.cfg.node,
+                float(last["terminate_at"]),
+                float(last["issued_at"]),
+                str(last["source"]),
+                float(last["received_at"]),
+            ),
+            deadline,
+        )
+
+    async def _node_back_in_service(self) -> bool:
+        if self.cfg.scheduler == "slurm":
+            state = await self.slurm.node_state(self.cfg.node)
+            return "DRAIN" not in state.upper()
+        node = await self.kube.get_node(self.cfg.node)
+        spec = node.get("spec", {})
+        tainted = any(t.get("key") == self.cfg.taint_key for t in spec.get("taints") or [])
+        return not tainted and not spec.get("unschedulable")
+
+    async def _rearm_watch(self) -> None:
+        """After a drain the node stays drained: notices are absorbed until someone puts it back."""
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), REARM_CHECK_S)
+            if self.book.current is None or self.drain is not None or self._stop.is_set():
+                continue
+            try:
+                back = await self._node_back_in_service()
+            except Exception as e:  # scheduler away: look again later
+                log.debug("rearm check: %s", e)
+                continue
+            if back:
+                prev = self.book.current.id
+                self.book.rearm()
+                self.spool.append("notice.rearmed", CRITICAL, after=prev, reason="node back in service")
+                log.info("node back in service after notice %s: the next notice drains it again", prev)
 
     def _start_drain(self, n: Notice, record: DrainRecord | None) -> None:
         if self.cache.bundle is None:
@@ -222,11 +336,20 @@ class Agent:
 
     # --- root tasks --------------------------------------------------------------------------------
 
+    def _nats_auth(self) -> dict[str, Any]:
+        c = self.cfg
+        if c.nats_creds_file:
+            return {"user_credentials": c.nats_creds_file}
+        if c.nats_nkey_seed_file:
+            return {"nkeys_seed": c.nats_nkey_seed_file}
+        if c.nats_token:
+            return {"token": c.nats_token}
+        if c.nats_user:
+            return {"user": c.nats_user, "password": c.nats_password}
+        return {}
+
     async def _nats_link(self) -> None:
         import nats
-
-        async def on_msg(msg: Any) -> None:
-            self.handle_raw(msg.data, "nats")
 
         async def disconnected() -> None:
             log.warning("NATS disconnected; the metadata poll covers notices meanwhile")
@@ -236,7 +359,9 @@ class Agent:
             self._wake_publisher.set()
 
         async def error(e: Exception) -> None:
-            log.debug("NATS: %s", e)
+            # Authorization and permission errors are the relay refusing this node: say so at the default level.
+            level = logging.WARNING if "authoriz" in str(e).lower() or "permission" in str(e).lower() else logging.DEBUG
+            log.log(level, "NATS: %s", e)
 
         servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]
         # max_reconnect_attempts=-1: nats-py retries forever, the first connection included.
@@ -251,35 +376,22 @@ class Agent:
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,
             error_cb=error,
+            **self._nats_auth(),
         )
-        await self.nc.subscribe(self.cfg.subject(self.cfg.notice_subject), cb=on_msg)
+        subject = self.cfg.subject(self.cfg.notice_subject)
+        await self.nats_source.subscribe(self.nc, subject)
         await self.nc.flush(timeout=2)
-        log.info("NATS connected; subscribed to %s", self.cfg.subject(self.cfg.notice_subject))
+        log.info("NATS connected; subscribed to %s", subject)
         self._wake_publisher.set()
         await self._stop.wait()
 
-    async def _metadata_poll(self) -> None:
-        u = urllib.parse.urlsplit(self.cfg.metadata_url)
-        client = AsyncHttpClient(f"{u.scheme}://{u.netloc}", timeout=2.0, max_connections=1)
-        path = u.path + (f"?{u.query}" if u.query else "")
-        try:
-            while not self._stop.is_set():
-                try:
-                    r = await client.request("GET", path)
-                    if r.status == 200:
-                        self.handle_raw(r.body, "metadata")
-                except HttpError as e:
-                    log.debug("metadata poll: %s", e)
-                except Exception:  # one bad poll must not stop the channel that covers NATS outages
-                    log.exception("metadata poll failed")
-                interval = self._policy("metadataPollSeconds", self.cfg.metadata_poll_seconds, 5)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), interval)
-        finally:
-            await client.close()
-
     async def _bundle_refresh(self) -> None:
-        fetcher = BundleFetcher(self.cache, self.cfg.bundle_url)
+        fetcher = BundleFetcher(
+            self.cache,
+            self.cfg.bundle_url,
+            max_bytes=self.cfg.bundle_max_bytes,
+            deadline_s=self.cfg.bundle_fetch_deadline_seconds,
+        )
         last = None
         while not self._stop.is_set():
             try:
@@ -311,11 +423,13 @@ class Agent:
                 done = 0
                 try:
                     for ev in batch:
-                        msg_id = f"{self.cfg.hall}.{self.cfg.node}.{ev['seq']}"  # JetStream de-duplicates replays
+                        # JetStream de-duplicates replays by this id; the random spool id makes it unguessable.
+                        msg_id = f"{self.spool.id}.{ev['seq']}"
                         await js.publish(subject, json.dumps(ev).encode(), headers={"Nats-Msg-Id": msg_id})
                         done = ev["seq"]
+                    self._published_ok()
                 except Exception as e:  # no stream, timeout, disconnect: retry later from the cursor
-                    log.debug("publish paused: %s", e)
+                    self._publish_failed(subject, e)
                     batch = []
                 if done:
                     self.spool.mark_published(done)
@@ -323,6 +437,22 @@ class Agent:
                     continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake_publisher.wait(), 1.0)
+
+    def _publish_failed(self, subject: str, e: Exception) -> None:
+        now = self.clock()
+        reason = f"{type(e).__name__}: {e}".strip().rstrip(":")
+        if "NoResponders" in reason or "NoStream" in reason or "no responders" in reason.lower():
+            reason = f"no JetStream stream captures {subject} ({type(e).__name__})"
+        prev = self._publish_failing
+        if prev is None or now - prev[0] >= PUBLISH_WARN_EVERY_S:
+            backlog = self.spool.last_seq - self.spool.published_seq
+            log.warning("events cannot be published: %s; %d event(s) wait in the spool", reason, backlog)
+            self._publish_failing = (now, reason)
+
+    def _published_ok(self) -> None:
+        if self._publish_failing is not None:
+            log.warning("events publishing again (was: %s)", self._publish_failing[1])
+            self._publish_failing = None
 
     async def _housekeeping(self) -> None:
         wd = watchdog_interval()
@@ -412,19 +542,24 @@ class Agent:
                 loop.add_signal_handler(sig, self.stop)
         self.path = self._drain_path()
         b = self.cache.bundle
+        self._restore_book()
         self.spool.append(
             "agent.started",
             ROUTINE,
             version=__version__,
+            boot_id=boot_id(),
             bundle_serial=b.serial if b else None,
+            notice_keys=len(self.notice_keys()),
             spool_torn_bytes=self.spool.recovery.torn_bytes,
+            spool_skipped_bytes=self.spool.recovery.skipped_bytes,
             spool_records=self.spool.recovery.records,
         )
         self._resume_from_spool()
         self._follow_ups()
         self._spawn(self._nats_link(), "nats")
         if self.cfg.metadata_url:
-            self._spawn(self._metadata_poll(), "metadata-poll")
+            self._spawn(self.metadata_source.run(self._stop), "metadata-poll")
+        self._spawn(self._rearm_watch(), "rearm-watch")
         if self.cfg.bundle_url:
             self._spawn(self._bundle_refresh(), "bundle-refresh")
         self._spawn(self._publisher(), "publisher")

@@ -5,7 +5,10 @@
                                                    API whether it knows the node and lets the credential
                                                    patch it (with --api, a refusal exits 5 too)
     sco-agent sample-config                        a commented agent.toml
-    sco-agent events --state-dir DIR [--after N]   the spooled events, one JSON object per line
+    sco-agent events --state-dir DIR [--after N] [--unpublished]
+                                                   the spooled events, one JSON object per line; the
+                                                   unpublished backlog on stderr
+    sco-agent status --state-dir DIR               spool, publication backlog and bundle state as JSON
 
 Every flag has an environment fallback: --config is $SCO_AGENT_CONFIG.
 """
@@ -20,9 +23,64 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from sco.agent import config
-from sco.errors import ScoError
+from sco.errors import ConfigError, ScoError
+
+
+def status(state_dir: Path) -> dict[str, Any]:
+    """What the spool and the bundle cache say, read-only (safe beside a running agent)."""
+    from sco.agent.spool import SPOOL_FILE, read_cursor, read_events
+
+    spool_dir = state_dir / "spool"
+    if not spool_dir.is_dir():
+        raise ConfigError(f"{spool_dir}: no spool here (is --state-dir right?)")
+    published = read_cursor(spool_dir)
+    last, records, unpublished = 0, 0, 0
+    unwritable: dict[str, Any] | None = None
+    for ev in read_events(spool_dir):
+        records += 1
+        last = ev["seq"]
+        unpublished += ev["seq"] > published
+        if ev["type"] == "spool.unwritable":
+            unwritable = ev
+    try:
+        size = (spool_dir / SPOOL_FILE).stat().st_size
+    except OSError:
+        size = 0
+    try:
+        bundle = json.loads((state_dir / "bundle" / "state.json").read_text())
+        bundle = {k: bundle.get(k) for k in ("serial", "last_outcome", "last_error", "refused", "accepted_at")}
+    except (OSError, ValueError):
+        bundle = None
+    return {
+        "spool": {"records": records, "last_seq": last, "bytes": size, "last_unwritable": unwritable},
+        "events": {"published_seq": published, "unpublished": unpublished},
+        "bundle": bundle,
+    }
+
+
+def _events(state_dir: Path, after: int, only_unpublished: bool) -> int:
+    from sco.agent.spool import read_cursor, read_events
+
+    spool_dir = state_dir / "spool"
+    if not spool_dir.is_dir():
+        raise ConfigError(f"{spool_dir}: no spool here (is --state-dir right?)")
+    published = read_cursor(spool_dir)
+    n, backlog = 0, 0
+    for ev in read_events(spool_dir, after):
+        backlog += ev["seq"] > published
+        if only_unpublished and ev["seq"] <= published:
+            continue
+        n += 1
+        print(json.dumps(ev, sort_keys=True))
+    print(
+        f"sco-agent: {n} event(s) shown; {backlog} not yet published to JetStream (acknowledged through seq"
+        f" {published})",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _config_path(args: argparse.Namespace) -> Path | None:
@@ -47,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     e = sub.add_parser("events", help="print spooled events as JSON lines")
     e.add_argument("--state-dir", default=os.environ.get("SCO_AGENT_STATE_DIR", "/var/lib/sco"))
     e.add_argument("--after", type=int, default=0, help="only events with a higher seq")
+    e.add_argument("--unpublished", action="store_true", help="only events JetStream has not acknowledged")
+    st = sub.add_parser("status", help="spool, publication backlog and bundle state as JSON")
+    st.add_argument("--state-dir", default=os.environ.get("SCO_AGENT_STATE_DIR", "/var/lib/sco"))
     args = p.parse_args(argv)
 
     try:
@@ -54,11 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(config.SAMPLE)
             return 0
         if args.cmd == "events":
-            from sco.agent.spool import Spool
-
-            spool = Spool(Path(args.state_dir) / "spool")
-            for ev in spool.events(args.after):
-                print(json.dumps(ev, sort_keys=True))
+            return _events(Path(args.state_dir), args.after, args.unpublished)
+        if args.cmd == "status":
+            print(json.dumps(status(Path(args.state_dir)), indent=2, sort_keys=True))
             return 0
         cfg = config.load(_config_path(args))
         if args.cmd == "check-config" or args.check_config:
@@ -77,7 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         from sco.agent.daemon import Agent
 
-        return asyncio.run(Agent(cfg).run())
+        try:
+            agent = Agent(cfg)
+        except OSError as e:  # the state directory changed under us since the check: a line, not a traceback
+            raise ConfigError(f"{cfg.state_dir}: cannot set up the spool and bundle cache: {e}") from None
+        return asyncio.run(agent.run())
     except ScoError as err:
         for line in err.lines():
             print(f"sco-agent: error: {line}", file=sys.stderr)

@@ -1,8 +1,9 @@
-"""Reclaim notices: parsing, refusal with a reason, de-duplication by id, earliest termination wins.
+"""Reclaim notices: parsing, refusal with a reason, and the NoticeBook every source hands its notices to.
 
-Two shapes arrive:
-- over NATS on ``sco.notice.<hall>.<node>``: ``{"id", "hall", "node", "terminateAt", "issuedAt"?}``
-  (times in epoch seconds, numbers or RFC 3339 strings);
+Two shapes arrive (the sources in ``sco.agent.notice_sources`` read them):
+- over NATS on ``sco.notice.<hall>.<node>``: ``{"id", "hall", "node", "terminateAt", "issuedAt"?, "signatures"}``
+  (times in epoch seconds, numbers or RFC 3339 strings), signed by a notice key the bundle's hall policy
+  names (``sco.contract.notice``);
 - in the OpenStack instance metadata (``meta_data.json``): the instance ``name`` and, in its ``meta`` map,
   ``sco_reclaim_id`` and ``sco_reclaim_at`` (Nova metadata values are strings).
 """
@@ -10,11 +11,15 @@ Two shapes arrive:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 FUTURE_SKEW_S = 30.0  # an issue time further ahead than this is a broken clock, not a notice
+MAX_EPOCH_S = 1e11  # year ~5138: anything later is not a time a notice can mean
+MIN_DEADLINE_STEP_S = 1.0  # an earlier deadline moves the drain only if it is at least this much earlier
+MAX_NOTICES = 256  # ids the book remembers (the current drain's notice is always kept)
 
 
 class NoticeRefused(Exception):
@@ -44,23 +49,41 @@ class Notice:
         }
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
+
+
 def _time(value: Any, what: str) -> float:
+    t = _raw_time(value, what)
+    # NaN compares false with everything, so it would pass every later check; infinity and 1e300 overflow.
+    if not math.isfinite(t) or not 0 < t < MAX_EPOCH_S:
+        raise NoticeRefused("absurd", f"{what}: {_short(value)} is not a time in range (0 to {MAX_EPOCH_S:.0e} s)")
+    return t
+
+
+def _raw_time(value: Any, what: str) -> float:
     if isinstance(value, bool):
         raise NoticeRefused("malformed", f"{what}: expected epoch seconds or RFC 3339, got {value!r}")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, int | float):
             return float(value)
-        except ValueError:
-            pass
-        try:
-            dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            raise NoticeRefused("malformed", f"{what}: {value!r} is not a time") from None
-        if dt.tzinfo is None:
-            raise NoticeRefused("malformed", f"{what}: {value!r} has no time zone")
-        return dt.timestamp()
+        if isinstance(value, str):
+            if len(value) > 64:
+                raise NoticeRefused("malformed", f"{what}: {_short(value)} is not a time")
+            try:
+                return float(value)
+            except ValueError:
+                pass
+            try:
+                dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                raise NoticeRefused("malformed", f"{what}: {value!r} is not a time") from None
+            if dt.tzinfo is None:
+                raise NoticeRefused("malformed", f"{what}: {value!r} has no time zone")
+            return dt.timestamp()
+    except OverflowError:
+        raise NoticeRefused("absurd", f"{what}: {_short(value)} is out of range") from None
     raise NoticeRefused("malformed", f"{what}: expected a time, got {type(value).__name__}")
 
 
@@ -77,22 +100,27 @@ def _check_times(terminate_at: float, issued_at: float, now: float, window: floa
 
 def _id(value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > 128 or not value.isprintable():
-        raise NoticeRefused("malformed", f"id: expected a printable string of 1-128 characters, got {value!r}")
+        raise NoticeRefused("malformed", f"id: expected a printable string of 1-128 characters, got {_short(value)}")
     return value
 
 
 def parse_nats(raw: bytes, *, hall: str, node: str, now: float, window: float) -> Notice:
+    """An unsigned notice's fields (the NATS source checks the signature first, then reads the object)."""
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise NoticeRefused("malformed", f"not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise NoticeRefused("malformed", "expected a JSON object")
+    return notice_from_nats(doc, hall=hall, node=node, now=now, window=window)
+
+
+def notice_from_nats(doc: dict[str, Any], *, hall: str, node: str, now: float, window: float) -> Notice:
     nid = _id(doc.get("id"))
     if doc.get("node") != node:
-        raise NoticeRefused("foreign", f"notice {nid} is for node {doc.get('node')!r}, this is {node!r}")
+        raise NoticeRefused("foreign", f"notice {nid} is for node {_short(doc.get('node'))}, this is {node!r}")
     if doc.get("hall", hall) != hall:
-        raise NoticeRefused("foreign", f"notice {nid} is for hall {doc.get('hall')!r}, this is {hall!r}")
+        raise NoticeRefused("foreign", f"notice {nid} is for hall {_short(doc.get('hall'))}, this is {hall!r}")
     if "terminateAt" not in doc:
         raise NoticeRefused("malformed", f"notice {nid}: terminateAt: missing")
     terminate_at = _time(doc["terminateAt"], "terminateAt")
@@ -114,7 +142,7 @@ def parse_metadata(raw: bytes, *, hall: str, node: str, now: float, window: floa
         return None
     nid = _id(meta.get("sco_reclaim_id"))
     if doc.get("name") not in (None, node):
-        raise NoticeRefused("foreign", f"metadata names instance {doc.get('name')!r}, this node is {node!r}")
+        raise NoticeRefused("foreign", f"metadata names instance {_short(doc.get('name'))}, this node is {node!r}")
     if "sco_reclaim_at" not in meta:
         raise NoticeRefused("malformed", f"notice {nid}: meta.sco_reclaim_at: missing")
     terminate_at = _time(meta["sco_reclaim_at"], "meta.sco_reclaim_at")
@@ -123,21 +151,63 @@ def parse_metadata(raw: bytes, *, hall: str, node: str, now: float, window: floa
     return Notice(nid, hall, node, terminate_at, issued_at, "metadata", now)
 
 
+Verdict = Literal["start", "earlier", "duplicate", "absorbed"]
+
+
 @dataclass
 class NoticeBook:
-    """Notices seen, by id. The drain's deadline is the earliest termination time of any accepted notice."""
+    """Every notice from every source, by id; the one place that decides what a notice means.
+
+    - The first notice starts the drain ("start"); its id and every later one are remembered, so the same
+      notice from the other channel, or again, is a "duplicate".
+    - The drain's deadline is the earliest termination time of any notice since; a notice that moves it
+      earlier by at least ``MIN_DEADLINE_STEP_S`` is "earlier" (a flood of 1 ms steps costs nothing).
+    - Any other notice is "absorbed": counted, never a second drain. This holds after the drain finished
+      too, until ``rearm()`` (the node was untainted / resumed) or the agent starts on a new instance.
+    - At most ``MAX_NOTICES`` ids are kept (the oldest go; the current drain's notice stays).
+    """
 
     seen: dict[str, Notice] = field(default_factory=dict)
+    current: Notice | None = None
+    deadline: float | None = None
     duplicates: int = 0
+    absorbed: int = 0
+    max_notices: int = MAX_NOTICES
 
-    def offer(self, n: Notice) -> str:
-        """ "new" (first notice of this id), "earlier" (same id, earlier time), or "duplicate"."""
+    def offer(self, n: Notice) -> Verdict:
         old = self.seen.get(n.id)
-        if old is None:
+        if old is not None and n.terminate_at > old.terminate_at - MIN_DEADLINE_STEP_S:
+            self.duplicates += 1
+            return "duplicate"
+        if old is None or n.terminate_at < old.terminate_at:
             self.seen[n.id] = n
-            return "new"
-        if n.terminate_at < old.terminate_at:
-            self.seen[n.id] = n
+            self._prune()
+        if self.current is None:
+            self.current, self.deadline = n, n.terminate_at
+            return "start"
+        assert self.deadline is not None
+        if n.terminate_at <= self.deadline - MIN_DEADLINE_STEP_S:
+            self.deadline = n.terminate_at
             return "earlier"
-        self.duplicates += 1
-        return "duplicate"
+        self.absorbed += 1
+        return "absorbed"
+
+    def restore(self, n: Notice, deadline: float) -> None:
+        """The drain the spool says this instance already started (after a restart)."""
+        self.seen[n.id] = n
+        self.current, self.deadline = n, deadline
+
+    def rearm(self) -> None:
+        """The node is back in service: the next notice starts a drain again."""
+        self.current, self.deadline = None, None
+        self.seen.clear()
+
+    def _prune(self) -> None:
+        if len(self.seen) <= self.max_notices:
+            return
+        keep = self.current.id if self.current else None
+        for nid in sorted(self.seen, key=lambda k: self.seen[k].received_at):
+            if len(self.seen) <= self.max_notices:
+                break
+            if nid != keep:
+                del self.seen[nid]

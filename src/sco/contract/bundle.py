@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypeGuard
 
 from sco.contract import canonical
 from sco.contract.signing import Keyring, Verified, verify
-from sco.errors import BundleError, RollbackError
+from sco.errors import BundleError, Problem, RollbackError
 
 
 def content_digest(hall: str, policy: dict[str, Any], contracts: list[dict[str, Any]]) -> str:
@@ -35,12 +36,135 @@ class Budget:
     signal: str
 
 
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# What the node reads from the policy, with the ranges it accepts (the compiler enforces the same).
+_POLICY_INTS = {
+    "noticeWindowSeconds": (10, 3600),
+    "safetyMarginSeconds": (0, 600),
+    "firstActionSeconds": (1, 60),
+    "schedulerApiTimeoutMs": (10, 60_000),
+    "metadataPollSeconds": (1, 300),
+    "bundleRefreshSeconds": (5, 86_400),
+}
+
+
+def _int(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def payload_problems(p: dict[str, Any]) -> list[str]:
+    """Types and ranges of every field the node reads: a signed payload can still be absurd (a broken or
+    hostile compiler), and a bad value must be refused here, not found mid-drain."""
+    out: list[str] = []
+    if not isinstance(p.get("hall"), str) or not _NAME.match(p["hall"]):
+        out.append("hall: expected a DNS-style name")
+    if not _int(p.get("serial")) or p["serial"] < 1:
+        out.append("serial: expected an integer >= 1")
+    if not isinstance(p.get("contentDigest"), str) or not _HEX64.match(p["contentDigest"]):
+        out.append("contentDigest: expected 64 hex digits")
+    if "issuedAt" in p and not _int(p["issuedAt"]):
+        out.append("issuedAt: expected an integer")
+    if "subsetOf" in p and (not isinstance(p["subsetOf"], str) or not _HEX64.match(p["subsetOf"])):
+        out.append("subsetOf: expected 64 hex digits")
+    policy = p.get("policy")
+    window = 120
+    if not isinstance(policy, dict):
+        out.append("policy: expected an object")
+    else:
+        for key, (lo, hi) in _POLICY_INTS.items():
+            if key in policy and (not _int(policy[key]) or not lo <= policy[key] <= hi):
+                out.append(f"policy.{key}: expected an integer from {lo} to {hi}, got {policy[key]!r}")
+        if _int(policy.get("noticeWindowSeconds")):
+            window = policy["noticeWindowSeconds"]
+        margin = policy.get("safetyMarginSeconds", 10)
+        if _int(margin) and margin >= window:
+            out.append("policy.safetyMarginSeconds: must be below noticeWindowSeconds")
+        keys = policy.get("noticeKeys", [])
+        if not isinstance(keys, list) or len(keys) > 16:
+            out.append("policy.noticeKeys: expected a list of up to 16 keys")
+        else:
+            for i, k in enumerate(keys):
+                if (
+                    not isinstance(k, dict)
+                    or not isinstance(k.get("keyid"), str)
+                    or not _HEX16.match(k["keyid"])
+                    or not isinstance(k.get("public"), str)
+                    or not _HEX64.match(k["public"])
+                    or hashlib.sha256(bytes.fromhex(k["public"])).hexdigest()[:16] != k["keyid"]
+                ):
+                    out.append(f"policy.noticeKeys[{i}]: expected keyid and public (hex) of one Ed25519 key")
+    contracts = p.get("contracts")
+    if not isinstance(contracts, list):
+        out.append("contracts: expected a list")
+        return out
+    names: set[str] = set()
+    for i, c in enumerate(contracts):
+        where = f"contracts[{i}]"
+        if not isinstance(c, dict):
+            out.append(f"{where}: expected an object")
+            continue
+        name = c.get("name")
+        if not isinstance(name, str) or not _NAME.match(name) or len(name) > 63:
+            out.append(f"{where}.name: expected a DNS-1123 label")
+        elif name in names:
+            out.append(f"{where}.name: {name!r} appears twice")
+        else:
+            names.add(name)
+            where = f"contracts[{i}] ({name})"
+        sched = c.get("scheduler")
+        if sched not in ("kubernetes", "spark", "slurm"):
+            out.append(f"{where}.scheduler: expected kubernetes, spark or slurm")
+        sel = c.get("selector")
+        if not isinstance(sel, dict):
+            out.append(f"{where}.selector: missing or not an object")
+        elif sched == "slurm":
+            if not isinstance(sel.get("account"), str) or not sel["account"]:
+                out.append(f"{where}.selector.account: expected a non-empty string")
+            parts = sel.get("partitions", [])
+            if not isinstance(parts, list) or not all(isinstance(x, str) for x in parts):
+                out.append(f"{where}.selector.partitions: expected a list of strings")
+        elif sched in ("kubernetes", "spark"):
+            if not isinstance(sel.get("namespace"), str) or not sel["namespace"]:
+                out.append(f"{where}.selector.namespace: expected a non-empty string")
+            labels = sel.get("matchLabels", {})
+            if not isinstance(labels, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+            ):
+                out.append(f"{where}.selector.matchLabels: expected a map of strings")
+        if c.get("tier") not in (1, 2, 3) or not _int(c.get("tier")):
+            out.append(f"{where}.tier: expected 1, 2 or 3")
+        budget = c.get("drainBudgetSeconds")
+        if not _int(budget) or not 1 <= budget <= window:
+            out.append(f"{where}.drainBudgetSeconds: expected an integer from 1 to {window}, got {budget!r}")
+        final = c.get("finalWriteSeconds", 0)
+        if not _int(final) or not 0 <= final <= window:
+            out.append(f"{where}.finalWriteSeconds: expected an integer from 0 to {window}, got {final!r}")
+        ck = c.get("checkpoint", {})
+        if not isinstance(ck, dict):
+            out.append(f"{where}.checkpoint: expected an object")
+        else:
+            if ck.get("mode", "none") not in ("signal", "none"):
+                out.append(f"{where}.checkpoint.mode: expected signal or none")
+            sig = ck.get("signal", "USR1")
+            if not isinstance(sig, str) or not re.match(r"^[A-Z0-9]{1,12}$", sig):
+                out.append(f"{where}.checkpoint.signal: expected a signal name such as USR1")
+    return out
+
+
 class Bundle:
     """Read-only view of a verified bundle payload."""
 
     def __init__(self, verified: Verified) -> None:
         self.verified = verified
         p = verified.payload
+        problems = payload_problems(p)
+        if problems:
+            raise BundleError(
+                f"{verified.where}: payload: {len(problems)} problem(s)",
+                [Problem(verified.where, f"payload.{m.split(': ', 1)[0]}", m.split(": ", 1)[1]) for m in problems],
+            )
         try:
             self.hall: str = p["hall"]
             self.serial: int = int(p["serial"])

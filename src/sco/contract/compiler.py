@@ -27,7 +27,30 @@ from sco.contract.model import API_VERSION, SELECTOR_TAGS, Contract, HallPolicy
 from sco.errors import ContractError, Problem
 
 # libyaml when present: its parser is C, though PyYAML still constructs objects in Python.
-_Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_Base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+MAX_FILE_BYTES = 1 << 20  # a contract is a few hundred bytes; a larger file is a mistake or an attack
+
+
+class _Loader(_Base):  # type: ignore[misc]
+    """Safe loading that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                dup = key in seen
+            except TypeError:
+                continue  # unhashable: the base constructor reports it
+            if dup:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return dict(super().construct_mapping(node, deep=deep))
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.construct_mapping)
 
 _KINDS: dict[str, type[BaseModel]] = {"WorkloadContract": Contract, "HallPolicy": HallPolicy}
 PARALLEL_MIN_FILES = 16  # below this a pool costs more than it saves
@@ -83,12 +106,23 @@ def _resolve(where: str, model: BaseModel) -> Resolved:
 
 def load_file(repo: Path, rel: str) -> tuple[list[Resolved], list[Problem]]:
     """Stage one for one file: every document validated and resolved, or the problems found."""
+    path = repo / rel
     try:
-        docs = [d for d in yaml.load_all((repo / rel).read_text(encoding="utf-8"), Loader=_Loader) if d is not None]
+        real = path.resolve(strict=True)
+        if not real.is_relative_to(repo.resolve()):
+            return [], [Problem(rel, "", f"a symlink that leaves the repository (to {real}): refused")]
+        size = real.stat().st_size
+        if size > MAX_FILE_BYTES:
+            return [], [Problem(rel, "", f"{size} bytes, more than the {MAX_FILE_BYTES} a contract file may hold")]
+    except OSError as e:
+        return [], [Problem(rel, "", f"cannot read: {e}")]
+    try:
+        docs = [d for d in yaml.load_all(path.read_text(encoding="utf-8"), Loader=_Loader) if d is not None]
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         line = f"line {mark.line + 1}: " if mark is not None else ""
-        return [], [Problem(rel, "", f"{line}invalid YAML: {e.problem}")]
+        what = "invalid YAML" if "duplicate key" not in str(e.problem) else "refused"
+        return [], [Problem(rel, "", f"{line}{what}: {e.problem}")]
     except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
         return [], [Problem(rel, "", f"cannot read: {e}")]
     out: list[Resolved] = []

@@ -18,6 +18,7 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 from sco._fs import atomic_write
 from sco.contract.bundle import Bundle, peek_payload
@@ -85,6 +86,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: DistributorServer
     protocol_version = "HTTP/1.1"
 
+    def setup(self) -> None:
+        # An idle keep-alive connection (or one sending a byte a minute) is closed after this long, so it
+        # cannot hold its thread forever.
+        super().setup()
+        self.connection.settimeout(self.server.idle_timeout)
+
     def _serve(self, head: bool) -> None:
         if self.path == "/healthz":
             self._send(HTTPStatus.OK, b"ok\n", "text/plain", head=head)
@@ -126,12 +133,45 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class DistributorServer(ThreadingHTTPServer):
-    daemon_threads = True
+    """One thread per connection, at most ``max_connections`` at once (more are closed at once: a node
+    retries at its next refresh), each closed after ``idle_timeout`` seconds without a request."""
 
-    def __init__(self, root: Path, address: tuple[str, int] = ("127.0.0.1", 8470), verbose: bool = False):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(
+        self,
+        root: Path,
+        address: tuple[str, int] = ("127.0.0.1", 8470),
+        verbose: bool = False,
+        *,
+        max_connections: int = 256,
+        idle_timeout: float = 15.0,
+    ):
         self.files = _Files(root)
         self.verbose = verbose
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused_connections = 0
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused_connections += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     @property
     def url(self) -> str:

@@ -18,8 +18,10 @@ API_VERSION = "sco.dev/v1"
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # DNS-1123 label: contract names end up in Kubernetes labels, Slurm job fields and NATS subjects.
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+# strict: YAML's true/false are not numbers (a budget of `true` must not become 1 s), nor are "30" or 30.5.
+PositiveInt = Annotated[int, Field(gt=0, strict=True)]
+NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
+HOUR = 3600
 _LABEL_KEY = re.compile(r"^([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _SIGNAL = re.compile(r"^(SIG)?[A-Z0-9]+$")
 
@@ -74,7 +76,7 @@ class Checkpoint(Strict):
 
 class Requeue(Strict):
     policy: Literal["always", "on-checkpoint", "never"]
-    max_requeues: NonNegativeInt = 3
+    max_requeues: Annotated[NonNegativeInt, Field(le=1000)] = 3
 
 
 class Fallback(Strict):
@@ -123,9 +125,9 @@ class ContractSpec(Strict):
     ]
     tier: Literal[1, 2, 3]
     """1: a floor on committed/reserved capacity; 2: reclaimable, preferred; 3: reclaimable only."""
-    drain_budget_seconds: PositiveInt
+    drain_budget_seconds: Annotated[PositiveInt, Field(le=HOUR)]
     """Seconds the workload may take to drain once a notice arrives (the eviction grace)."""
-    final_write_seconds: NonNegativeInt = 0
+    final_write_seconds: Annotated[NonNegativeInt, Field(le=HOUR)] = 0
     """Seconds its checkpoint or preStop needs for the final write, after the drain budget."""
     checkpoint: Checkpoint
     requeue: Requeue
@@ -133,6 +135,13 @@ class ContractSpec(Strict):
     floor: Capacity | None = None
     """Tier 1 only: the capacity held for this workload on reserved instances."""
     spark: SparkOptions | None = None
+
+    @field_validator("tier", mode="before")
+    @classmethod
+    def _tier_not_bool(cls, v: object) -> object:
+        if isinstance(v, bool):  # True == 1 would pass the Literal
+            raise ValueError("expected 1, 2 or 3, not a boolean")
+        return v
 
     @model_validator(mode="after")
     def _by_scheduler(self) -> ContractSpec:
@@ -156,19 +165,39 @@ class Contract(Strict):
     spec: ContractSpec
 
 
+class NoticeKey(Strict):
+    """A public key the hall's reclaimer signs notices with (``sco keygen --for notice`` prints this entry)."""
+
+    keyid: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    public: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+    @model_validator(mode="after")
+    def _matches(self) -> NoticeKey:
+        from nacl.signing import VerifyKey
+
+        from sco.contract.signing import key_id
+
+        if key_id(VerifyKey(bytes.fromhex(self.public))) != self.keyid:
+            raise ValueError("keyid does not match the public key")
+        return self
+
+
 class HallPolicySpec(Strict):
-    notice_window_seconds: PositiveInt = 120
+    # Ranges: values outside them are typos or would make the agent busy-loop (a 0 s poll) or wait forever.
+    notice_window_seconds: Annotated[PositiveInt, Field(ge=10, le=HOUR)] = 120
     """From the reclaim notice (T) to the instance being gone (T+120 s in production)."""
-    safety_margin_seconds: NonNegativeInt = 10
+    safety_margin_seconds: Annotated[NonNegativeInt, Field(le=600)] = 10
     """Kept free at the end of the window for the drain verifier and the final event."""
-    first_action_seconds: PositiveInt = 2
+    first_action_seconds: Annotated[PositiveInt, Field(le=60)] = 2
     """The first drain action must land this soon after the notice (seed view 19)."""
-    scheduler_api_timeout_ms: PositiveInt = 800
+    scheduler_api_timeout_ms: Annotated[PositiveInt, Field(ge=10, le=60_000)] = 800
     """Past this the agent stops asking the scheduler and drains around it."""
-    metadata_poll_seconds: PositiveInt = 5
-    bundle_refresh_seconds: PositiveInt = 60
+    metadata_poll_seconds: Annotated[PositiveInt, Field(le=300)] = 5
+    bundle_refresh_seconds: Annotated[PositiveInt, Field(ge=5, le=86_400)] = 60
     reserved_capacity: Capacity = Field(default_factory=Capacity)
     """Committed/reserved capacity behind the tier-1 floors."""
+    notice_keys: list[NoticeKey] = Field(default_factory=list, max_length=16)
+    """Keys whose signature a node accepts on a NATS notice (the metadata channel is the cloud's own path)."""
 
     @model_validator(mode="after")
     def _margin(self) -> HallPolicySpec:

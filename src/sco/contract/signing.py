@@ -62,19 +62,26 @@ def generate() -> PrivateKey:
     return PrivateKey(key_id(sk.verify_key), sk)
 
 
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def _write_new(path: Path, text: str, mode: int) -> None:
+    # O_EXCL | O_NOFOLLOW: never through a symlink someone planted, never over an existing file.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "w") as f:
         f.write(text)
 
 
 def write_keypair(key: PrivateKey, private_path: Path, public_path: Path) -> None:
-    """Write a new key pair; refuses to overwrite an existing private key."""
-    if private_path.exists():
-        raise KeyFileError(f"{private_path}: exists; refusing to overwrite a private key")
+    """Write a new key pair; refuses to overwrite an existing file or to write through a symlink."""
+    for p, what in ((private_path, "a private key"), (public_path, "a public key")):
+        if os.path.islink(p):
+            raise KeyFileError(f"{p}: is a symlink; refusing to write {what} through it")
+        if p.exists():
+            raise KeyFileError(f"{p}: exists; refusing to overwrite {what}")
     priv = {"type": "ed25519-private", "keyid": key.keyid, "seed": bytes(key.signing_key).hex()}
-    _write_private(private_path, json.dumps(priv) + "\n")
-    public_path.write_text(public_key_text(key.public))
+    try:
+        _write_new(private_path, json.dumps(priv) + "\n", 0o600)
+        _write_new(public_path, public_key_text(key.public), 0o644)
+    except FileExistsError as e:  # appeared in between: someone races us
+        raise KeyFileError(f"{e.filename}: appeared while writing; refusing to overwrite it") from None
 
 
 def public_key_text(key: PublicKey) -> str:

@@ -26,6 +26,8 @@ Implemented:
   pod of the namespace, no selector selects none, ``matchLabels`` and ``matchExpressions``), ``minAvailable``
   and ``maxUnavailable`` as integers or percentages (rounded up, of the pods the PDB selects: the real
   controller takes the owning controller's scale); status computed live;
+- configmaps: create, list, get, replace (PUT, resourceVersion required, 409 on a stale one), delete; keys and
+  the 1 MiB size validated (422) as the real server does (namespaces are not modelled: any exists);
 - a kubelet for every pod bound to a node: a graceful delete sets ``deletionTimestamp`` and
   ``deletionGracePeriodSeconds``; the preStop hook (annotation ``standin.sco.dev/prestop-seconds``) runs for at
   most the grace, then the container (``standin.sco.dev/shutdown-seconds`` to exit after TERM) gets what is
@@ -493,6 +495,7 @@ class Cluster:
         self.pods: dict[tuple[str, str], Obj] = {}
         self.pdbs: dict[tuple[str, str], Obj] = {}
         self.containers: dict[str, _Containers] = {}  # pod uid -> running containers
+        self.configmaps: dict[tuple[str, str], Obj] = {}  # (namespace, name); see the ConfigMap section
         self.watchers: list[tuple[Callable[[Obj], bool], queue.Queue[Obj | None]]] = []
         self.history: deque[tuple[int, Obj]] = deque(maxlen=history)  # pod watch events kept for resumption
         self.oldest_rv = 1  # a watch from an older resourceVersion gets 410 Expired
@@ -963,6 +966,74 @@ class Cluster:
         out["status"] = self.pdb_status(pdb)
         return out
 
+    # configmaps (core/v1): create, get, list, replace (PUT with resourceVersion -> 409), delete.
+    # Namespaces are not modelled: any namespace exists.
+    def create_configmap(self, ns: str, cm: Obj) -> Obj:
+        with self.lock:
+            cm = copy.deepcopy(cm)
+            md = cm.setdefault("metadata", {})
+            if not md.get("name"):
+                raise ApiError(422, "Invalid", "ConfigMap is invalid: metadata.name: Required value: name is required")
+            if md.get("namespace", ns) != ns:
+                raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the request")
+            _check_configmap_data(cm)
+            if (ns, md["name"]) in self.configmaps:
+                raise ApiError(409, "AlreadyExists", f'configmaps "{md["name"]}" already exists')
+            cm.update(apiVersion="v1", kind="ConfigMap")
+            md.update(namespace=ns, uid=str(uuid.uuid4()), resourceVersion=self.rv(), creationTimestamp=_now_iso())
+            self.configmaps[(ns, md["name"])] = cm
+            self._record("create", cm)
+            return copy.deepcopy(cm)
+
+    def get_configmap(self, ns: str, name: str) -> Obj:
+        with self.lock:
+            cm = self.configmaps.get((ns, name))
+            if cm is None:
+                raise ApiError(404, "NotFound", f'configmaps "{name}" not found', {"name": name, "kind": "configmaps"})
+            return copy.deepcopy(cm)
+
+    def replace_configmap(self, ns: str, name: str, cm: Obj) -> Obj:
+        with self.lock:
+            old = self.get_configmap(ns, name)
+            cm = copy.deepcopy(cm)
+            md = cm.setdefault("metadata", {})
+            if md.get("name") != name:
+                raise ApiError(400, "BadRequest", "the name of the object does not match the name on the URL")
+            want_rv = md.get("resourceVersion")
+            if not want_rv:
+                raise ApiError(
+                    422, "Invalid", "metadata.resourceVersion: Invalid value: must be specified for an update"
+                )
+            if want_rv != old["metadata"]["resourceVersion"]:
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on configmaps "{name}": the object has been modified; '
+                    "please apply your changes to the latest version and try again",
+                )
+            _check_configmap_data(cm)
+            cm.update(apiVersion="v1", kind="ConfigMap")
+            md.update(namespace=ns, uid=old["metadata"]["uid"], creationTimestamp=old["metadata"]["creationTimestamp"])
+            md["resourceVersion"] = self.rv()
+            self.configmaps[(ns, name)] = cm
+            self._record("replace", cm)
+            return copy.deepcopy(cm)
+
+
+_CONFIGMAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _check_configmap_data(cm: Obj) -> None:
+    """As the real server: keys are ``[-._a-zA-Z0-9]+`` and the data may not exceed 1 MiB (422 otherwise)."""
+    data = cm.get("data") or {}
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise ApiError(400, "BadRequest", "ConfigMap data: values must be strings")
+    bad = sorted(k for k in data if not _CONFIGMAP_KEY.match(k) or k in (".", ".."))
+    if bad:
+        raise ApiError(422, "Invalid", f"ConfigMap is invalid: data[{bad[0]}]: Invalid value: a valid config key")
+    if sum(len(k.encode()) + len(v.encode()) for k, v in data.items()) > 1024 * 1024:
+        raise ApiError(422, "Invalid", "ConfigMap is invalid: []: Too long: must have at most 1048576 bytes")
+
 
 # --- HTTP -----------------------------------------------------------------------------------------
 
@@ -984,6 +1055,11 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
         ("POST", r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets$", "create_pdb"),
         ("GET", r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets/([^/]+)$", "get_pdb"),
         ("DELETE", r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets/([^/]+)$", "delete_pdb"),
+        ("GET", r"^/api/v1/namespaces/([^/]+)/configmaps$", "list_configmaps"),
+        ("POST", r"^/api/v1/namespaces/([^/]+)/configmaps$", "create_configmap"),
+        ("GET", r"^/api/v1/namespaces/([^/]+)/configmaps/([^/]+)$", "get_configmap"),
+        ("PUT", r"^/api/v1/namespaces/([^/]+)/configmaps/([^/]+)$", "replace_configmap"),
+        ("DELETE", r"^/api/v1/namespaces/([^/]+)/configmaps/([^/]+)$", "delete_configmap"),
     ]
 ]
 
@@ -1101,6 +1177,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self._dispatch("DELETE")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
 
     # handlers
     @property
@@ -1282,6 +1361,30 @@ class _Handler(BaseHTTPRequestHandler):
         with self.c.lock:
             if self.c.pdbs.pop((ns, name), None) is None:
                 raise ApiError(404, "NotFound", f'poddisruptionbudgets.policy "{name}" not found')
+        self._json(200, status_obj(200, "", ""))
+
+    def h_list_configmaps(self, q: dict[str, str], ns: str) -> None:
+        with self.c.lock:
+            items = [copy.deepcopy(c) for (cns, _), c in sorted(self.c.configmaps.items()) if cns == ns]
+        self._list("ConfigMapList", items)
+
+    def h_create_configmap(self, q: dict[str, str], ns: str) -> None:
+        body = self._body()
+        self._authorize("create", "configmaps", str((body.get("metadata") or {}).get("name", "")), ns)
+        self._json(201, self.c.create_configmap(ns, body))
+
+    def h_get_configmap(self, q: dict[str, str], ns: str, name: str) -> None:
+        self._authorize("get", "configmaps", name, ns)
+        self._json(200, self.c.get_configmap(ns, name))
+
+    def h_replace_configmap(self, q: dict[str, str], ns: str, name: str) -> None:
+        self._authorize("update", "configmaps", name, ns)
+        self._json(200, self.c.replace_configmap(ns, name, self._body()))
+
+    def h_delete_configmap(self, q: dict[str, str], ns: str, name: str) -> None:
+        with self.c.lock:
+            if self.c.configmaps.pop((ns, name), None) is None:
+                raise ApiError(404, "NotFound", f'configmaps "{name}" not found')
         self._json(200, status_obj(200, "", ""))
 
 

@@ -1,0 +1,115 @@
+"""Signed reclaim notices: the reclaimer signs, the node verifies with the keys its bundle's hall policy names.
+
+On the node agent's import path: pynacl and the standard library only.
+
+A signed notice is the notice object itself with one more member, ``signatures``::
+
+    {"id": ..., "hall": ..., "node": ..., "terminateAt": ..., "issuedAt": ...,
+     "signatures": [{"keyid": "<16 hex>", "sig": "<128 lowercase hex>"}]}
+
+Each signature covers ``b"sco-notice-v1\\0" + sha256(body)`` where ``body`` is the object without
+``signatures``, encoded with sorted keys, no whitespace, ASCII only and no NaN or infinity (times are
+epoch seconds as numbers, which Python writes in their shortest round-trip form, or RFC 3339 strings).
+The hall and node are inside the signed body, so a notice signed for one node cannot drain another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from nacl.exceptions import BadSignatureError
+
+from sco.contract.signing import Keyring, PrivateKey
+from sco.errors import NoticeAuthError
+
+_DOMAIN = b"sco-notice-v1\x00"
+MAX_NOTICE_BYTES = 64 * 1024  # a notice is a few hundred bytes; anything far larger is not one
+
+
+def _body(notice: dict[str, Any]) -> bytes:
+    try:
+        text = json.dumps(notice, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise NoticeAuthError("malformed", f"notice cannot be encoded: {e}") from None
+    return text.encode("ascii")
+
+
+def _message(notice: dict[str, Any]) -> bytes:
+    return _DOMAIN + hashlib.sha256(_body(notice)).digest()
+
+
+def sign_notice(notice: dict[str, Any], signing_keys: Iterable[PrivateKey]) -> bytes:
+    """The bytes to publish on ``sco.notice.<hall>.<node>``: ``notice`` signed by every key given."""
+    body = {k: v for k, v in notice.items() if k != "signatures"}
+    message = _message(body)
+    sigs = sorted(
+        ({"keyid": k.keyid, "sig": k.signing_key.sign(message).signature.hex()} for k in signing_keys),
+        key=lambda s: s["keyid"],
+    )
+    if not sigs:
+        raise ValueError("at least one notice signing key is needed")
+    return _body({**body, "signatures": sigs})
+
+
+def verify_notice(raw: bytes, trusted_keys: Keyring, *, max_bytes: int = MAX_NOTICE_BYTES) -> dict[str, Any]:
+    """The notice in ``raw`` (without its signatures) if a trusted key signed it; NoticeAuthError otherwise.
+
+    Kinds: "malformed" (not a JSON object, too large), "unsigned" (no signatures), "untrusted" (no signature
+    by a trusted key, or no notice key trusted at all), "forged" (a trusted key's signature does not match).
+    """
+    if len(raw) > max_bytes:
+        raise NoticeAuthError("malformed", f"notice is {len(raw)} bytes, more than {max_bytes}")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise NoticeAuthError("malformed", f"not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise NoticeAuthError("malformed", "expected a JSON object")
+    sigs = doc.pop("signatures", None)
+    if sigs is None or sigs == []:
+        raise NoticeAuthError("unsigned", "notice carries no signature")
+    if not isinstance(sigs, list) or len(sigs) > 8:
+        raise NoticeAuthError("malformed", "signatures: expected a list of up to 8 {keyid, sig}")
+    if len(trusted_keys) == 0:
+        raise NoticeAuthError("untrusted", "no notice key is trusted (the bundle's hall policy names none)")
+    message = _message(doc)
+    seen: list[str] = []
+    for i, s in enumerate(sigs):
+        if not isinstance(s, dict) or not isinstance(s.get("keyid"), str) or not isinstance(s.get("sig"), str):
+            raise NoticeAuthError("malformed", f"signatures[{i}]: expected keyid and sig strings")
+        keyid, sig_hex = s["keyid"], s["sig"]
+        seen.append(keyid[:16])
+        vk = trusted_keys.get(keyid)
+        if vk is None:
+            continue
+        try:
+            sig = bytes.fromhex(sig_hex)
+        except ValueError:
+            sig = b""
+        if len(sig) != 64:
+            raise NoticeAuthError("forged", f"signatures[{i}].sig: expected 128 hex digits")
+        try:
+            vk.verify(message, sig)
+        except BadSignatureError:
+            raise NoticeAuthError("forged", f"signature by key {keyid} does not match the notice") from None
+        return doc
+    raise NoticeAuthError(
+        "untrusted",
+        f"signed by {', '.join(seen)}, none of which is a trusted notice key ({', '.join(trusted_keys.keyids)})",
+    )
+
+
+def notice_keyring(policy: dict[str, Any]) -> Keyring:
+    """The notice keys a hall policy (as the bundle carries it) names; entries are checked by the bundle."""
+    from nacl.signing import VerifyKey
+
+    from sco.contract.signing import PublicKey, key_id
+
+    keys = []
+    for entry in policy.get("noticeKeys") or []:
+        vk = VerifyKey(bytes.fromhex(entry["public"]))
+        keys.append(PublicKey(key_id(vk), vk))
+    return Keyring(keys)
