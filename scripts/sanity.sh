@@ -10,7 +10,8 @@ export PATH="$PWD/$VENV/bin:$PATH"
 work=$(mktemp -d "${TMPDIR:-/tmp}/sco-sanity.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 ansible-galaxy collection build collections/ansible_collections/sco/orchestrator --output-path "$work" --force
-ansible-galaxy collection install "$work"/sco-orchestrator-*.tar.gz -p "$work/tree" --force
+# --no-deps: sanity looks at this collection only (its dependencies come from Galaxy, out of reach here)
+ansible-galaxy collection install --no-deps "$work"/sco-orchestrator-*.tar.gz -p "$work/tree" --force
 # ansible-test bootstraps pip in its per-test venvs with a script from ci-files.testing.ansible.com, out of reach
 # here: give it the stand-in (pip from ensurepip, the rest from the package index) under the name it looks for.
 pip_version=$(python -c 'import re, ansible_test, pathlib; p = pathlib.Path(ansible_test.__file__).parent / "_internal/python_requirements.py"; print(re.search(r"pip=.([0-9.]+)", p.read_text()).group(1))')

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from sco.contract.signing import generate, write_keypair
 from sco.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, add_pod, free_port, wait_for
 
@@ -106,10 +107,18 @@ def test_drill_reclaims_the_chosen_node_and_reports_drained(tmp_path: Path, rela
     password = (creds / "node-node-1").read_text().strip()
     agent = AgentEnv(tmp_path / "agent", kube, srv, nats_url=f"nats://node-node-1:{password}@127.0.0.1:{srv.port}")
     add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.5)
+    write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")  # the hall trusts it
     agent.start().wait_subscribed()
     try:
-        ev = {"sco_hall": "local", "sco_relay_url": srv.url, "sco_credentials_dir": str(tmp_path),
-              "drill_nodes": ["node-1"], "drill_notice_seconds": 20, "drill_grace_seconds": 5}  # fmt: skip
+        ev = {
+            "drill_notice_keys": [str(tmp_path / "notice.key")],
+            "sco_hall": "local",
+            "sco_relay_url": srv.url,
+            "sco_credentials_dir": str(tmp_path),
+            "drill_nodes": ["node-1"],
+            "drill_notice_seconds": 20,
+            "drill_grace_seconds": 5,
+        }
         (tmp_path / "nats").symlink_to(creds)  # the drill reads <sco_credentials_dir>/nats/<user>
         out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -125,8 +134,10 @@ def test_drill_reclaims_the_chosen_node_and_reports_drained(tmp_path: Path, rela
 def test_drill_says_which_nodes_did_not_drain(tmp_path: Path, relay: Any) -> None:
     srv, creds = relay
     (tmp_path / "nats").symlink_to(creds)
+    write_keypair(generate(), tmp_path / "notice.key", tmp_path / "notice.pub")
     ev = {"sco_hall": "local", "sco_relay_url": srv.url, "sco_credentials_dir": str(tmp_path),
-          "drill_nodes": ["node-1"], "drill_notice_seconds": 2, "drill_grace_seconds": 1}  # fmt: skip
+          "drill_nodes": ["node-1"], "drill_notice_seconds": 2, "drill_grace_seconds": 1,
+          "drill_notice_keys": [str(tmp_path / "notice.key")]}  # fmt: skip
     out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev)
     assert out.returncode != 0  # no agent listens: the job fails and names the node
     assert "node-1: no answer" in out.stdout and "not drained: node-1" in out.stdout

@@ -2,8 +2,9 @@
 """Reclaim drill: send reclaim notices to chosen nodes through the hall's relay, as the reclaimer, and report what
 each node's agent did (from its events on sco.events.<hall>.<node>), as one JSON document on stdout.
 
-The notice is the real one (the agent drains for real); the instances are not deleted: that is the provider's
-reclaimer (`sco reclaim`), which this drill does not need. Exit 0 when every node drained, 1 otherwise, 2 on bad
+The notice is the real one, signed with the hall's notice key (its public half is in the hall policy's noticeKeys,
+so nodes trust it through their bundle): the agent drains for real. The instances are not deleted: that is the
+provider's reclaimer (`sco reclaim`), which this drill does not need. Exit 0 when every node drained, 1 otherwise, 2 on bad
 input or an unreachable relay.
 """
 
@@ -20,6 +21,9 @@ from typing import Any
 
 import nats
 
+from sco.contract.notice import sign_notice
+from sco.contract.signing import load_private
+
 FINAL = {"drain.drained": "drained", "drain.overrun": "overrun", "drain.error": "error", "notice.refused": "refused"}
 
 
@@ -33,6 +37,7 @@ async def drill(args: argparse.Namespace) -> dict[str, Any]:
         servers=servers, user=args.reclaimer, password=Path(args.reclaimer_password_file).read_text().strip(),
         connect_timeout=3, max_reconnect_attempts=3,
     )
+    keys = [load_private(Path(k)) for k in args.signing_key]
     drill_id = f"drill-{int(time.time())}-{uuid.uuid4().hex[:6]}"
     nodes: dict[str, dict[str, Any]] = {n: {"outcome": "no answer", "events": []} for n in args.node}
     done = asyncio.Event()
@@ -63,7 +68,7 @@ async def drill(args: argparse.Namespace) -> dict[str, Any]:
     for node in nodes:
         notice = {"id": f"{drill_id}-{node}", "hall": args.hall, "node": node, "terminateAt": terminate_at,
                   "issuedAt": sent_at}
-        await reclaimer.publish(f"sco.notice.{args.hall}.{node}", json.dumps(notice).encode())
+        await reclaimer.publish(f"sco.notice.{args.hall}.{node}", sign_notice(notice, keys))
     await reclaimer.flush(timeout=3)
     try:
         await asyncio.wait_for(done.wait(), args.notice_seconds + args.grace_seconds)
@@ -91,6 +96,7 @@ def main() -> None:
     p.add_argument("--reclaimer-password-file", required=True)
     p.add_argument("--reader", default="control")
     p.add_argument("--reader-password-file", required=True)
+    p.add_argument("--signing-key", action="append", required=True, help="notice key file (repeatable)")
     p.add_argument("--notice-seconds", type=float, default=120)
     p.add_argument("--grace-seconds", type=float, default=10)
     args = p.parse_args()
