@@ -105,7 +105,8 @@ def relay(tmp_path: Path) -> Iterator[tuple[RoleRelay, Path]]:
 def test_drill_reclaims_the_chosen_node_and_reports_drained(tmp_path: Path, relay: Any, kube: KubeApiStandIn) -> None:
     srv, creds = relay
     password = (creds / "node-node-1").read_text().strip()
-    agent = AgentEnv(tmp_path / "agent", kube, srv, nats_url=f"nats://node-node-1:{password}@127.0.0.1:{srv.port}")
+    # the node's own relay identity, as the node_agent role writes it
+    agent = AgentEnv(tmp_path / "agent", kube, srv, nats_user="node-node-1", nats_password=password)
     add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.5)
     write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")  # the hall trusts it
     agent.start().wait_subscribed()
