@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 # slurm-wlm: the real slurmctld/slurmd the Slurm tests run; lua5.1: the job_submit.lua benchmark.
 # debootstrap, openssh-client, socat, iproute2: the SSH test hosts (network namespaces) Ansible runs against.
+# dbus: the real dbus-daemon the logind stand-in serves on (Kubernetes fallback tests).
+# openjdk-17-jre-headless: the JVMs of the pyspark decommissioning test (local-cluster mode).
 APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates systemd procps slurm-wlm lua5.1
-  debootstrap openssh-client socat iproute2 openssl)
+  debootstrap openssh-client socat iproute2 openssl dbus openjdk-17-jre-headless)
 
 need_apt=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -35,4 +37,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q -e '.[dev]'
   touch "$stamp"
 fi
+# OpenStack services for the provider tests, in their own venv (.venv-openstack).
+bash scripts/openstack/setup.sh
 echo "setup: ok ($("$VENV/bin/python" --version))"

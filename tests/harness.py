@@ -278,6 +278,7 @@ class AgentEnv:
             "kube_url": kube.url if kube else "",
             "metadata_url": metadata.url if metadata else "",
             "log_level": "info",
+            "checkpoint_socket": "",  # tests that want the socket pass a short path (Unix path limit)
             **settings,
         }
         self.config = root / "agent.toml"

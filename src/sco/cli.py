@@ -499,6 +499,105 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.workdir) if args.workdir else None)
 
 
+# --- fleet state and the provider (sco db, sco reclaim) ---------------------------------------------
+
+
+def cmd_db_migrate(args: argparse.Namespace) -> int:
+    from sco.state.db import connect, dsn_from_env, migrate
+
+    if args.embedded:
+        from sco.state.embedded import EmbeddedPostgres
+
+        pg = EmbeddedPostgres(Path(args.embedded), port=args.port)
+        if not (pg.pgdata / "postmaster.pid").exists():
+            pg.start()
+        dsn = pg.dsn()
+        print(f"embedded PostgreSQL in {args.embedded}: {dsn}")
+    else:
+        dsn = dsn_from_env(args.dsn)
+    with connect(dsn) as conn:
+        done = migrate(conn)
+    for m in done:
+        print(f"applied {m.version:04d}_{m.name}")
+    print("fleet state up to date" if not done else f"{len(done)} migration(s) applied")
+    return 0
+
+
+def _cloud(name: str | None) -> Any:
+    import openstack
+
+    try:
+        return openstack.connect(cloud=name) if name else openstack.connect()
+    except Exception as e:
+        raise ConfigError(f"OpenStack cloud {name or '(from OS_* variables)'}: {e}") from None
+
+
+def cmd_reclaim(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from sco.provider.reclaimer import Reclaimer
+    from sco.state.db import dsn_from_env
+    from sco.state.fleet import FleetState
+
+    if not args.nats:
+        raise ConfigError("no notice relay: give --nats URL or set $SCO_NATS_URL")
+    if args.window <= 0:
+        raise ConfigError(f"--window: must be > 0 seconds, got {args.window}")
+    from sco.contract.signing import load_private
+
+    key_files = args.notice_key or ([os.environ["SCO_NOTICE_KEY"]] if os.environ.get("SCO_NOTICE_KEY") else [])
+    if not key_files:
+        raise ConfigError(
+            "no notice key: give --notice-key KEY or set $SCO_NOTICE_KEY (agents refuse unsigned notices)"
+        )
+    keys = [load_private(Path(k)) for k in key_files]
+
+    async def go() -> int:
+        with FleetState(dsn_from_env(args.dsn), application="sco reclaim") as st, st.writer(args.hall, args.lock_wait):
+            r = Reclaimer(_cloud(args.os_cloud), st, args.nats, window_s=args.window, signing_keys=keys)
+            try:
+                for rc in await r.notify(args.hall, args.nodes):
+                    sent = "published" if rc.published_at else "NOT published (relay down; metadata only)"
+                    print(f"{rc.instance.name}: notice {rc.notice['id']} {sent}, deleted at {rc.terminate_at:.3f}")
+                if not args.no_wait:
+                    await r.run(args.hall)
+                    for rc in r.reclaims.values():
+                        inst = st.instance(rc.instance.id)
+                        print(f"{inst.name}: {inst.state}")
+            finally:
+                await r.close()
+        return 0
+
+    return asyncio.run(go())
+
+
+def _add_fleet_commands(sub: Any) -> None:
+    db = sub.add_parser("db", help="the fleet state (PostgreSQL)")
+    dbs = db.add_subparsers(dest="db_command", required=True)
+    x = dbs.add_parser("migrate", help="apply the schema migrations not yet applied, in order")
+    x.add_argument("--dsn", default=_env("SCO_DB_DSN"), help="libpq connection string [$SCO_DB_DSN]")
+    x.add_argument("--embedded", metavar="DIR", help="start (if needed) an embedded PostgreSQL in DIR and use it")
+    x.add_argument("--port", type=int, default=5433, help="the embedded server's port (with --embedded)")
+    x.set_defaults(func=cmd_db_migrate)
+
+    x = sub.add_parser("reclaim", help="take instances back: notice now, delete at T+window")
+    x.add_argument("--hall", required=True)
+    x.add_argument("nodes", nargs="+", metavar="NODE", help="instance (node) names")
+    x.add_argument("--window", type=float, default=float(_env("SCO_RECLAIM_WINDOW", "120") or 120))
+    x.add_argument("--nats", default=_env("SCO_NATS_URL"), help="the hall's notice relay [$SCO_NATS_URL]")
+    x.add_argument("--os-cloud", default=_env("OS_CLOUD"), help="clouds.yaml entry [$OS_CLOUD]")
+    x.add_argument("--dsn", default=_env("SCO_DB_DSN"), help="fleet state [$SCO_DB_DSN]")
+    x.add_argument(
+        "--notice-key",
+        action="append",
+        metavar="KEY",
+        help="the hall's notice signing key (repeatable) [$SCO_NOTICE_KEY]",
+    )
+    x.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another writer of the hall")
+    x.add_argument("--no-wait", action="store_true", help="send the notices and return (a later run deletes)")
+    x.set_defaults(func=cmd_reclaim)
+
+
 # --- parser ---------------------------------------------------------------------------------------
 
 
@@ -633,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the embedded local hall")
     d.add_argument("--workdir", help="keep the demo's files here (default: a temporary directory)")
     d.set_defaults(func=cmd_demo)
+    _add_fleet_commands(sub)
     return p
 
 

@@ -80,6 +80,9 @@ class AgentConfig:
     """One bundle request, connect to last byte; a slower answer is refused and the last good bundle kept."""
     metadata_max_bytes: int = 1024 * 1024
     """Largest instance-metadata response accepted."""
+    rearm_check_seconds: float = 5.0
+    """After a drain, how often the agent checks whether the node was put back in service (untainted or
+    resumed); until then further notices are counted, not drained again."""
     # Overrides of the hall policy in the bundle (tests use short windows); 0 means "from the bundle".
     notice_window_seconds: float = 0
     safety_margin_seconds: float = -1
@@ -87,6 +90,15 @@ class AgentConfig:
     bundle_refresh_seconds: float = 0
     scheduler_api_timeout_ms: int = 0
     log_level: str = "info"
+    kube_fallback: str = "poweroff"
+    """Around a silent API server (800 ms): poweroff = take a logind delay inhibitor and power off, so kubelet's
+    graceful node shutdown terminates pods by priority; wait = take the inhibitor and wait for the provider's
+    shutdown; off = keep retrying the API (no fallback)."""
+    logind_bus: str = "unix:path=/run/dbus/system_bus_socket"
+    """D-Bus address of the system bus logind is on."""
+    checkpoint_socket: str = "/run/sco/checkpoint.sock"
+    """Unix socket workloads register on to be told of a notice (agent/CHECKPOINT-PROTOCOL.md); empty: none.
+    Pods reach it by mounting its directory as a hostPath."""
 
     @property
     def spool_dir(self) -> Path:
@@ -212,6 +224,12 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.spool_max_bytes", "must be at least 65536"))
     if not 1 <= cfg.evict_concurrency <= 256:
         p.append(Problem(where, "agent.evict_concurrency", "must be between 1 and 256"))
+    if cfg.kube_fallback not in ("poweroff", "wait", "off"):
+        p.append(Problem(where, "agent.kube_fallback", f"expected poweroff, wait or off, got {cfg.kube_fallback!r}"))
+    if not cfg.logind_bus.startswith(("unix:path=", "unix:abstract=")):
+        p.append(Problem(where, "agent.logind_bus", f"expected a unix:path=... D-Bus address, got {cfg.logind_bus!r}"))
+    if cfg.checkpoint_socket and len(cfg.checkpoint_socket.encode()) > 107:
+        p.append(Problem(where, "agent.checkpoint_socket", "a Unix socket path must be at most 107 bytes"))
     # Intervals: 0 means "from the bundle"; anything else near 0 (or negative) would be a busy loop.
     for name, lo, hi in (
         ("metadata_poll_seconds", 0.5, 300),
@@ -224,6 +242,8 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
             p.append(Problem(where, f"agent.{name}", f"expected 0 (from the bundle) or {lo} to {hi}, got {v}"))
     if cfg.safety_margin_seconds != -1 and not 0 <= cfg.safety_margin_seconds <= 600:
         p.append(Problem(where, "agent.safety_margin_seconds", "expected -1 (from the bundle) or 0 to 600"))
+    if not 0.05 <= cfg.rearm_check_seconds <= 300:
+        p.append(Problem(where, "agent.rearm_check_seconds", "expected 0.05 to 300 seconds"))
     if not 0.01 <= cfg.spool_sync_interval <= 60:
         p.append(Problem(where, "agent.spool_sync_interval", "expected 0.01 to 60 seconds"))
     if not 1.0 <= cfg.bundle_fetch_deadline_seconds <= 600:
@@ -331,6 +351,8 @@ kube_ca_file = ""                   # the cluster's CA; "system" for the system 
 # kube_in_cluster = 1                       # or: KUBERNETES_SERVICE_HOST/PORT and the service account
 taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
+kube_fallback = "poweroff"          # API silent 800 ms: logind inhibitor + kubelet graceful node shutdown
+checkpoint_socket = "/run/sco/checkpoint.sock"  # workloads register here (pods: hostPath /run/sco); "" disables
 bundle_max_bytes = 33554432         # larger bundle responses are refused (the last good bundle stays)
 bundle_fetch_deadline_seconds = 30  # one bundle request, connect to last byte
 """

@@ -23,6 +23,7 @@ from typing import Any
 
 from sco import __version__
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
+from sco.agent.checkpoint import CheckpointServer
 from sco.agent.config import AgentConfig
 from sco.agent.deadline import Deadline
 from sco.agent.drain import Drain, DrainPath
@@ -42,7 +43,6 @@ log = logging.getLogger("sco.agent")
 sys.modules.setdefault("aiohttp", None)  # type: ignore[arg-type]
 
 OUTCOMES = ("drain.drained", "drain.overrun")
-REARM_CHECK_S = 5.0  # while the node stays drained, how often the agent looks whether it was put back
 PUBLISH_WARN_EVERY_S = 60.0
 
 
@@ -101,6 +101,7 @@ class Agent:
         self._tasks: list[asyncio.Task[None]] = []
         self.kube: Any = None
         self.slurm: Any = None
+        self.checkpoint: CheckpointServer | None = None
 
     # --- policy, from the bundle unless overridden -------------------------------------------------
 
@@ -184,6 +185,8 @@ class Agent:
                 source=n.source,
             )
             drain.update_deadline(n.terminate_at)
+            if self.checkpoint is not None:  # workloads are told the shorter budget at once
+                self.checkpoint.update_deadline()
             return
         # Another notice while the node drains or after it drained: counted, never a second drain.
         self.absorbed += 1
@@ -242,7 +245,7 @@ class Agent:
         """After a drain the node stays drained: notices are absorbed until someone puts it back."""
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), REARM_CHECK_S)
+                await asyncio.wait_for(self._stop.wait(), self.cfg.rearm_check_seconds)
             if self.book.current is None or self.drain is not None or self._stop.is_set():
                 continue
             try:
@@ -269,6 +272,8 @@ class Agent:
         deadline = Deadline(n.terminate_at, self.margin, received, self.clock)
         drain = self.path.drain(n, deadline, record)
         self.drain = drain
+        if self.checkpoint is not None:  # workloads on the checkpoint socket are told at once
+            self.checkpoint.start_notice(n.id, deadline)
         self.drain_task = asyncio.create_task(self._run_drain(drain), name=f"drain:{n.id}")
         self._wake_publisher.set()
 
@@ -507,8 +512,11 @@ class Agent:
                 node=self.cfg.node,
                 slurmd_spool_dir=Path(self.cfg.slurmd_spool_dir.replace("%n", self.cfg.node)),
                 cgroup_root=Path(self.cfg.cgroup_root),
+                checkpoint=self.checkpoint,
             )
+        from sco.agent.inhibit import Logind
         from sco.agent.kube_drain import KubePath
+        from sco.agent.kube_node import KubeNodePath
         from sco.schedulers.kube import KubeClient, KubeConfigError
 
         try:
@@ -517,13 +525,17 @@ class Agent:
             )
         except (KubeConfigError, OSError) as e:  # no CA for https, an unreadable kubeconfig
             raise ConfigError(f"kubernetes credentials: {e}") from None
-        return KubePath(
+        # Spark executors first, a driver last; around a silent API server, logind and kubelet (kube_node).
+        return KubeNodePath(
             kube=self.kube,
             spool=self.spool,
             bundle=lambda: self.cache.bundle,
             node=self.cfg.node,
             taint_key=self.cfg.taint_key,
             api_timeout=self.api_timeout,
+            logind=Logind(self.cfg.logind_bus),
+            checkpoint=self.checkpoint,
+            shutdown=self.cfg.kube_fallback,
         )
 
     async def _preflight(self) -> None:
@@ -540,6 +552,7 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
+        await self._start_checkpoint()  # before the drain path, which waits on its workloads
         self.path = self._drain_path()
         b = self.cache.bundle
         self._restore_book()
@@ -570,6 +583,28 @@ class Agent:
         await self._shutdown()
         return 0
 
+    async def _start_checkpoint(self) -> None:
+        """The checkpoint socket; a failure to listen is recorded, never a reason not to drain."""
+        if not self.cfg.checkpoint_socket:
+            return
+
+        def budget_for(contract: str | None) -> float | None:
+            b = self.cache.bundle.budget(contract) if (contract and self.cache.bundle) else None
+            return float(b.drain_seconds) if b else None
+
+        def on_event(type_: str, **fields: Any) -> None:
+            notice = self.checkpoint.notice.id if self.checkpoint and self.checkpoint.notice else None
+            self.spool.append(type_, ROUTINE, notice=notice, **fields)
+
+        srv = CheckpointServer(Path(self.cfg.checkpoint_socket), budget_for=budget_for, on_event=on_event)
+        try:
+            await srv.start()
+        except OSError as e:
+            log.error("checkpoint socket %s: %s", self.cfg.checkpoint_socket, e)
+            self.spool.append("checkpoint.unavailable", CRITICAL, path=self.cfg.checkpoint_socket, error=str(e))
+            return
+        self.checkpoint = srv
+
     async def _shutdown(self) -> None:
         notify("STOPPING=1")
         for t in self._tasks:
@@ -583,4 +618,6 @@ class Agent:
                 await asyncio.wait_for(self.nc.close(), 2)
         if self.path is not None:
             await self.path.close()
+        if self.checkpoint is not None:
+            await self.checkpoint.close()
         self.spool.close()

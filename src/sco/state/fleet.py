@@ -1,0 +1,296 @@
+"""The fleet state: what the acquirer and the reclaimer read and write.
+
+Every change of an instance's lifecycle state is written together with its lifecycle event, in one
+transaction, so the record always explains the state. Times are PostgreSQL's ``clock_timestamp()`` unless the
+caller has a time of its own (a deadline), which it passes as epoch seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from sco.state.db import connect, hall_lock, require_schema
+
+LIVE = ("requested", "launching", "active", "notified", "draining", "drained", "overrun", "deleting")
+RECLAIMING = ("notified", "draining", "drained", "overrun")
+KINDS = ("reclaimable", "committed", "on-demand")
+PLATFORMS = ("vm", "baremetal")
+
+
+def _ts(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, UTC)
+
+
+def _epoch(ts: datetime | None) -> float | None:
+    return None if ts is None else ts.timestamp()
+
+
+@dataclass(frozen=True)
+class Pool:
+    hall: str
+    name: str
+    flavor: str
+    image: str
+    kind: str = "reclaimable"
+    availability_zone: str = ""
+    platform: str = "vm"  # "baremetal": Ironic nodes, booted through Nova like any other flavor
+    unavailable_until: float | None = None
+    unavailable_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Instance:
+    id: int
+    hall: str
+    pool: str
+    plan_entry: str
+    slot: int
+    name: str
+    server_id: str | None
+    state: str
+    reclaim_id: str | None
+    terminate_at: float | None
+
+
+_ICOLS = "id, hall, pool, plan_entry, slot, name, server_id, state, reclaim_id, terminate_at"
+
+
+def _inst(row: tuple[Any, ...]) -> Instance:
+    iid, hall, pool, entry, slot, name, server_id, state, reclaim_id, terminate_at = row
+    return Instance(iid, hall, pool, entry, slot, name, server_id, state, reclaim_id, _epoch(terminate_at))
+
+
+class FleetState:
+    """One connection to the fleet state (not shared between threads)."""
+
+    def __init__(self, dsn: str, *, application: str = "sco") -> None:
+        self.dsn = dsn
+        self.conn = connect(dsn)
+        self.conn.execute("SELECT set_config('application_name', %s, false)", (application,))
+        require_schema(self.conn)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> FleetState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def writer(self, hall: str, wait_s: float = 0.0) -> Iterator[None]:
+        with hall_lock(self.conn, hall, wait_s=wait_s):
+            yield
+
+    def now(self) -> float:
+        return float(self.conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
+
+    # --- halls and pools -------------------------------------------------------------------------------
+
+    def ensure_pool(self, p: Pool) -> None:
+        with self.conn.transaction():
+            self.conn.execute("INSERT INTO hall (name) VALUES (%s) ON CONFLICT DO NOTHING", (p.hall,))
+            self.conn.execute(
+                "INSERT INTO pool (hall, name, flavor, availability_zone, kind, platform, image)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (hall, name) DO UPDATE SET flavor = EXCLUDED.flavor,"
+                " availability_zone = EXCLUDED.availability_zone, kind = EXCLUDED.kind,"
+                " platform = EXCLUDED.platform, image = EXCLUDED.image",
+                (p.hall, p.name, p.flavor, p.availability_zone, p.kind, p.platform, p.image),
+            )
+
+    def pool(self, hall: str, name: str) -> Pool | None:
+        row = self.conn.execute(
+            "SELECT hall, name, flavor, image, kind, availability_zone, platform, unavailable_until,"
+            " unavailable_reason FROM pool WHERE hall = %s AND name = %s",
+            (hall, name),
+        ).fetchone()
+        if row is None:
+            return None
+        hall_, name_, flavor, image, kind, az, platform, until, reason = row
+        return Pool(hall_, name_, flavor, image, kind, az, platform, _epoch(until), reason)
+
+    def mark_unavailable(self, hall: str, pool: str, for_s: float, reason: str) -> float:
+        """The pool takes no launches for ``for_s`` seconds (quota, no valid host); returns until when."""
+        with self.conn.transaction():
+            until = self.conn.execute(
+                "UPDATE pool SET unavailable_until = clock_timestamp() + make_interval(secs => %s),"
+                " unavailable_reason = %s WHERE hall = %s AND name = %s RETURNING unavailable_until",
+                (for_s, reason, hall, pool),
+            ).fetchone()[0]
+            self._event(hall, None, pool, "pool.unavailable", {"for_s": for_s, "reason": reason})
+        return float(until.timestamp())
+
+    # --- instances -------------------------------------------------------------------------------------
+
+    def instances(
+        self,
+        hall: str,
+        *,
+        pool: str | None = None,
+        plan_entry: str | None = None,
+        states: tuple[str, ...] | None = LIVE,
+        names: list[str] | None = None,
+    ) -> list[Instance]:
+        q = f"SELECT {_ICOLS} FROM instance WHERE hall = %s"
+        args: list[Any] = [hall]
+        for col, val in (("pool", pool), ("plan_entry", plan_entry)):
+            if val is not None:
+                q += f" AND {col} = %s"
+                args.append(val)
+        if states is not None:
+            q += " AND state = ANY(%s)"
+            args.append(list(states))
+        if names is not None:
+            q += " AND name = ANY(%s)"
+            args.append(names)
+        return [_inst(r) for r in self.conn.execute(q + " ORDER BY pool, plan_entry, slot, id", args)]
+
+    def instance(self, iid: int) -> Instance:
+        return _inst(self.conn.execute(f"SELECT {_ICOLS} FROM instance WHERE id = %s", (iid,)).fetchone())
+
+    def by_server(self, server_id: str) -> Instance | None:
+        row = self.conn.execute(f"SELECT {_ICOLS} FROM instance WHERE server_id = %s", (server_id,)).fetchone()
+        return _inst(row) if row else None
+
+    def request(self, hall: str, pool: str, plan_entry: str, slot: int, name: str) -> Instance:
+        """The slot's live instance row, created in state ``requested`` if there is none."""
+        with self.conn.transaction():
+            row = self.conn.execute(
+                f"SELECT {_ICOLS} FROM instance WHERE hall = %s AND pool = %s AND plan_entry = %s AND slot = %s"
+                " AND state = ANY(%s)",
+                (hall, pool, plan_entry, slot, list(LIVE)),
+            ).fetchone()
+            if row:
+                return _inst(row)
+            row = self.conn.execute(
+                "INSERT INTO instance (hall, pool, plan_entry, slot, name, state) VALUES (%s, %s, %s, %s, %s,"
+                f" 'requested') RETURNING {_ICOLS}",
+                (hall, pool, plan_entry, slot, name),
+            ).fetchone()
+            self._event(hall, row[0], pool, "instance.requested", {"name": name, "slot": slot})
+        return _inst(row)
+
+    def transition(
+        self,
+        iid: int,
+        state: str,
+        kind: str,
+        *,
+        only_from: tuple[str, ...] | None = None,
+        server_id: str | None = None,
+        reclaim_id: str | None = None,
+        terminate_at: float | None = None,
+        **detail: Any,
+    ) -> bool:
+        """Move an instance to ``state`` and record ``kind``; with ``only_from``, only from those states
+        (the event is recorded either way, so a late report is never lost). Returns whether the state moved."""
+        with self.conn.transaction():
+            q = (
+                "UPDATE instance SET state = %s, updated_at = clock_timestamp(),"
+                " server_id = coalesce(%s, server_id), reclaim_id = coalesce(%s, reclaim_id),"
+                " terminate_at = coalesce(%s, terminate_at) WHERE id = %s"
+            )
+            args: list[Any] = [state, server_id, reclaim_id, _ts(terminate_at), iid]
+            if only_from is not None:
+                q += " AND state = ANY(%s)"
+                args.append(list(only_from))
+            moved = self.conn.execute(q + " RETURNING hall, pool", args).fetchone()
+            if moved is None:
+                hall, pool = self.conn.execute("SELECT hall, pool FROM instance WHERE id = %s", (iid,)).fetchone()
+            else:
+                hall, pool = moved
+            self._event(hall, iid, pool, kind, {"state": state if moved else None, **detail})
+        return moved is not None
+
+    def event(self, hall: str, kind: str, *, instance_id: int | None = None, pool: str | None = None, **d: Any) -> None:
+        with self.conn.transaction():
+            self._event(hall, instance_id, pool, kind, d)
+
+    def _event(self, hall: str, iid: int | None, pool: str | None, kind: str, detail: dict[str, Any]) -> None:
+        self.conn.execute(
+            "INSERT INTO lifecycle_event (hall, instance_id, pool, kind, detail) VALUES (%s, %s, %s, %s, %s)",
+            (hall, iid, pool, kind, Jsonb(detail)),
+        )
+
+    def agent_event(self, hall: str, ev: dict[str, Any], state: str | None, only_from: tuple[str, ...]) -> bool:
+        """Fold one of the agent's events (at-least-once delivery): recorded once per (node, seq); moves the
+        node's live instance to ``state`` when given and allowed. Returns False for a duplicate."""
+        node = str(ev.get("node", ""))
+        with self.conn.transaction():
+            row = self.conn.execute(
+                "SELECT id, pool FROM instance WHERE hall = %s AND name = %s ORDER BY (state = 'deleted'), id DESC"
+                " LIMIT 1",
+                (hall, node),
+            ).fetchone()
+            iid, pool = (row[0], row[1]) if row else (None, None)
+            ins = self.conn.execute(
+                "INSERT INTO lifecycle_event (hall, instance_id, pool, kind, detail) VALUES (%s, %s, %s, %s, %s)"
+                " ON CONFLICT DO NOTHING RETURNING id",
+                (hall, iid, pool, f"agent.{ev.get('type')}", Jsonb(ev)),
+            ).fetchone()
+            if ins is None:
+                return False
+            if state is not None and iid is not None:
+                self.conn.execute(
+                    "UPDATE instance SET state = %s, updated_at = clock_timestamp() WHERE id = %s AND state = ANY(%s)",
+                    (state, iid, list(only_from)),
+                )
+        return True
+
+    def events(self, *, instance_id: int | None = None, hall: str | None = None) -> list[dict[str, Any]]:
+        q = "SELECT kind, extract(epoch FROM at), detail, instance_id, pool FROM lifecycle_event WHERE true"
+        args: list[Any] = []
+        if instance_id is not None:
+            q += " AND instance_id = %s"
+            args.append(instance_id)
+        if hall is not None:
+            q += " AND hall = %s"
+            args.append(hall)
+        return [
+            {"kind": k, "at": float(at), "detail": d, "instance_id": i, "pool": p}
+            for k, at, d, i, p in self.conn.execute(q + " ORDER BY at, id", args)
+        ]
+
+    def due(self, hall: str) -> list[Instance]:
+        """Instances under reclaim, earliest deadline first."""
+        return [
+            _inst(r)
+            for r in self.conn.execute(
+                f"SELECT {_ICOLS} FROM instance WHERE hall = %s AND state = ANY(%s) ORDER BY terminate_at",
+                (hall, [*RECLAIMING, "deleting"]),
+            )
+        ]
+
+    # --- the acquirer's token budget -------------------------------------------------------------------
+
+    def take_tokens(self, bucket: str, n: float, *, capacity: float, per_minute: float) -> float:
+        """Take ``n`` API-call tokens from a bucket shared by every run; returns 0 when granted, else how many
+        seconds to wait before asking again (nothing is taken then)."""
+        with self.conn.transaction():
+            self.conn.execute(
+                "INSERT INTO token_bucket (name, capacity, refill_per_minute, tokens) VALUES (%s, %s, %s, %s)"
+                " ON CONFLICT (name) DO UPDATE SET capacity = EXCLUDED.capacity,"
+                " refill_per_minute = EXCLUDED.refill_per_minute",
+                (bucket, capacity, per_minute, capacity),
+            )
+            tokens, rate, cap, elapsed = self.conn.execute(
+                "SELECT tokens, refill_per_minute, capacity, extract(epoch FROM clock_timestamp() - updated_at)"
+                " FROM token_bucket WHERE name = %s FOR UPDATE",
+                (bucket,),
+            ).fetchone()
+            tokens = min(cap, tokens + float(elapsed) * rate / 60.0)
+            granted = tokens >= n
+            if granted:
+                tokens -= n
+            self.conn.execute(
+                "UPDATE token_bucket SET tokens = %s, updated_at = clock_timestamp() WHERE name = %s",
+                (tokens, bucket),
+            )
+        return 0.0 if granted else (n - tokens) * 60.0 / rate
