@@ -1,11 +1,11 @@
-# make demo | make test | make lint | make bench [BENCH=name]
+# make demo | make test | make lint | make bench [BENCH=name] | make sanity | make molecule [SCENARIO=name]
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH ?=
 SCO_TESTHOST_ROOTFS ?= /var/cache/sco-testhost/rootfs
 export SCO_TESTHOST_ROOTFS
 
-.PHONY: setup demo test unit lint bench clean testhosts
+.PHONY: setup demo test unit lint bench clean testhosts sanity molecule collection
 
 setup:
 	@bash scripts/setup.sh
@@ -14,12 +14,14 @@ demo: setup
 	$(VENV)/bin/sco demo
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks molecule
+	$(VENV)/bin/ruff format --check src tests benchmarks molecule
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	# the collection finds itself (module_defaults groups are resolved in the syntax check)
-	cd collections/ansible_collections/sco/orchestrator && ANSIBLE_COLLECTIONS_PATH=$(CURDIR)/collections ../../../../$(VENV)/bin/ansible-lint --profile production --offline -q
+	cd collections/ansible_collections/sco/orchestrator && ANSIBLE_COLLECTIONS_PATH=$(CURDIR)/collections \
+		../../../../$(VENV)/bin/ansible-lint --profile production --offline -q
+	$(VENV)/bin/ansible-lint --profile production --offline -q playbooks inventories molecule
+	cd collections/ansible_collections/sco/orchestrator && ../../../../$(VENV)/bin/antsibull-changelog lint
 
 testhosts: setup
 	@$(if $(filter 0,$(shell id -u)),,sudo) bash scripts/testhost-rootfs.sh $(SCO_TESTHOST_ROOTFS)
@@ -27,7 +29,21 @@ testhosts: setup
 unit: setup testhosts
 	$(PY) -m pytest
 
-test: lint unit
+# The collection artifact as Galaxy ships it: ansible-test sanity on it (Python 3.11).
+sanity: setup
+	bash scripts/sanity.sh
+
+# Molecule scenarios (molecule/), each against network-namespace SSH test hosts; SCENARIO=name for one.
+SCENARIO ?=
+molecule: setup testhosts
+	bash scripts/molecule.sh $(SCENARIO)
+
+# The collection artifact (and a copy for the execution environment build in ee/).
+collection: setup
+	$(VENV)/bin/ansible-galaxy collection build collections/ansible_collections/sco/orchestrator --output-path dist --force
+	cp dist/sco-orchestrator-*.tar.gz ee/sco-orchestrator.tar.gz
+
+test: lint unit sanity molecule
 
 bench: setup
 	$(PY) -m benchmarks.run $(BENCH)

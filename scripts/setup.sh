@@ -32,6 +32,8 @@ stamp="$VENV/.installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: pip install -e .[dev]"
   "$VENV/bin/python" -m pip install -q --upgrade pip
+  # the distribution was called `sco` before it was renamed: drop that stale record so only one claims the package
+  rm -rf src/sco.egg-info
   "$VENV/bin/python" -m pip install -q -e '.[dev]'
   touch "$stamp"
 fi

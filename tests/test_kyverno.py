@@ -155,7 +155,7 @@ def k8s_valid(obj: Obj) -> None:
 
 
 def test_rbac_objects_are_valid_kubernetes_objects() -> None:
-    docs = list(yaml.safe_load_all((KYVERNO / "rbac" / "agent.yaml").read_text()))
+    docs = list(d for f in sorted((KYVERNO / "rbac").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()))
     assert {d["kind"] for d in docs} >= {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
     for d in docs:
         k8s_valid(d)
@@ -169,7 +169,9 @@ def test_the_kubernetes_check_catches_a_typo() -> None:
 
 def test_agent_clusterrole_is_the_smallest_the_drain_needs() -> None:
     role = next(
-        d for d in yaml.safe_load_all((KYVERNO / "rbac" / "agent.yaml").read_text()) if d["kind"] == "ClusterRole"
+        d
+        for d in (d for f in sorted((KYVERNO / "rbac").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()))
+        if d["kind"] == "ClusterRole"
     )
     grants = {(r, v) for rr in role["rules"] for r in rr["resources"] for v in rr["verbs"]}
     # what sco.schedulers.kube.KubeClient does: get_node, taint_node (patch), pods_on_node (list), watch_pods,

@@ -98,7 +98,53 @@ def test_node_agent_role_check_real_again(tmp_path: Path, host: TestHost, wheelh
     events = host.ssh("/opt/sco/bin/sco-agent", "events", "--state-dir", "/var/lib/sco").stdout
     assert '"type": "agent.started"' in events
     pkgs = host.ssh("/opt/sco/bin/python", "-m", "pip", "list", "--format=freeze").stdout.lower()
-    assert "sco==" in pkgs and "aiohttp" not in pkgs  # the agent's environment stays lean
+    # the pinned release of the collection, under the distribution's own name (issue 12, defect 1)
+    assert "spot-capacity-orchestrator==0.1.0" in pkgs and "aiohttp" not in pkgs  # the agent's env stays lean
+
+
+def _revocation(tmp_path: Path, host: TestHost, role: str, playbook: str, trust_dir: str, ev: dict[str, Any]) -> None:
+    """A key taken off the list stops verifying on the next run (issue 12, defect 2); a key file someone put in
+    the trust directory by hand is not trusted either: the role owns the directory."""
+    from tests.harness import hall_bundle
+
+    old, new = generate(), generate()
+    write_keypair(old, tmp_path / "old.key", tmp_path / "old.pub")
+    write_keypair(new, tmp_path / "new.key", tmp_path / "new.pub")
+    (host.root / "root" / "by-old.json").write_bytes(hall_bundle(tmp_path / "o", old))
+    (host.root / "root" / "by-new.json").write_bytes(hall_bundle(tmp_path / "n", new))
+    keys = {f"{role}_trusted_keys": [str(tmp_path / "old.pub"), str(tmp_path / "new.pub")]}
+    r = play(tmp_path, host, {**ev, **keys}, playbook=playbook)
+    assert r.rc == 0, r.stdout.read()
+    verify = ("/opt/sco/bin/sco", "contract", "verify", "/root/by-old.json", "--trust-dir", trust_dir)
+    assert host.ssh(*verify, check=False).returncode == 0
+
+    (host.root / trust_dir.lstrip("/") / "stray.pub").write_bytes((tmp_path / "old.pub").read_bytes())
+    r = play(tmp_path, host, {**ev, f"{role}_trusted_keys": [str(tmp_path / "new.pub")]}, playbook=playbook)
+    assert r.rc == 0, r.stdout.read()
+    assert host.ssh("ls", trust_dir).stdout.split() == ["new.pub"]
+    refused = host.ssh(*verify, check=False)
+    assert refused.returncode == 3, refused.stderr
+    assert host.ssh(*verify[:3], "/root/by-new.json", *verify[4:], check=False).returncode == 0
+
+
+def test_node_agent_role_revokes_keys(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_wheelhouse": str(wheelhouse),
+        "node_agent_kube_url": "http://127.0.0.1:6443",
+        "node_agent_metadata_url": "",
+    }
+    _revocation(tmp_path, host, "node_agent", "node_agent.yml", "/etc/sco/trusted", ev)
+
+
+def test_slurm_admission_role_revokes_keys(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    ev = {
+        "slurm_admission_bundle_file": "/root/by-new.json",
+        "slurm_admission_wheelhouse": str(wheelhouse),
+        "slurm_admission_reclaimable_partitions": ["spot"],
+        "slurm_admission_plugin_check": "warn",
+    }
+    _revocation(tmp_path, host, "slurm_admission", "slurm_admission.yml", "/etc/slurm/sco-trusted", ev)
 
 
 def test_node_agent_role_refuses_bad_settings(tmp_path: Path, host: TestHost) -> None:
@@ -119,6 +165,7 @@ def test_slurm_admission_role(tmp_path: Path, host: TestHost, wheelhouse: Path) 
         "slurm_admission_wheelhouse": str(wheelhouse),
         "slurm_admission_trusted_keys": [str(tmp_path / "hall.pub")],
         "slurm_admission_reclaimable_partitions": ["spot", "preempt"],
+        "slurm_admission_plugin_check": "warn",  # this host has no slurm.conf
     }
     r = play(tmp_path, host, ev, playbook="slurm_admission.yml")
     assert r.rc == 0, r.stdout.read()
@@ -136,3 +183,76 @@ def test_slurm_admission_role(tmp_path: Path, host: TestHost, wheelhouse: Path) 
     bad = play(tmp_path, host, ev, playbook="slurm_admission.yml")
     assert bad.rc != 0
     assert host.ssh("cat", "/etc/slurm/sco_contracts.lua").stdout == table
+
+
+def test_slurm_admission_role_wants_the_lua_plugin_loaded(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    """Without JobSubmitPlugins=lua job_submit.lua never runs: the role stops and says what to add (issue 12)."""
+    from tests.harness import hall_bundle
+
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    (host.root / "root" / "b.json").write_bytes(hall_bundle(tmp_path, key))
+    conf = host.root / "etc" / "slurm" / "slurm.conf"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    ev = {
+        "slurm_admission_bundle_file": "/root/b.json",
+        "slurm_admission_wheelhouse": str(wheelhouse),
+        "slurm_admission_trusted_keys": [str(tmp_path / "hall.pub")],
+    }
+    try:
+        conf.write_text("ClusterName=hall\n#JobSubmitPlugins=lua\nJobSubmitPlugins=job_submit/require_timelimit\n")
+        r = play(tmp_path, host, ev, playbook="slurm_admission.yml")
+        assert r.rc != 0
+        failed = [e for e in r.events if e.get("event") == "runner_on_failed"]
+        assert failed and "add JobSubmitPlugins=lua" in failed[0]["event_data"]["res"]["msg"]
+
+        warned = play(tmp_path, host, {**ev, "slurm_admission_plugin_check": "warn"}, playbook="slurm_admission.yml")
+        assert warned.rc == 0, warned.stdout.read()
+        assert "WARNING slurm_admission" in warned.stdout.read()
+
+        conf.write_text("ClusterName=hall\njobsubmitplugins = require_timelimit,lua # SCO\nCliFilterPlugins=lua\n")
+        ok = play(tmp_path, host, ev, playbook="slurm_admission.yml")
+        assert ok.rc == 0, ok.stdout.read()
+        assert "WARNING slurm_admission" not in ok.stdout.read()
+    finally:
+        conf.unlink()
+
+
+def test_bake_image_installs_and_enables_without_host_state(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    """playbooks/bake_image.yml (node_agent_image_build): enabled, never started even where systemd seems to run,
+    and nothing of the build host left: no node name, no credentials, no spool or bundle cache, no wheelhouse."""
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    # what an earlier life of this machine left behind
+    host.ssh("mkdir", "-p", "/var/lib/sco/spool", "/var/lib/sco/bundle", "/etc/sco", "/run/systemd/system")
+    host.ssh("sh", "-c", "echo x > /var/lib/sco/spool/events.log; echo SCO_AGENT_HALL=old > /etc/sco/agent.env")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_wheelhouse": str(wheelhouse),
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_nats_password": "must-not-be-baked",
+        "node_agent_metadata_url": "",
+    }
+    try:
+        r = play(tmp_path, host, ev, playbook="bake_image.yml")
+        assert r.rc == 0, r.stdout.read()
+        started = [
+            e
+            for e in r.events
+            if e["event"] in ("runner_on_ok", "runner_on_skipped", "runner_on_failed")
+            and e.get("event_data", {}).get("task") == "Start the agent"
+        ]
+        # skipped although /run/systemd/system is there: the image build is the condition that held it back
+        assert [e["event"] for e in started] == ["runner_on_skipped"]
+    finally:
+        host.ssh("rmdir", "/run/systemd/system")
+    assert host.ssh("systemctl", "is-enabled", "sco-agent.service").stdout.strip() == "enabled"
+    cfg = host.ssh("cat", "/etc/sco/agent.toml").stdout
+    assert "node =" not in cfg and "must-not-be-baked" not in cfg and "node-spot-a" not in cfg
+    assert host.ssh("ls", "-A", "/var/lib/sco").stdout == ""
+    assert host.ssh("test", "-e", "/opt/sco-wheelhouse", check=False).returncode != 0
+    assert host.ssh("test", "-e", "/etc/sco/agent.env", check=False).returncode != 0
+    # at first boot the node takes its name from its hostname (here the machine's: a chroot has no UTS namespace)
+    out = host.ssh("/opt/sco/bin/sco-agent", "check-config", "--config", "/etc/sco/agent.toml").stdout
+    hostname = host.ssh("hostname", "-s").stdout.strip()
+    assert f"node {hostname}, hall local, kubernetes" in out

@@ -87,6 +87,9 @@ class TestHost:
 
     def inventory_vars(self) -> dict[str, str]:
         common = " ".join(f"'{a}'" if " " in a else a for a in self.ssh_args()[:-2])
+        # Every test host is root@127.0.0.1:22 to ssh: without a path of its own, Ansible's shared connection
+        # (ControlPath keyed on host, port and user) would carry one host's tasks to another, even another run's.
+        common += f" -o ControlPath=/tmp/sco-cp-{self.ns}-%C"
         return {
             "ansible_host": "127.0.0.1",
             "ansible_user": "root",

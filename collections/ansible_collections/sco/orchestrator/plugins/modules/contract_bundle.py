@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: Spot Capacity Orchestrator developers
+# Apache License 2.0 (see LICENSE)
 # Thin module: argument spec and docs here, the compiler and signer live in the sco package.
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ description:
   - Validates every contract and the hall policy of a contract repository, checks feasibility, and writes a
     canonical signed bundle. The same input gives the same bytes, so a second run reports no change.
   - The serial only grows; it continues from the bundle already at O(dest).
+  - "Runs where the signing keys and the contract repository are, usually the controller or the execution
+    environment (C(delegate_to: localhost)); that Python needs the C(spot-capacity-orchestrator) distribution of
+    this collection's release, and the module fails with the install command when it is missing or of another release."
 version_added: 0.1.0
-author: Spot Capacity Orchestrator developers
+author: Spot Capacity Orchestrator developers (@sco-dev)
 extends_documentation_fragment:
   - sco.orchestrator.signing
 options:
@@ -27,11 +32,14 @@ options:
     type: int
 attributes:
   check_mode:
+    description: Compiles and reports the serial it would write, writes nothing.
     support: full
   diff_mode:
+    description: No diff; the bundle is canonical JSON, compare serials and digests instead.
     support: none
 requirements:
-  - sco (this project's Python package)
+  - spot-capacity-orchestrator of the collection's release (C(pip install spot-capacity-orchestrator==0.1.0)),
+    on the host that runs the module
 """
 
 EXAMPLES = r"""
@@ -41,6 +49,8 @@ EXAMPLES = r"""
     dest: /var/lib/sco/distributor/hall-a/bundle.json
     signing_keys:
       - /etc/sco/keys/2026-11.key
+  delegate_to: localhost
+  run_once: true
 """
 
 RETURN = r"""
@@ -64,9 +74,11 @@ problems:
   elements: str
 """
 
+import traceback
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.sco.orchestrator.plugins.module_utils.product import require_product
 
 try:
     from sco._fs import atomic_write
@@ -75,9 +87,9 @@ try:
     from sco.contract.signing import load_private, sign
     from sco.errors import ScoError
 
-    HAS_SCO = True
+    IMPORT_ERROR = None
 except ImportError:
-    HAS_SCO = False
+    IMPORT_ERROR = traceback.format_exc()
 
 
 def main() -> None:
@@ -90,8 +102,7 @@ def main() -> None:
         },
         supports_check_mode=True,
     )
-    if not HAS_SCO:
-        module.fail_json(msg="the sco Python package is required on the host running this module")
+    require_product(module, IMPORT_ERROR)
     p = module.params
     dest = Path(p["dest"])
     try:

@@ -1,0 +1,108 @@
+"""Test hosts of a molecule scenario: the network-namespace SSH hosts of tests/testhosts.py (a Debian rootfs per host,
+sshd in a chroot, reached over real SSH through `ip netns exec NS socat`), under fixed names so each scenario's
+inventory can be static and testinfra can read it: netns `scom-<scenario>-<host>`, files under
+/var/tmp/sco-molecule/<scenario>/ (one run of a scenario per machine at a time).
+
+    python molecule/shared/hosts.py create SCENARIO HOST...
+    python molecule/shared/hosts.py destroy SCENARIO
+    python molecule/shared/hosts.py wheelhouse     # prints the directory of wheels the roles install from
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.testhosts import TestHost  # noqa: E402
+
+BASE = Path("/var/tmp/sco-molecule")
+
+
+def scenario_dir(scenario: str) -> Path:
+    return BASE / scenario
+
+
+def test_host(scenario: str, name: str) -> TestHost:
+    h = TestHost(scenario_dir(scenario) / "hosts", name)
+    h.ns = f"scom-{scenario}-{name}"
+    return h
+
+
+def create(scenario: str, names: list[str]) -> None:
+    destroy(scenario)
+    (scenario_dir(scenario) / "hosts").mkdir(parents=True, exist_ok=True)
+    for name in names:
+        test_host(scenario, name).create()
+    (scenario_dir(scenario) / "hosts.json").write_text(json.dumps(names))
+    print(json.dumps({"scenario": scenario, "hosts": names}))
+
+
+def destroy(scenario: str) -> None:
+    d = scenario_dir(scenario)
+    names: list[str] = []
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        names = json.loads((d / "hosts.json").read_text())
+    # also namespaces left by a run that died before it wrote hosts.json
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    prefix = f"scom-{scenario}-"
+    names += [ns.removeprefix(prefix) for ns in listed if ns.startswith(prefix)]
+    for name in sorted(set(names)):
+        test_host(scenario, name).destroy()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def wheelhouse() -> Path:
+    """The product and its run-time dependencies as wheels, rebuilt only when the sources changed."""
+    h = hashlib.sha256()
+    for p in sorted([REPO / "pyproject.toml", *(REPO / "src").rglob("*")]):
+        if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p):
+            h.update(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes())
+    BASE.mkdir(parents=True, exist_ok=True)
+    out = BASE / f"wheelhouse-{h.hexdigest()[:16]}"
+    if not out.is_dir():
+        tmp = out.with_suffix(".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(tmp), str(REPO)],
+            check=True,
+            timeout=900,
+        )
+        for old in BASE.glob("wheelhouse-*"):
+            if old != tmp:
+                shutil.rmtree(old, ignore_errors=True)
+        tmp.rename(out)
+    link = BASE / "wheelhouse"
+    link.unlink(missing_ok=True)
+    link.symlink_to(out)
+    return link
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("create")
+    c.add_argument("scenario")
+    c.add_argument("hosts", nargs="+")
+    d = sub.add_parser("destroy")
+    d.add_argument("scenario")
+    sub.add_parser("wheelhouse")
+    args = p.parse_args()
+    if args.cmd == "create":
+        create(args.scenario, args.hosts)
+    elif args.cmd == "destroy":
+        destroy(args.scenario)
+    else:
+        print(wheelhouse())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""playbooks/drill.yml end to end: a real nats-server configured by the notice_relay role's own template (per-node
+users, reclaimer, reader) and its stream tool, a real node agent holding only its node's credentials, and the
+Kubernetes API stand-in; the drill sends the notice as the reclaimer and reports what the agent did."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sco.contract.signing import generate, write_keypair
+from sco.standins.kube_apiserver import KubeApiStandIn
+from tests.harness import AgentEnv, NatsServer, add_pod, free_port, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+ROLE = REPO / "collections/ansible_collections/sco/orchestrator/roles/notice_relay"
+BIN = Path(sys.executable).parent
+
+RENDER = """
+- name: Render the relay's configuration with the role's template
+  hosts: localhost
+  gather_facts: false
+  vars_files: ["{{ role }}/defaults/main.yml", "{{ role }}/vars/main.yml"]
+  tasks:
+    - name: Render
+      ansible.builtin.template:
+        src: "{{ role }}/templates/nats-server.conf.j2"
+        dest: "{{ out }}"
+        mode: "0600"
+"""
+
+
+def run_playbook(tmp: Path, play: str | Path, extravars: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """Run a playbook file, or a playbook text written to a file first."""
+    if isinstance(play, str):
+        text, play = play, tmp / f"play-{len(list(tmp.glob('play-*')))}.yml"
+        play.write_text(text)
+    extravars = {"ansible_python_interpreter": sys.executable, **extravars}
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    return subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(play), "-e", json.dumps(extravars)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+class RoleRelay(NatsServer):
+    """nats-server started with the configuration the notice_relay role renders."""
+
+    def __init__(self, workdir: Path, conf: Path, port: int) -> None:
+        super().__init__(workdir, port)
+        self.conf = conf
+
+    def start(self) -> RoleRelay:
+        self.proc = subprocess.Popen(
+            [str(BIN / "nats-server"), "-c", str(self.conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.dir / "nats.log", "ab"),  # noqa: SIM115
+        )
+
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return True
+            except OSError:
+                return False
+
+        wait_for(up, 10, "nats-server")
+        return self
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[tuple[RoleRelay, Path]]:
+    creds = tmp_path / "credentials"
+    port = free_port()
+    conf = tmp_path / "nats.conf"
+    r = run_playbook(
+        tmp_path, RENDER,
+        {"role": str(ROLE), "out": str(conf), "notice_relay_hall": "local", "notice_relay_nodes": ["node-1"],
+         "notice_relay_credentials_dir": str(creds), "notice_relay_listen": "127.0.0.1", "notice_relay_port": port,
+         "notice_relay_monitor_port": free_port(), "notice_relay_store_dir": str(tmp_path / "js")},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    srv = RoleRelay(tmp_path, conf, port).start()
+    stream = subprocess.run(
+        [sys.executable, str(ROLE / "files/sco-nats-stream.py"), "--server", srv.url,
+         "--password-file", str(creds / "relay-admin"), "--hall", "local"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert json.loads(stream.stdout) == {"stream": "SCO_EVENTS", "action": "created"}, stream.stderr
+    yield srv, creds
+    srv.stop()
+
+
+def test_drill_reclaims_the_chosen_node_and_reports_drained(tmp_path: Path, relay: Any, kube: KubeApiStandIn) -> None:
+    srv, creds = relay
+    password = (creds / "node-node-1").read_text().strip()
+    # the node's own relay identity, as the node_agent role writes it
+    agent = AgentEnv(tmp_path / "agent", kube, srv, nats_user="node-node-1", nats_password=password)
+    add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.5)
+    write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")  # the hall trusts it
+    agent.start().wait_subscribed()
+    try:
+        ev = {
+            "drill_notice_keys": [str(tmp_path / "notice.key")],
+            "sco_hall": "local",
+            "sco_relay_url": srv.url,
+            "sco_credentials_dir": str(tmp_path),
+            "drill_nodes": ["node-1"],
+            "drill_notice_seconds": 20,
+            "drill_grace_seconds": 5,
+        }
+        (tmp_path / "nats").symlink_to(creds)  # the drill reads <sco_credentials_dir>/nats/<user>
+        out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "node-1: drained" in out.stdout
+        drained = agent.of("drain.drained")
+        assert len(drained) == 1 and drained[0]["notice"].startswith("drill-")
+        # the agent's events reached the hall's stream under its own credentials
+        assert agent.of("notice.accepted")
+    finally:
+        agent.stop()
+
+
+def test_drill_says_which_nodes_did_not_drain(tmp_path: Path, relay: Any) -> None:
+    srv, creds = relay
+    (tmp_path / "nats").symlink_to(creds)
+    write_keypair(generate(), tmp_path / "notice.key", tmp_path / "notice.pub")
+    ev = {"sco_hall": "local", "sco_relay_url": srv.url, "sco_credentials_dir": str(tmp_path),
+          "drill_nodes": ["node-1"], "drill_notice_seconds": 2, "drill_grace_seconds": 1,
+          "drill_notice_keys": [str(tmp_path / "notice.key")]}  # fmt: skip
+    out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev)
+    assert out.returncode != 0  # no agent listens: the job fails and names the node
+    assert "node-1: no answer" in out.stdout and "not drained: node-1" in out.stdout
