@@ -234,3 +234,16 @@ def test_cli_migrate_check_applies_nothing(postgres: Any, names: dict[str, str])
     subprocess.run(cmd, capture_output=True, check=True)
     out = subprocess.run([*cmd, "--check"], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "fleet state up to date"
+
+
+def test_installs_the_collections_release_with_the_control_extra() -> None:
+    coll = REPO / "collections" / "ansible_collections" / "sco" / "orchestrator"
+    release = str(yaml.safe_load((coll / "galaxy.yml").read_text())["version"])
+    defaults = yaml.safe_load((coll / "roles" / "fleet_state" / "defaults" / "main.yml").read_text())
+    assert defaults["fleet_state_version"] == release
+    assert defaults["fleet_state_package"] == "spot-capacity-orchestrator[control]=={{ fleet_state_version }}"
+    spec = yaml.safe_load((coll / "roles" / "fleet_state" / "meta" / "argument_specs.yml").read_text())
+    options = spec["argument_specs"]["main"]["options"]
+    assert options["fleet_state_version"]["default"] == release
+    # every default is documented in the argument spec, and nothing is documented that has no default
+    assert set(options) == set(defaults)
