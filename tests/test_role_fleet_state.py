@@ -247,3 +247,50 @@ def test_installs_the_collections_release_with_the_control_extra() -> None:
     assert options["fleet_state_version"]["default"] == release
     # every default is documented in the argument spec, and nothing is documented that has no default
     assert set(options) == set(defaults)
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """spot-capacity-orchestrator with its control extra as wheels: what an air-gapped control host installs."""
+    w = tmp_path_factory.mktemp("wheelhouse")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(w), f"{REPO}[control]"],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    return w
+
+
+@pytest.mark.slow
+def test_installs_the_product_then_creates_the_fleet_state(
+    postgres: Any, tmp_path: Path, names: dict[str, str], wheelhouse: Path
+) -> None:
+    venv = tmp_path / "opt-sco"
+    ev = settings(
+        postgres,
+        tmp_path,
+        names,
+        fleet_state_install=True,
+        fleet_state_venv=str(venv),
+        fleet_state_wheelhouse=str(wheelhouse),
+    )
+    r = play(tmp_path, ev, check=True)
+    assert r.rc == 0, output(r)
+    said = messages(r, "runner_on_ok")
+    assert any(f"check mode: {venv} does not exist yet" in m for m in said), said
+    assert not venv.exists()
+    assert not admin_query(postgres, "SELECT 1 FROM pg_roles WHERE rolname = %s", names["user"])
+
+    r = play(tmp_path, ev)
+    assert r.rc == 0, output(r)
+    pkgs = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True
+    ).stdout.lower()
+    assert "spot-capacity-orchestrator==" in pkgs and "psycopg==" in pkgs
+    with connect(postgres.dsn(names["db"])) as c:
+        assert [row[0] for row in c.execute("SELECT version FROM schema_migration ORDER BY 1")] == [
+            m.version for m in migrations()
+        ]
+    r = play(tmp_path, ev)
+    assert r.rc == 0 and changed(r) == 0, output(r)
