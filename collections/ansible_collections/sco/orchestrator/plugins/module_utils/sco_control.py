@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import traceback
 from typing import Any
+
+from ansible_collections.sco.orchestrator.plugins.module_utils.product import require_product
 
 try:
     from sco.errors import ScoError
 
-    HAS_SCO = True
+    SCO_IMPORT_ERROR = None
 except ImportError:
-    HAS_SCO = False
+    SCO_IMPORT_ERROR = traceback.format_exc()
 
     class ScoError(Exception):  # type: ignore[no-redef]
         def lines(self) -> list[str]:
@@ -49,8 +52,8 @@ def planning_argument_spec() -> dict[str, Any]:
 
 def run_step(module: Any, step: str) -> None:
     """Run ``sco.control.loop.step_<step>`` (or the provider's) with the module's params and exit."""
-    if not HAS_SCO:
-        module.fail_json(msg="the sco Python package is required on the host running this module")
+    # the same check as every module of the collection: the product, of the collection's release, where it runs
+    require_product(module, SCO_IMPORT_ERROR)
     params = dict(module.params)
     params["state_dsn"] = params.get("state_dsn") or os.environ.get("SCO_DB_DSN")
     try:

@@ -15,7 +15,7 @@ description:
     adopts what the first launched and reports no change.
   - In check mode returns the counts it would ask for, and launches or deletes nothing.
 version_added: 0.1.0
-author: Spot Capacity Orchestrator developers
+author: Spot Capacity Orchestrator developers (@sco-dev)
 extends_documentation_fragment:
   - sco.orchestrator.control
   - sco.orchestrator.planning
@@ -39,11 +39,14 @@ options:
     default: {}
 attributes:
   check_mode:
+    description: Reports the launches and deletions the plan would need; launches and deletes nothing.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 requirements:
-  - sco (this project's Python package) with openstacksdk and psycopg
+  - spot-capacity-orchestrator[control] of the collection's release
+    (C(pip install 'spot-capacity-orchestrator[control]==0.1.0')) on the host that runs the module with openstacksdk and psycopg
 """
 
 EXAMPLES = r"""

@@ -11,7 +11,7 @@ description:
     on-demand instances it already holds) and the hall's cost ceiling per hour, cheapest per unit first.
   - Every grant and refusal carries its reason and is recorded in the fleet state (not in check mode).
 version_added: 0.1.0
-author: Spot Capacity Orchestrator developers
+author: Spot Capacity Orchestrator developers (@sco-dev)
 extends_documentation_fragment:
   - sco.orchestrator.control
   - sco.orchestrator.planning
@@ -26,11 +26,14 @@ options:
     required: true
 attributes:
   check_mode:
+    description: Decides grants and refusals and reports them; records nothing in the fleet state.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 requirements:
-  - sco (this project's Python package)
+  - spot-capacity-orchestrator[control] of the collection's release
+    (C(pip install 'spot-capacity-orchestrator[control]==0.1.0')) on the host that runs the module
 """
 
 EXAMPLES = r"""

@@ -13,7 +13,7 @@ description:
   - Work no contract selects is not counted; it is returned in C(report.uncontracted) with the reason.
   - Reading changes nothing, so the module runs in check mode too and never reports a change.
 version_added: 0.1.0
-author: Spot Capacity Orchestrator developers
+author: Spot Capacity Orchestrator developers (@sco-dev)
 extends_documentation_fragment:
   - sco.orchestrator.control
 options:
@@ -51,11 +51,14 @@ options:
         default: 10
 attributes:
   check_mode:
+    description: Reads the schedulers' pending work; the module never changes anything, so check mode is a normal run.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 requirements:
-  - sco (this project's Python package) with its control extra (kubernetes)
+  - spot-capacity-orchestrator[control] of the collection's release
+    (C(pip install 'spot-capacity-orchestrator[control]==0.1.0')) on the host that runs the module with its control extra (kubernetes)
 """
 
 EXAMPLES = r"""

@@ -13,7 +13,7 @@ description:
     launches or deletes something, so a second run with nothing new reports no change.
   - Records the plan in the fleet state (not in check mode).
 version_added: 0.1.0
-author: Spot Capacity Orchestrator developers
+author: Spot Capacity Orchestrator developers (@sco-dev)
 extends_documentation_fragment:
   - sco.orchestrator.control
   - sco.orchestrator.planning
@@ -24,11 +24,14 @@ options:
     required: true
 attributes:
   check_mode:
+    description: Computes and explains the plan; records nothing in the fleet state.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 requirements:
-  - sco (this project's Python package)
+  - spot-capacity-orchestrator[control] of the collection's release
+    (C(pip install 'spot-capacity-orchestrator[control]==0.1.0')) on the host that runs the module
 """
 
 EXAMPLES = r"""

@@ -12,7 +12,7 @@ description:
   - Instances already under reclaim are left as they are (no second notice), so a repeated task reports no change.
   - In check mode reports which instances would be reclaimed.
 version_added: 0.1.0
-author: Spot Capacity Orchestrator developers
+author: Spot Capacity Orchestrator developers (@sco-dev)
 extends_documentation_fragment:
   - sco.orchestrator.control
 options:
@@ -45,11 +45,14 @@ options:
     default: 0
 attributes:
   check_mode:
+    description: Reports which instances would be reclaimed; sends no notice and deletes nothing.
     support: full
   diff_mode:
+    description: Returns no diff.
     support: none
 requirements:
-  - sco (this project's Python package) with openstacksdk, psycopg and nats-py
+  - spot-capacity-orchestrator[control] of the collection's release
+    (C(pip install 'spot-capacity-orchestrator[control]==0.1.0')) on the host that runs the module with openstacksdk, psycopg and nats-py
 """
 
 EXAMPLES = r"""
