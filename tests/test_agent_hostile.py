@@ -24,7 +24,7 @@ import pytest
 
 from sco.agent.notices import NoticeBook, NoticeRefused, parse_metadata, parse_nats
 from sco.agent.spool import MAX_RECORD, ROUTINE, Spool, read_events
-from sco.contract.signing import generate
+from sco.contract.signing import Keyring, generate, write_keypair
 from sco.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import BIN, AgentEnv, MetadataServer, NatsServer, add_pod, free_port, stream_events, wait_for
 
@@ -541,7 +541,12 @@ def test_notices_after_a_drain_are_absorbed_until_the_node_is_back(agent: AgentE
     wait_for(lambda: any(e["absorbed_total"] == 61 for e in agent.of("notice.absorbed")), 10, "the count")
     assert len(agent.of("notice.accepted")) == 1
     assert len(audit(kube, "patch", agent.node)) == 1  # tainted once, not 61 times
-    assert len(agent.of("notice.absorbed")) <= 25  # counted, not one record (and fsync) each
+    absorbed = agent.of("notice.absorbed")
+    assert len(absorbed) < 61  # counted, not one record (and fsync) each
+    per_second: dict[int, int] = {}
+    for e in absorbed:  # the bound is per clock second, so a flood that straddles a second gets two budgets
+        per_second[int(e["at"])] = per_second.get(int(e["at"]), 0) + 1
+    assert max(per_second.values()) <= 20, per_second
     # put back in service (untainted): the next notice drains again
     kube.cluster.nodes[agent.node]["spec"]["taints"] = []
     kube.cluster.nodes[agent.node]["spec"]["unschedulable"] = False
@@ -686,3 +691,55 @@ def test_metadata_refusal_of_a_repeated_document_is_recorded_once(
     finally:
         env.stop()
         meta.shutdown()
+
+
+# --- found by review after the merge ------------------------------------------------------------------------------
+
+
+def test_a_deeply_nested_notice_is_refused_not_a_traceback() -> None:
+    """60 KB of nested brackets makes json.loads raise RecursionError: that is a malformed notice, refused."""
+    raw = b"[" * 30000 + b"]" * 30000
+    from sco.contract.notice import NoticeAuthError, verify_notice
+
+    with pytest.raises(NoticeAuthError) as e:
+        verify_notice(raw, Keyring([generate().public]))
+    assert e.value.kind == "malformed"
+    with pytest.raises(NoticeRefused) as r:
+        parse_nats(raw, hall="h", node="a", now=NOW, window=120)
+    assert r.value.kind == "malformed"
+    meta = b'{"meta": {"x": ' + b"[" * 30000 + b"]" * 30000 + b"}}"
+    with pytest.raises(NoticeRefused):
+        parse_metadata(meta, hall="h", node="a", now=NOW, window=120)
+
+
+@pytest.mark.parametrize("key", ["bad key!", "a/b/c", "-lead.example/x", "x" * 64, ""])
+def test_check_config_refuses_a_taint_key_the_api_would_refuse(tmp_path: Path, key: str) -> None:
+    """A taint key the API answers 422 to would leave the node schedulable during a drain: refuse it at start."""
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(
+        f'[agent]\nhall = "local"\nnode = "n1"\nstate_dir = "{tmp_path / "st"}"\ntaint_key = {json.dumps(key)}\n'
+    )
+    p = subprocess.run(
+        [str(BIN / "sco-agent"), "check-config", "--config", str(cfg)], capture_output=True, text=True, timeout=30
+    )
+    assert p.returncode == 5, p.stdout + p.stderr
+    assert "agent.taint_key" in p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["--node", "x.>"], ["--node", "*"], ["--node", ""], ["--hall", "*"], ["--node", "a b"]]
+)
+def test_notice_send_refuses_names_no_node_could_receive(tmp_path: Path, args: list[str]) -> None:
+    key_file = tmp_path / "notice.key"
+    write_keypair(generate(), key_file, tmp_path / "notice.pub")
+    base = {"--hall": "local", "--node": "node-1"}
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
+    argv = [str(BIN / "sco"), "notice", "send", "--in", "10", "--dry-run", "--nats", "nats://127.0.0.1:1"]
+    for k, v in base.items():
+        argv += [k, v]
+    argv += ["--signing-key", str(key_file)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and p.returncode != 1, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    assert "sent" not in p.stdout

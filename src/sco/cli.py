@@ -123,9 +123,12 @@ def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
 def cmd_notice_send(args: argparse.Namespace) -> int:
     import uuid
 
-    from sco.contract.notice import sign_notice
+    from sco.contract.notice import sign_notice, subject_name_problem
     from sco.contract.signing import load_private
 
+    bad = [m for m in (subject_name_problem("--hall", args.hall), subject_name_problem("--node", args.node)) if m]
+    if bad:
+        raise ConfigError("; ".join(bad))
     keys = [load_private(Path(k)) for k in args.signing_key]
     if not 0 <= args.in_seconds <= 3600:
         raise ConfigError(f"--in {args.in_seconds}: expected 0 to 3600 seconds")
@@ -550,9 +553,18 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
 
     if not args.nats:
         raise ConfigError("no notice relay: give --nats URL or set $SCO_NATS_URL")
-    if args.window <= 0:
-        raise ConfigError(f"--window: must be > 0 seconds, got {args.window}")
+    if not 0 < args.window <= 3600:  # also refuses NaN
+        raise ConfigError(f"--window: expected more than 0 and at most 3600 seconds, got {args.window}")
+    from sco.contract.notice import subject_name_problem
     from sco.contract.signing import load_private
+
+    bad = [
+        m
+        for m in (subject_name_problem("--hall", args.hall), *(subject_name_problem("node", n) for n in args.nodes))
+        if m
+    ]
+    if bad:
+        raise ConfigError("; ".join(bad))
 
     key_files = args.notice_key or ([os.environ["SCO_NOTICE_KEY"]] if os.environ.get("SCO_NOTICE_KEY") else [])
     if not key_files:

@@ -22,6 +22,21 @@ from typing import Any
 from sco.errors import ConfigError, Problem
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+# A Kubernetes qualified name (taint keys): [DNS-subdomain prefix "/"] name of at most 63 characters. The API answers
+# 422 to anything else, and the taint patch also carries the cordon: a bad key would leave the node schedulable.
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def taint_key_problem(key: str) -> str | None:
+    prefix, _, name = key.rpartition("/")
+    if (
+        "/" in prefix
+        or not _QUALIFIED_NAME.match(name)
+        or (prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)))
+    ):
+        return f"{key!r} is not a valid taint key ([DNS subdomain/]name, name at most 63 of A-Z a-z 0-9 - _ .)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -198,6 +213,8 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.hall", f"expected a DNS-style name, got {cfg.hall!r}"))
     if not _NAME.match(cfg.node):
         p.append(Problem(where, "agent.node", f"expected a DNS-style name, got {cfg.node!r}"))
+    if (tk := taint_key_problem(cfg.taint_key)) is not None:
+        p.append(Problem(where, "agent.taint_key", tk))
     if cfg.scheduler not in ("kubernetes", "slurm"):
         p.append(Problem(where, "agent.scheduler", f"expected kubernetes or slurm, got {cfg.scheduler!r}"))
     direct = cfg.scheduler == "kubernetes" and not cfg.kube_kubeconfig and not cfg.kube_in_cluster

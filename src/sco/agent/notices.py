@@ -108,7 +108,7 @@ def parse_nats(raw: bytes, *, hall: str, node: str, now: float, window: float) -
     """An unsigned notice's fields (the NATS source checks the signature first, then reads the object)."""
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: absurd nesting
         raise NoticeRefused("malformed", f"not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise NoticeRefused("malformed", "expected a JSON object")
@@ -133,7 +133,7 @@ def parse_metadata(raw: bytes, *, hall: str, node: str, now: float, window: floa
     """The notice in ``meta_data.json``, or None when the instance carries no reclaim."""
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: absurd nesting
         raise NoticeRefused("malformed", f"metadata: not JSON: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("meta", {}), dict):
         raise NoticeRefused("malformed", "metadata: expected an object with a meta map")

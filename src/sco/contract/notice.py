@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +40,18 @@ def _body(notice: dict[str, Any]) -> bytes:
 
 def _message(notice: dict[str, Any]) -> bytes:
     return _DOMAIN + hashlib.sha256(_body(notice)).digest()
+
+
+# A hall or node name as a literal part of the subject sco.notice.<hall>.<node>: no NATS wildcard (* >), no
+# whitespace, never empty, so a notice can only ever reach the one node it names (the agents' own name rule).
+_SUBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def subject_name_problem(what: str, value: str) -> str | None:
+    """Why ``value`` cannot be the hall or node of a notice subject, or None."""
+    if not _SUBJECT_NAME.match(value) or len(value) > 253:
+        return f"{what} {value!r}: expected a DNS-style name (a-z, 0-9, '-', '.'), as the node's agent is configured"
+    return None
 
 
 def sign_notice(notice: dict[str, Any], signing_keys: Iterable[PrivateKey]) -> bytes:
@@ -64,8 +77,8 @@ def verify_notice(raw: bytes, trusted_keys: Keyring, *, max_bytes: int = MAX_NOT
         raise NoticeAuthError("malformed", f"notice is {len(raw)} bytes, more than {max_bytes}")
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise NoticeAuthError("malformed", f"not JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting deeper than Python's stack
+        raise NoticeAuthError("malformed", f"not JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(doc, dict):
         raise NoticeAuthError("malformed", "expected a JSON object")
     sigs = doc.pop("signatures", None)
