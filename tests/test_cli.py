@@ -179,3 +179,27 @@ def test_demo_runs() -> None:
     # issue 8: the demo creates the events stream and the events reach it; an unsigned notice is refused
     assert "spooled events in JetStream stream SCO_EVENTS" in p.stdout
     assert "an unsigned notice from anyone on the relay: refused (unsigned)" in p.stdout
+
+
+def test_io_errors_are_one_line_not_a_traceback(tmp_path: Path, keys: Path) -> None:
+    """Found by review: an output path that cannot be written, a key dir that is a file, a closed stdout."""
+    p = sco("contract", "compile", SAMPLE, "-o", tmp_path / "nonexist" / "b.json", "--signing-key", keys / "old.key")
+    assert p.returncode != 0 and "nonexist" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    no_traceback(p)
+    p = sco("contract", "compile", SAMPLE, "-o", tmp_path, "--signing-key", keys / "old.key")
+    assert p.returncode != 0 and str(tmp_path) in p.stderr
+    no_traceback(p)
+    (tmp_path / "afile").write_text("x")
+    p = sco("keygen", "--out-dir", tmp_path / "afile", "--name", "x")
+    assert p.returncode != 0 and "afile" in p.stderr
+    no_traceback(p)
+    b = tmp_path / "b.json"
+    assert sco("contract", "compile", SAMPLE, "-o", b, "--signing-key", keys / "old.key").returncode == 0
+    shown = subprocess.run(
+        f"{' '.join(SCO)} contract show {b} --trust {keys / 'old.pub'} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" not in shown.stderr and "BrokenPipe" not in shown.stderr, shown.stderr

@@ -817,6 +817,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (| head): nothing more to say; keep Python from complaining while it flushes
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # a path that cannot be read or written, a port in use: one line naming it
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"sco: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
