@@ -166,6 +166,11 @@ def test_user_data_and_node_fetch(tmp_path: Path, keys: Path) -> None:
         assert p.returncode == 0 and '"outcome": "accepted"' in p.stdout
         p = sco("node", "bundle-status", "--cache-dir", cache, "--trust", keys / "old.pub")
         assert p.returncode == 0 and '"serial": 1' in p.stdout
+        # the README's exit codes: a bundle refused (untrusted signer) is 3, a fetch that fails is 6
+        p = sco("node", "fetch-bundle", "--url", url, "--cache-dir", tmp_path / "c2", "--trust", keys / "new.pub")
+        assert p.returncode == 3 and '"outcome": "refused"' in p.stdout and "refused" in p.stderr, (p.stdout, p.stderr)
+        p = sco("node", "fetch-bundle", "--url", url + ".missing", "--cache-dir", cache, "--trust", keys / "old.pub")
+        assert p.returncode == 6 and '"outcome": "error"' in p.stdout and "HTTP 404" in p.stderr, (p.stdout, p.stderr)
     finally:
         srv.terminate()
         srv.wait(10)

@@ -362,8 +362,11 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             **({"reason": offer.reason} if offer.reason else {}),
         }
         print(json.dumps(line), flush=True)
+        if offer.outcome not in ("accepted", "unchanged"):
+            print(f"sco: error: bundle {offer.outcome}: {offer.reason}", file=sys.stderr, flush=True)
         if not args.watch:
-            return 0 if offer.outcome in ("accepted", "unchanged") else 1
+            # the README's codes: 3 a bundle refused (tampered, untrusted, rolled back), 6 a fetch that failed
+            return {"accepted": 0, "unchanged": 0, "refused": 3}.get(offer.outcome, 6)
         time.sleep(args.interval)
 
 
