@@ -550,18 +550,22 @@ class KubePath:
     def record(self, spool: Spool, notice_id: str) -> Resume:
         return Resume.from_spool(spool, notice_id)
 
+    def drain_kwargs(self, notice: Notice, deadline: Deadline, record: DrainRecord | None) -> dict[str, Any]:
+        """What every Kubernetes drain of this node is built from (subclasses add their own)."""
+        return {
+            "kube": self.kube,
+            "spool": self.spool,
+            "budgets": KubeBudgets(self.bundle()),
+            "node": self.node,
+            "taint_key": self.taint_key,
+            "notice": notice,
+            "deadline": deadline,
+            "api_timeout": self.api_timeout,
+            "resume": record if isinstance(record, Resume) else None,
+        }
+
     def drain(self, notice: Notice, deadline: Deadline, record: DrainRecord | None) -> KubernetesDrain:
-        return KubernetesDrain(
-            kube=self.kube,
-            spool=self.spool,
-            budgets=KubeBudgets(self.bundle()),
-            node=self.node,
-            taint_key=self.taint_key,
-            notice=notice,
-            deadline=deadline,
-            api_timeout=self.api_timeout,
-            resume=record if isinstance(record, Resume) else None,
-        )
+        return KubernetesDrain(**self.drain_kwargs(notice, deadline, record))
 
     async def preflight(self) -> list[str]:
         return await self.kube.preflight(self.node)

@@ -14,11 +14,10 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from sco.agent.budget import KubeBudgets
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.deadline import Deadline
 from sco.agent.inhibit import InhibitError, Logind
-from sco.agent.kube_drain import KubePath, KubernetesDrain, PodState, Resume
+from sco.agent.kube_drain import KubePath, KubernetesDrain, PodState
 from sco.agent.kube_fallback import KubeFallback, report_late
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
@@ -126,15 +125,7 @@ class KubeNodePath(KubePath):
 
     def drain(self, notice: Notice, deadline: Deadline, record: DrainRecord | None) -> KubeNodeDrain:
         return KubeNodeDrain(
-            kube=self.kube,
-            spool=self.spool,
-            budgets=KubeBudgets(self.bundle()),
-            node=self.node,
-            taint_key=self.taint_key,
-            notice=notice,
-            deadline=deadline,
-            api_timeout=self.api_timeout,
-            resume=record if isinstance(record, Resume) else None,
+            **self.drain_kwargs(notice, deadline, record),
             logind=self.logind,
             checkpoint=self.checkpoint,
             shutdown=self.shutdown,
