@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# `make ee`: build the execution environment (ee/execution-environment.yml) with ansible-builder and podman, then
+# prove it the way AWX uses it: ansible-runner runs ee/smoke/ee-smoke.yml inside the image (sco.orchestrator's
+# contract_bundle and plan modules on localhost), ansible-doc renders a module, the product's version is the
+# collection's, and `ansible-galaxy collection list` shows sco.orchestrator and collections/requirements.yml's.
+#
+# Environment:
+#   EE_TAG         image to build (default localhost/sco-ee:<collection version>)
+#   EE_BASE_IMAGE  base image; default: localhost/sco-ee-base:bookworm, made here from the Debian rootfs of the
+#                  test hosts (no registry needed). Set it to pull one instead (then EE_PKGMGR too, e.g.
+#                  EE_BASE_IMAGE=quay.io/centos/centos:stream9 EE_PKGMGR=/usr/bin/dnf).
+#   EE_PKGMGR      the base image's package manager (default /usr/bin/apt-get with the local base)
+#   EE_PYPKG       its packages of Python and pip (default "python3.11 python3-pip" with the local base)
+#   EE_REBUILD_BASE=1  remake the local base image
+#
+# Needs root (rootful podman) and installs podman and runc from apt when missing. What this machine needs, and why:
+# - runc, not crun: crun 1.8 refuses hybrid cgroups (v1 controllers plus a cgroup2 mount) as here;
+# - explicit ulimits: podman asks for nofile/nproc above the hard limits, refused without CAP_SYS_RESOURCE;
+# - cgroupfs and a file event log: no systemd as PID 1;
+# - host network for the build (pip reaches the package index, apt the Debian mirror), and the host's CA bundle
+#   mounted read-only for pip (a TLS-inspecting egress proxy signs with a CA only the host trusts). Neither is
+#   baked into the image.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+VENV=${VENV:-.venv}
+export PATH="$root/$VENV/bin:$PATH"
+work=$root/.work/ee
+mkdir -p "$work"
+say() { printf 'ee: %s\n' "$*"; }
+fail() { printf 'ee: FAILED: %s\n' "$*" >&2; exit 1; }
+
+version=$(python -c 'import yaml; print(yaml.safe_load(open("collections/ansible_collections/sco/orchestrator/galaxy.yml"))["version"])')
+tag=${EE_TAG:-localhost/sco-ee:$version}
+
+[ "$(id -u)" = 0 ] || fail "run as root (rootful podman): sudo make ee"
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then
+  say "apt-get install podman runc"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends podman runc >/dev/null
+fi
+
+# podman settings of this build only (CONTAINERS_CONF), not the machine's
+nofile=$(ulimit -Hn); nproc=$(ulimit -Hu)
+[ "$nofile" = unlimited ] || [ "$nofile" -gt 8192 ] && nofile=8192
+[ "$nproc" = unlimited ] || [ "$nproc" -gt 8192 ] && nproc=8192
+cat >"$work/containers.conf" <<EOF
+[containers]
+default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+EOF
+export CONTAINERS_CONF=$work/containers.conf
+
+# --- the base image ------------------------------------------------------------------------------------------------
+base=${EE_BASE_IMAGE:-}
+pkgmgr=${EE_PKGMGR:-}
+pypkg=${EE_PYPKG:-}
+if [ -z "$base" ]; then
+  base=localhost/sco-ee-base:bookworm
+  pkgmgr=${pkgmgr:-/usr/bin/apt-get}
+  pypkg=${pypkg:-python3.11 python3-pip}
+  if [ "${EE_REBUILD_BASE:-0}" = 1 ] || ! podman image exists "$base"; then
+    rootfs=${SCO_TESTHOST_ROOTFS:-/var/cache/sco-testhost/rootfs}
+    bash scripts/testhost-rootfs.sh "$rootfs"
+    say "base image $base from $rootfs"
+    # the shared rootfs is only read; its SSH host keys stay out of the image
+    tar -C "$rootfs" --numeric-owner --exclude='./proc/*' --exclude='./sys/*' --exclude='./dev/*' \
+      --exclude='./run/*' --exclude='./tmp/*' --exclude='./etc/ssh/ssh_host_*' --exclude='./.sco-complete' -c . |
+      podman import --change 'CMD ["/bin/bash"]' - localhost/sco-ee-base:rootfs >/dev/null
+    printf 'FROM localhost/sco-ee-base:rootfs\nRUN apt-get update -qq\n' >"$work/Containerfile.base"
+    podman build --network host -q -f "$work/Containerfile.base" -t "$base" "$work" >/dev/null
+    podman rmi localhost/sco-ee-base:rootfs >/dev/null
+  fi
+fi
+say "base image $base${pkgmgr:+ (package manager $pkgmgr)}"
+
+# --- what the build installs from this checkout ----------------------------------------------------------------------
+ansible-galaxy collection build collections/ansible_collections/sco/orchestrator --output-path "$work/dist" --force >/dev/null
+cp "$work/dist/sco-orchestrator-$version.tar.gz" ee/sco-orchestrator.tar.gz
+rm -f ee/wheels/*.whl
+pip wheel -q --no-deps -w ee/wheels . 2>&1 | grep -v '^$' || true
+ls ee/wheels/spot_capacity_orchestrator-"$version"-*.whl >/dev/null || fail "no wheel of spot-capacity-orchestrator $version"
+
+# The definition as shipped, except that collections named for Galaxy (out of reach here) come from local
+# artifacts of an acceptable version: the ones of the `ansible` package in the venv, which the tests use.
+rm -rf "$work/def" "$work/context"
+cp -r ee "$work/def"
+python - "$work/def" <<'EOF'
+import json, pathlib, shutil, subprocess, sys
+import yaml
+from packaging.specifiers import SpecifierSet
+import ansible_collections
+
+d = pathlib.Path(sys.argv[1])
+req = yaml.safe_load((d / "requirements.yml").read_text())
+for entry in req["collections"]:
+    if entry.get("type") == "file":
+        continue
+    ns, name = entry["name"].split(".")
+    found = [pathlib.Path(p) / ns / name for p in ansible_collections.__path__]
+    found = [p for p in found if (p / "MANIFEST.json").is_file()]
+    if not found:
+        sys.exit(f"ee: FAILED: no artifact of {entry['name']} here (pip install ansible, or Galaxy)")
+    src = found[0]
+    have = json.loads((src / "MANIFEST.json").read_text())["collection_info"]["version"]
+    want = str(entry.get("version", "*")).replace("*", "")
+    if want and have not in SpecifierSet(want):
+        sys.exit(f"ee: FAILED: {entry['name']} {have} in {src} is not {want} (ee/requirements.yml)")
+    # rebuilt with ansible-galaxy from its installed files: the package leaves out some files FILES.json lists
+    tree = d / "galaxy-src" / ns / name
+    shutil.copytree(src, tree, ignore=shutil.ignore_patterns("__pycache__", "MANIFEST.json", "FILES.json"))
+    info = json.loads((src / "MANIFEST.json").read_text())["collection_info"]
+    (tree / "galaxy.yml").write_text(yaml.safe_dump({k: v for k, v in info.items() if v is not None}))
+    (d / "galaxy").mkdir(exist_ok=True)
+    subprocess.run(
+        ["ansible-galaxy", "collection", "build", str(tree), "--output-path", str(d / "galaxy"), "--force"],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+    shutil.rmtree(d / "galaxy-src")
+    art = f"{ns}-{name}-{have}.tar.gz"
+    print(f"ee: {entry['name']} {have} from {src}")
+    entry.clear()
+    entry.update(name=f"/build/galaxy/{art}", type="file")
+(d / "requirements.yml").write_text(yaml.safe_dump(req, sort_keys=False))
+defn = yaml.safe_load((d / "execution-environment.yml").read_text())
+defn["additional_build_files"].append({"src": "galaxy", "dest": "galaxy"})
+(d / "execution-environment.yml").write_text(yaml.safe_dump(defn, sort_keys=False))
+EOF
+
+# --- build -----------------------------------------------------------------------------------------------------------
+printf '[global]\ncert = /etc/sco-build-host-ca.crt\n' >"$work/pip.conf"
+build_args=(--build-arg "EE_BASE_IMAGE=$base")
+[ -n "$pkgmgr" ] && build_args+=(--build-arg "PKGMGR=$pkgmgr")
+[ -n "$pypkg" ] && build_args+=(--build-arg "PYPKG=$pypkg")
+say "ansible-builder build -t $tag"
+start=$(date +%s)
+ansible-builder build -f "$work/def/execution-environment.yml" --context "$work/context" -t "$tag" \
+  --container-runtime podman -v 2 "${build_args[@]}" \
+  --extra-build-cli-args "--network host -v /etc/ssl/certs/ca-certificates.crt:/etc/sco-build-host-ca.crt:ro -v $work/pip.conf:/etc/pip.conf:ro" \
+  >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; fail "ansible-builder build (log: $work/build.log)"; }
+say "built $tag in $(($(date +%s) - start)) s ($(podman image inspect "$tag" --format '{{.Size}}' | awk '{printf "%d MB", $1/1e6}'))"
+
+# --- prove it ------------------------------------------------------------------------------------------------------
+# as AWX runs a job: the image's entrypoint, its user (1000), a private data dir at /runner, no network
+run() { podman run --rm --network none "$@"; }
+got=$(run "$tag" python3 -c 'import importlib.metadata as m; print(m.version("spot-capacity-orchestrator"))')
+[ "$got" = "$version" ] || fail "spot-capacity-orchestrator in the image is $got, the collection is $version"
+say "spot-capacity-orchestrator $got = collection $version"
+
+run "$tag" ansible-galaxy collection list >"$work/collections.txt"
+grep -Eq "^sco\.orchestrator +$version\b" "$work/collections.txt" || fail "no sco.orchestrator $version: $(cat "$work/collections.txt")"
+for c in $(python -c 'import yaml; print(" ".join(c["name"] for c in yaml.safe_load(open("collections/requirements.yml"))["collections"]))'); do
+  grep -Eq "^${c//./\\.} " "$work/collections.txt" || fail "no $c in the image: $(cat "$work/collections.txt")"
+done
+say "collections: $(grep -E '^(sco|kubernetes)\.' "$work/collections.txt" | awk '{print $1, $2}' | paste -sd, | sed 's/,/, /g')"
+
+run "$tag" ansible-doc -t module sco.orchestrator.reclaim >"$work/reclaim-doc.txt" || fail "ansible-doc sco.orchestrator.reclaim"
+grep -q "RETURN VALUES" "$work/reclaim-doc.txt" || fail "ansible-doc sco.orchestrator.reclaim: $(head "$work/reclaim-doc.txt")"
+say "ansible-doc sco.orchestrator.reclaim renders"
+
+pdd=$work/runner
+rm -rf "$pdd"
+mkdir -p "$pdd/project"
+cp ee/smoke/ee-smoke.yml "$pdd/project/"
+chown -R 1000:0 "$pdd"
+run -v "$pdd:/runner" "$tag" ansible-runner run /runner -p ee-smoke.yml >"$work/smoke.log" 2>&1 ||
+  { tail -40 "$work/smoke.log"; fail "ansible-runner run ee-smoke.yml in $tag (log: $work/smoke.log)"; }
+grep -q "ok=6 .*failed=0" <(sed 's/\x1b\[[0-9;]*m//g' "$work/smoke.log") || fail "smoke job: $(tail -5 "$work/smoke.log")"
+say "ansible-runner ran ee/smoke/ee-smoke.yml in $tag: $(sed 's/\x1b\[[0-9;]*m//g' "$work/smoke.log" | grep -E '^localhost +:' | tr -s ' ')"
+say "OK $tag"
