@@ -18,8 +18,8 @@
 # - explicit ulimits: podman asks for nofile/nproc above the hard limits, refused without CAP_SYS_RESOURCE;
 # - cgroupfs and a file event log: no systemd as PID 1;
 # - host network for the build (pip reaches the package index, apt the Debian mirror), and the host's CA bundle
-#   mounted read-only for pip (a TLS-inspecting egress proxy signs with a CA only the host trusts). Neither is
-#   baked into the image.
+#   mounted read-only over the image's during the build (a TLS-inspecting egress proxy signs with a CA only the
+#   host trusts); the image keeps Debian's bundle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -70,7 +70,10 @@ if [ -z "$base" ]; then
     tar -C "$rootfs" --numeric-owner --exclude='./proc/*' --exclude='./sys/*' --exclude='./dev/*' \
       --exclude='./run/*' --exclude='./tmp/*' --exclude='./etc/ssh/ssh_host_*' --exclude='./.sco-complete' -c . |
       podman import --change 'CMD ["/bin/bash"]' - localhost/sco-ee-base:rootfs >/dev/null
-    printf 'FROM localhost/sco-ee-base:rootfs\nRUN apt-get update -qq\n' >"$work/Containerfile.base"
+    # package lists for bindep's packages; pip (Debian's, from PYPKG) told to trust the system's CA bundle rather
+    # than the one it carries, so that mounting the host's bundle over it during a build is all a build needs
+    printf '%s\n' 'FROM localhost/sco-ee-base:rootfs' 'RUN apt-get update -qq' \
+      "RUN printf '[global]\\ncert = /etc/ssl/certs/ca-certificates.crt\\n' > /etc/pip.conf" >"$work/Containerfile.base"
     podman build --network host -q -f "$work/Containerfile.base" -t "$base" "$work" >/dev/null
     podman rmi localhost/sco-ee-base:rootfs >/dev/null
   fi
@@ -78,23 +81,49 @@ fi
 say "base image $base${pkgmgr:+ (package manager $pkgmgr)}"
 
 # --- what the build installs from this checkout ----------------------------------------------------------------------
+# Artifacts replace ee/'s copies only when their contents changed (their archives carry build times), so that an
+# unchanged checkout reuses every cached layer.
+same() {  # same OLD NEW: the collection artifacts' MANIFEST.json (which hashes every file), the wheels' RECORD
+  [ -f "$1" ] && python - "$1" "$2" <<'EOF'
+import sys, tarfile, zipfile
+def digest(p):
+    if p.endswith(".whl"):
+        with zipfile.ZipFile(p) as z:
+            return z.read(next(n for n in z.namelist() if n.endswith(".dist-info/RECORD")))
+    with tarfile.open(p) as t:
+        return t.extractfile("MANIFEST.json").read()
+sys.exit(digest(sys.argv[1]) != digest(sys.argv[2]))
+EOF
+}
+rm -rf "$work/dist"
 ansible-galaxy collection build collections/ansible_collections/sco/orchestrator --output-path "$work/dist" --force >/dev/null
-cp "$work/dist/sco-orchestrator-$version.tar.gz" ee/sco-orchestrator.tar.gz
-rm -f ee/wheels/*.whl
-pip wheel -q --no-deps -w ee/wheels . 2>&1 | grep -v '^$' || true
-ls ee/wheels/spot_capacity_orchestrator-"$version"-*.whl >/dev/null || fail "no wheel of spot-capacity-orchestrator $version"
+same ee/sco-orchestrator.tar.gz "$work/dist/sco-orchestrator-$version.tar.gz" ||
+  cp "$work/dist/sco-orchestrator-$version.tar.gz" ee/sco-orchestrator.tar.gz
+pip wheel -q --no-deps -w "$work/dist" . 2>&1 | grep -v '^$' || true
+whl=$(cd "$work/dist" && ls spot_capacity_orchestrator-"$version"-*.whl) || fail "no wheel of spot-capacity-orchestrator $version"
+if ! same "ee/wheels/$whl" "$work/dist/$whl"; then
+  rm -f ee/wheels/*.whl
+  cp "$work/dist/$whl" ee/wheels/
+fi
 
 # The definition as shipped, except that collections named for Galaxy (out of reach here) come from local
 # artifacts of an acceptable version: the ones of the `ansible` package in the venv, which the tests use.
 rm -rf "$work/def" "$work/context"
-cp -r ee "$work/def"
-python - "$work/def" <<'EOF'
-import json, pathlib, shutil, subprocess, sys
+cp -rp ee "$work/def"
+python - "$work/def" "$work/galaxy" <<'EOF'
+import json, pathlib, shutil, subprocess, sys, tarfile
 import yaml
 from packaging.specifiers import SpecifierSet
 import ansible_collections
 
-d = pathlib.Path(sys.argv[1])
+d, cache = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+
+
+def manifest(artifact):
+    with tarfile.open(artifact) as t:
+        return t.extractfile("MANIFEST.json").read()
+
+
 req = yaml.safe_load((d / "requirements.yml").read_text())
 for entry in req["collections"]:
     if entry.get("type") == "file":
@@ -114,13 +143,17 @@ for entry in req["collections"]:
     shutil.copytree(src, tree, ignore=shutil.ignore_patterns("__pycache__", "MANIFEST.json", "FILES.json"))
     info = json.loads((src / "MANIFEST.json").read_text())["collection_info"]
     (tree / "galaxy.yml").write_text(yaml.safe_dump({k: v for k, v in info.items() if v is not None}))
-    (d / "galaxy").mkdir(exist_ok=True)
     subprocess.run(
-        ["ansible-galaxy", "collection", "build", str(tree), "--output-path", str(d / "galaxy"), "--force"],
+        ["ansible-galaxy", "collection", "build", str(tree), "--output-path", str(d / "galaxy-src"), "--force"],
         check=True, stdout=subprocess.DEVNULL,
     )
-    shutil.rmtree(d / "galaxy-src")
     art = f"{ns}-{name}-{have}.tar.gz"
+    cache.mkdir(exist_ok=True)  # kept while its contents are the same, as the layers built from it
+    if not (cache / art).is_file() or manifest(cache / art) != manifest(d / "galaxy-src" / art):
+        shutil.copy2(d / "galaxy-src" / art, cache / art)
+    shutil.rmtree(d / "galaxy-src")
+    (d / "galaxy").mkdir(exist_ok=True)
+    shutil.copy2(cache / art, d / "galaxy" / art)
     print(f"ee: {entry['name']} {have} from {src}")
     entry.clear()
     entry.update(name=f"/build/galaxy/{art}", type="file")
@@ -131,15 +164,17 @@ defn["additional_build_files"].append({"src": "galaxy", "dest": "galaxy"})
 EOF
 
 # --- build -----------------------------------------------------------------------------------------------------------
-printf '[global]\ncert = /etc/sco-build-host-ca.crt\n' >"$work/pip.conf"
 build_args=(--build-arg "EE_BASE_IMAGE=$base")
 [ -n "$pkgmgr" ] && build_args+=(--build-arg "PKGMGR=$pkgmgr")
 [ -n "$pypkg" ] && build_args+=(--build-arg "PYPKG=$pypkg")
+# the host's trust (here: the TLS-inspecting egress proxy's CA) over the image's bundle, for the build only
+ca_mount=
+[ -f /etc/ssl/certs/ca-certificates.crt ] && ca_mount="-v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro"
 say "ansible-builder build -t $tag"
 start=$(date +%s)
 ansible-builder build -f "$work/def/execution-environment.yml" --context "$work/context" -t "$tag" \
   --container-runtime podman -v 2 "${build_args[@]}" \
-  --extra-build-cli-args "--network host -v /etc/ssl/certs/ca-certificates.crt:/etc/sco-build-host-ca.crt:ro -v $work/pip.conf:/etc/pip.conf:ro" \
+  --extra-build-cli-args "--network host --force-rm $ca_mount" \
   >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; fail "ansible-builder build (log: $work/build.log)"; }
 say "built $tag in $(($(date +%s) - start)) s ($(podman image inspect "$tag" --format '{{.Size}}' | awk '{printf "%d MB", $1/1e6}'))"
 
@@ -170,4 +205,4 @@ run -v "$pdd:/runner" "$tag" ansible-runner run /runner -p ee-smoke.yml >"$work/
   { tail -40 "$work/smoke.log"; fail "ansible-runner run ee-smoke.yml in $tag (log: $work/smoke.log)"; }
 grep -q "ok=6 .*failed=0" <(sed 's/\x1b\[[0-9;]*m//g' "$work/smoke.log") || fail "smoke job: $(tail -5 "$work/smoke.log")"
 say "ansible-runner ran ee/smoke/ee-smoke.yml in $tag: $(sed 's/\x1b\[[0-9;]*m//g' "$work/smoke.log" | grep -E '^localhost +:' | tr -s ' ')"
-say "OK $tag"
+say "OK $tag (${SECONDS} s in all)"
