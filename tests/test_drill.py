@@ -220,3 +220,73 @@ def test_drill_with_cloud_credentials_deletes_the_instances_after_the_drain(  # 
         for s in conn.compute.servers(tags=f"sco-hall={hall}"):
             conn.compute.delete_server(s.id, ignore_missing=True)
         conn.close()
+
+
+def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: KubeApiStandIn) -> None:
+    """The relay's control users read every node's events through JetStream push consumers, which deliver on
+    _INBOX subjects: a node's credentials must not subscribe there (only to its own inbox), while its own agent still
+    gets the acks of what it publishes."""
+    import asyncio
+
+    import nats
+
+    srv, creds = start_relay(tmp_path, ["node-1", "node-2"])
+    pw = {u: (creds / u).read_text().strip() for u in ("node-node-1", "node-node-2", "control")}
+    agent = AgentEnv(tmp_path / "agent", kube, srv, nats_user="node-node-1", nats_password=pw["node-node-1"])
+    add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.2)
+    write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")
+    (tmp_path / "nats").symlink_to(creds)
+
+    async def snoop() -> tuple[list[str], list[str]]:
+        errors: list[str] = []
+
+        async def on_error(e: Exception) -> None:
+            errors.append(str(e))
+
+        # the control loop's reader follows the hall's events on a durable push consumer (delivered on _INBOX)
+        reader = await nats.connect(srv.url, user="control", password=pw["control"])
+        seen: list[str] = []
+        spy = await nats.connect(srv.url, user="node-node-2", password=pw["node-node-2"], error_cb=on_error)
+
+        async def on_spied(msg: Any) -> None:
+            seen.append(msg.subject)
+
+        for subject in ("_INBOX.>", "_INBOX.local.node-1.>"):
+            await spy.subscribe(subject, cb=on_spied)
+        await spy.flush(timeout=3)
+
+        async def on_event(msg: Any) -> None:
+            await msg.ack()
+
+        await reader.jetstream().subscribe(
+            "sco.events.local.>", stream="SCO_EVENTS", durable="probe", cb=on_event, manual_ack=True
+        )
+        out = await asyncio.to_thread(
+            run_playbook, tmp_path, REPO / "playbooks/drill.yml",
+            {"drill_notice_keys": [str(tmp_path / "notice.key")], "sco_hall": "local", "sco_relay_url": srv.url,
+             "sco_credentials_dir": str(tmp_path), "drill_nodes": ["node-1"], "drill_notice_seconds": 15,
+             "drill_grace_seconds": 5},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        await asyncio.sleep(1)
+        await spy.close()
+        await reader.close()
+        return errors, seen
+
+    agent.start().wait_subscribed()
+    try:
+        errors, seen = asyncio.run(snoop())
+        assert seen == []  # not one of node-1's events (nor its acks) reached another node
+        assert sum("permissions violation" in e.lower() for e in errors) == 2, errors
+
+        def published() -> bool:
+            out = subprocess.run(
+                [str(BIN / "sco-agent"), "status", "--state-dir", str(agent.state)], capture_output=True, timeout=30
+            )
+            return bool(json.loads(out.stdout)["events"]["unpublished"] == 0)
+
+        # the agent's own inbox still works: every event it published was acknowledged by the stream
+        wait_for(published, 15, "the agent's events acknowledged")
+    finally:
+        agent.stop()
+        srv.stop()
