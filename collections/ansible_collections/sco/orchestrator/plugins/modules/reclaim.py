@@ -26,7 +26,7 @@ options:
     type: str
   nats_user:
     description:
-      - The relay user the reclaimer connects as (the notice_relay role's C(reclaimer)): it may publish the hall's
+      - The relay user the reclaimer connects as (the notice_relay role's C(reclaimer)), which may publish the hall's
         notices and read the hall's events, from which the agents' accounts are recorded.
     type: str
   nats_password:
@@ -81,8 +81,8 @@ RETURN = r"""
 reclaimed:
   description:
     - Per instance - name, notice id, terminate_at, published (relay reached), state after the run, and agent -
-      what the node's agent had reported when the delete went out (drained, overrun, draining, notified: no
-      account), null when the instance was not deleted in this run (O(wait=false)).
+      what the node's agent had reported when the delete went out (drained, overrun, draining, or notified when no
+      account came), null when the instance was not deleted in this run (O(wait=false)).
   returned: success
   type: list
   elements: dict
