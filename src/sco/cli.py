@@ -81,6 +81,10 @@ def _nats_auth(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_nats(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", default=_env("SCO_NATS_URL", "nats://127.0.0.1:4222"), help="[$SCO_NATS_URL]")
+    _add_nats_auth(p)
+
+
+def _add_nats_auth(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user", default=_env("SCO_NATS_USER"), help="[$SCO_NATS_USER]")
     p.add_argument("--password", default=_env("SCO_NATS_PASSWORD"), help="[$SCO_NATS_PASSWORD]")
     p.add_argument("--token", default=_env("SCO_NATS_TOKEN"), help="[$SCO_NATS_TOKEN]")
@@ -578,7 +582,10 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
 
     async def go() -> int:
         with FleetState(dsn_from_env(args.dsn), application="sco reclaim") as st, st.writer(args.hall, args.lock_wait):
-            r = Reclaimer(_cloud(args.os_cloud), st, args.nats, window_s=args.window, signing_keys=keys)
+            r = Reclaimer(
+                _cloud(args.os_cloud), st, args.nats, window_s=args.window, signing_keys=keys,
+                nats_auth=_nats_auth(args),
+            )  # fmt: skip
             try:
                 for rc in await r.notify(args.hall, args.nodes):
                     sent = "published" if rc.published_at else "NOT published (relay down; metadata only)"
@@ -587,7 +594,7 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
                     await r.run(args.hall)
                     for rc in r.reclaims.values():
                         inst = st.instance(rc.instance.id)
-                        print(f"{inst.name}: {inst.state}")
+                        print(f"{inst.name}: {inst.state} (agent: {rc.agent_state or 'no account'})")
             finally:
                 await r.close()
         return 0
@@ -610,6 +617,7 @@ def _add_fleet_commands(sub: Any) -> None:
     x.add_argument("nodes", nargs="+", metavar="NODE", help="instance (node) names")
     x.add_argument("--window", type=float, default=float(_env("SCO_RECLAIM_WINDOW", "120") or 120))
     x.add_argument("--nats", default=_env("SCO_NATS_URL"), help="the hall's notice relay [$SCO_NATS_URL]")
+    _add_nats_auth(x)  # the relay's reclaimer identity
     x.add_argument("--os-cloud", default=_env("OS_CLOUD"), help="clouds.yaml entry [$OS_CLOUD]")
     x.add_argument("--dsn", default=_env("SCO_DB_DSN"), help="fleet state [$SCO_DB_DSN]")
     x.add_argument(

@@ -381,6 +381,9 @@ class Agent:
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,
             error_cb=error,
+            # Replies (JetStream acks) come back on the node's own inbox: the relay lets a node subscribe only
+            # there, never to _INBOX.>, where the control users' consumers deliver every node's events.
+            inbox_prefix=f"_INBOX.{self.cfg.hall}.{self.cfg.node}",
             **self._nats_auth(),
         )
         subject = self.cfg.subject(self.cfg.notice_subject)
