@@ -47,9 +47,22 @@ def _add_trust(p: argparse.ArgumentParser) -> None:
 # --- keys -----------------------------------------------------------------------------------------
 
 
+def _file_name_problem(name: str) -> str | None:
+    """Why ``name`` is not one plain file name inside the directory it is meant for (None: it is)."""
+    if not name:
+        return "expected a file name, got an empty one"
+    if "/" in name or name in (".", ".."):
+        return "expected a plain file name, not a path (use --out-dir for the directory)"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "control characters in a file name"
+    return None
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from sco.contract.signing import generate, write_keypair
 
+    if args.name is not None and (problem := _file_name_problem(args.name)):
+        raise ConfigError(f"--name {args.name!r}: {problem}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     key = generate()
@@ -296,11 +309,30 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _http_url_problem(value: str) -> str | None:
+    """Why ``value`` is not one http(s) URL (None: it is)."""
+    from urllib.parse import urlsplit
+
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in value):
+        return "whitespace or control characters in a URL"
+    try:
+        u = urlsplit(value)
+        host = u.hostname
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if u.scheme not in ("http", "https") or not host:
+        return "expected an http:// or https:// URL with a host, such as http://distributor:8470"
+    return None
+
+
 def cmd_user_data(args: argparse.Namespace) -> int:
     from sco.contract.bundle import Bundle
     from sco.contract.signing import load_private
     from sco.contract.userdata import render
 
+    if args.distributor_url and (problem := _http_url_problem(args.distributor_url)):
+        # it becomes a line of the node's agent.env: a newline in it would add settings of its own
+        raise ConfigError(f"--distributor-url {args.distributor_url!r}: {problem}")
     keyring = _keyring(args)
     bundle = Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)
     keys = [load_private(Path(k)) for k in args.signing_key]
