@@ -541,7 +541,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_db_migrate(args: argparse.Namespace) -> int:
-    from sco.state.db import applied, connect, dsn_from_env, migrate, migrations
+    from sco.state.db import applied, check_dsn, connect, dsn_from_env, migrate, migrations
 
     if args.embedded:
         from sco.state.embedded import EmbeddedPostgres
@@ -553,6 +553,7 @@ def cmd_db_migrate(args: argparse.Namespace) -> int:
         print(f"embedded PostgreSQL in {args.embedded}: {dsn}")
     else:
         dsn = dsn_from_env(args.dsn)
+        check_dsn(dsn, "--dsn" if args.dsn else "$SCO_DB_DSN")
     if args.check:
         # What a real run would apply, applying nothing (the fleet_state role's check mode).
         with connect(dsn) as conn:
