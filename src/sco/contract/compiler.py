@@ -67,14 +67,27 @@ class Resolved:
 
 
 def list_files(repo: Path) -> list[str]:
-    """Every YAML file under ``repo`` (hidden directories such as .git skipped), in path order."""
-    return sorted(
-        p.relative_to(repo).as_posix()
-        for p in repo.rglob("*")
-        if p.suffix in (".yaml", ".yml")
-        and p.is_file()
-        and not any(part.startswith(".") for part in p.relative_to(repo).parts)
-    )
+    """Every YAML file under ``repo`` (hidden directories such as .git skipped), in path order, and every
+    symlink leading out of it: rglob does not follow a directory symlink, so one leading out would be skipped
+    silently; listed, :func:`load_file` refuses it by name as it does a file symlink."""
+    root = repo.resolve()
+    out: list[str] = []
+    for p in repo.rglob("*"):
+        rel = p.relative_to(repo)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.suffix in (".yaml", ".yml") and (p.is_file() or p.is_symlink()):
+            out.append(rel.as_posix())
+        elif p.is_symlink() and not _inside(p, root):
+            out.append(rel.as_posix())
+    return sorted(out)
+
+
+def _inside(link: Path, root: Path) -> bool:
+    try:
+        return link.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):  # a symlink loop: listed, and load_file says it cannot be read
+        return False
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
@@ -116,6 +129,8 @@ def load_file(repo: Path, rel: str) -> tuple[list[Resolved], list[Problem]]:
             return [], [Problem(rel, "", f"{size} bytes, more than the {MAX_FILE_BYTES} a contract file may hold")]
     except OSError as e:
         return [], [Problem(rel, "", f"cannot read: {e}")]
+    except RuntimeError:  # pathlib's word for a symlink loop
+        return [], [Problem(rel, "", "cannot read: a symlink loop")]
     try:
         docs = [d for d in yaml.load_all(path.read_text(encoding="utf-8"), Loader=_Loader) if d is not None]
     except yaml.MarkedYAMLError as e:
