@@ -202,13 +202,21 @@ async def ensure_events_stream(
 
 def _issued_at(args: argparse.Namespace) -> int | None:
     """Reproducible issue time: --issued-at, $SOURCE_DATE_EPOCH, or the repository's HEAD commit time."""
+    from sco.contract.compiler import issued_at_problem
+
+    def checked(value: int, where: str) -> int:
+        if why := issued_at_problem(value):
+            raise ConfigError(f"{where} {value}: {why}")
+        return value
+
     if args.issued_at is not None:
-        return int(args.issued_at)
+        return checked(int(args.issued_at), "--issued-at")
     if "SOURCE_DATE_EPOCH" in os.environ:
         try:
-            return int(os.environ["SOURCE_DATE_EPOCH"])
+            value = int(os.environ["SOURCE_DATE_EPOCH"])
         except ValueError:
             raise ConfigError("$SOURCE_DATE_EPOCH: expected an integer") from None
+        return checked(value, "$SOURCE_DATE_EPOCH")
     try:
         out = subprocess.run(
             ["git", "-C", str(args.repo), "log", "-1", "--format=%ct", "--", "."],
@@ -219,7 +227,9 @@ def _issued_at(args: argparse.Namespace) -> int | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else None
+    if out.returncode != 0 or not out.stdout.strip().isdigit():
+        return None
+    return checked(int(out.stdout.strip()), f"{args.repo}: git HEAD commit time")
 
 
 def cmd_check(args: argparse.Namespace) -> int:

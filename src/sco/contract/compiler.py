@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -24,11 +25,22 @@ from pydantic import BaseModel, ValidationError
 
 from sco.contract.bundle import content_digest
 from sco.contract.model import API_VERSION, SELECTOR_TAGS, Contract, HallPolicy
-from sco.errors import ContractError, Problem
+from sco.errors import ConfigError, ContractError, Problem
 
 # libyaml when present: its parser is C, though PyYAML still constructs objects in Python.
 _Base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_FILE_BYTES = 1 << 20  # a contract is a few hundred bytes; a larger file is a mistake or an attack
+MAX_ISSUED_AHEAD_S = 86_400  # clocks disagree by seconds, not days: a later issue time is a typo (ms for s)
+
+
+def issued_at_problem(value: int, now: float | None = None) -> str | None:
+    """Why ``value`` cannot be a bundle's issue time (None: it can). Nodes report a bundle's age from it."""
+    now = time.time() if now is None else now
+    if value < 0:
+        return "expected Unix epoch seconds, not a negative number"
+    if value > now + MAX_ISSUED_AHEAD_S:
+        return f"more than a day in the future (now is {int(now)}; milliseconds instead of seconds?)"
+    return None
 
 
 class _Loader(_Base):  # type: ignore[misc]
@@ -285,6 +297,8 @@ def compile_repo(
     Serial: ``serial`` if given (it must exceed the previous one); otherwise the previous serial when the
     content is unchanged (same input, same bytes), else the previous serial + 1 (1 with no previous).
     """
+    if issued_at is not None and (why := issued_at_problem(issued_at)):
+        raise ConfigError(f"issued_at {issued_at}: {why}")
     loaded, problems = load(Path(repo), workers)
     policies = [x for x in loaded if x.kind == "HallPolicy"]
     contracts = [x for x in loaded if x.kind == "WorkloadContract"]
