@@ -375,7 +375,12 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from sco.contract.distributor import DistributorServer, parse_listen
 
-    server = DistributorServer(Path(args.root), parse_listen(args.listen), verbose=args.verbose)
+    root = Path(args.root)
+    if not root.is_dir():
+        # serving would answer 404 to every node until someone noticed: say so now
+        why = "not a directory" if root.exists() else "no such directory (sco contract publish creates it)"
+        raise ConfigError(f"--root {root}: {why}")
+    server = DistributorServer(root, parse_listen(args.listen), verbose=args.verbose)
     print(f"serving {args.root} at {server.url}/v1/halls/<hall>/bundle.json", flush=True)
     try:
         server.serve_forever()
