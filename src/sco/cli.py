@@ -101,30 +101,59 @@ def _add_nats(p: argparse.ArgumentParser) -> None:
     p.add_argument("--creds", default=_env("SCO_NATS_CREDS"), help="NATS creds file [$SCO_NATS_CREDS]")
 
 
+def _nats_why(e: BaseException) -> str:
+    """A connect failure in words: nats-py's own are often an empty TimeoutError."""
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, TimeoutError) or type(e).__name__ == "TimeoutError":  # asyncio's, and nats.errors'
+        return "timed out (no answer within 5 s)"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
     import asyncio
+    import contextlib
 
     async def main() -> Any:
         import nats
 
-        async def quiet(e: Exception) -> None:  # the failure is reported once, below
-            pass
+        servers = [u.strip() for u in args.nats.split(",") if u.strip()]
+        errors: list[str] = []
+        gave_up = asyncio.Event()
 
-        try:
-            # nats-py keeps retrying a refused first connection whatever its options say: bound it here.
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    args.nats,
-                    connect_timeout=5,
-                    allow_reconnect=False,
-                    max_reconnect_attempts=0,
-                    error_cb=quiet,
-                    **_nats_auth(args),
-                ),
-                10,
+        async def on_error(e: Exception) -> None:
+            # nats-py keeps retrying a refused first connection whatever its options say: one error per server
+            # tried is the answer, reported at once rather than after the overall bound
+            if not gave_up.is_set():
+                errors.append(_nats_why(e))
+                if len(errors) >= len(servers):
+                    gave_up.set()
+
+        connecting = asyncio.ensure_future(
+            nats.connect(
+                servers,
+                connect_timeout=5,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                error_cb=on_error,
+                **_nats_auth(args),
             )
-        except Exception as e:
-            raise FetchError(f"{args.nats}: cannot connect: {type(e).__name__}: {e}") from None
+        )
+        failed = asyncio.ensure_future(gave_up.wait())
+        await asyncio.wait({connecting, failed}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
+        if not connecting.done():
+            gave_up.set()
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            why = "; ".join(dict.fromkeys(errors)) or "no answer within 10 s"
+            raise FetchError(f"NATS {args.nats}: cannot connect: {why}")
+        if connecting.exception() is not None:
+            raise FetchError(f"NATS {args.nats}: cannot connect: {_nats_why(connecting.exception())}")
+        nc = connecting.result()
         try:
             return await work(nc)
         finally:
