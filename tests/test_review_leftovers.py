@@ -288,7 +288,9 @@ def test_agent_warns_about_unknown_sco_agent_variables(tmp_path: Path) -> None:
     assert "SCO_AGENT_CONFIG" not in p.stderr and "SCO_AGENT_HALL" not in p.stderr
 
 
-def test_agent_start_warns_about_unknown_variables_and_no_cached_bundle(tmp_path: Path, nats_server: NatsServer) -> None:
+def test_agent_start_warns_about_unknown_variables_and_no_cached_bundle(
+    tmp_path: Path, nats_server: NatsServer
+) -> None:
     from sco.standins.kube_apiserver import KubeApiStandIn
 
     kube = KubeApiStandIn().start()

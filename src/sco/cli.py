@@ -151,8 +151,8 @@ def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
                 await connecting
             why = "; ".join(dict.fromkeys(errors)) or "no answer within 10 s"
             raise FetchError(f"NATS {args.nats}: cannot connect: {why}")
-        if connecting.exception() is not None:
-            raise FetchError(f"NATS {args.nats}: cannot connect: {_nats_why(connecting.exception())}")
+        if (err := connecting.exception()) is not None:
+            raise FetchError(f"NATS {args.nats}: cannot connect: {_nats_why(err)}")
         nc = connecting.result()
         try:
             return await work(nc)

@@ -88,9 +88,8 @@ def list_files(repo: Path) -> list[str]:
         rel = p.relative_to(repo)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        if p.suffix in (".yaml", ".yml") and (p.is_file() or p.is_symlink()):
-            out.append(rel.as_posix())
-        elif p.is_symlink() and not _inside(p, root):
+        yaml_file = p.suffix in (".yaml", ".yml") and (p.is_file() or p.is_symlink())
+        if yaml_file or (p.is_symlink() and not _inside(p, root)):
             out.append(rel.as_posix())
     return sorted(out)
 

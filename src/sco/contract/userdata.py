@@ -41,11 +41,7 @@ def render(
     names: list[str] | None = None,
     node_env: dict[str, str] | None = None,
 ) -> str:
-    bad = [
-        f"{k!r}: {why}"
-        for k, v in sorted((node_env or {}).items())
-        if (why := _env_problem(k, v))
-    ]
+    bad = [f"{k!r}: {why}" for k, v in sorted((node_env or {}).items()) if (why := _env_problem(k, v))]
     if bad:
         raise ConfigError(f"node environment: {'; '.join(bad)}")
     payload = subset_payload(bundle, schedulers=schedulers, names=names)
