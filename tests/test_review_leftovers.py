@@ -322,6 +322,8 @@ def test_nats_connect_refused_names_the_server_and_why(tmp_path: Path) -> None:
     assert sco("keygen", "--out-dir", tmp_path, "--name", "n", "--for", "notice").returncode == 0
     p = sco("notice", "send", "--hall", "h", "--node", "n-1", "--signing-key", tmp_path / "n.key", "--nats", nowhere)
     one_line_error(p, 6, nowhere, "connection refused")
+    for bad in ("", "http://127.0.0.1:4222"):  # not a relay at all: a configuration error
+        one_line_error(sco("events", "create-stream", "--nats", bad), 5, "--nats")
 
 
 def test_nats_connect_to_a_silent_server_says_timed_out() -> None:

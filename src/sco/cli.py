@@ -119,7 +119,10 @@ def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
     async def main() -> Any:
         import nats
 
-        servers = [u.strip() for u in args.nats.split(",") if u.strip()]
+        servers = [u.strip() for u in (args.nats or "").split(",") if u.strip()]
+        bad = [u for u in servers if "://" in u and u.split("://", 1)[0] not in ("nats", "tls", "ws", "wss")]
+        if not servers or bad:
+            raise ConfigError(f"--nats {args.nats!r}: expected nats://HOST:PORT (comma-separated for several)")
         errors: list[str] = []
         gave_up = asyncio.Event()
 
