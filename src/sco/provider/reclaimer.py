@@ -34,7 +34,8 @@ NOTICE_SUBJECT = "sco.notice.{hall}.{node}"
 EVENTS_SUBJECT = "sco.events.{hall}.>"
 EVENTS_STREAM = "SCO_EVENTS"
 # What the agent's events mean for the instance's lifecycle state (and from which states they may move it).
-_DRAINING = ("node.tainted", "node.drain_set", "scheduler.unreachable", "job.signalled", "pod.evicted")
+# the first signs of a drain under way (an API that answered "no" to the taint is one too)
+_DRAINING = ("node.tainted", "node.drain_set", "scheduler.unreachable", "scheduler.refused", "job.signalled")
 _FOLD: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "drain.drained": ("drained", ("notified", "draining")),
     "drain.overrun": ("overrun", ("notified", "draining")),
