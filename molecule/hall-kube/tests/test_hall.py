@@ -143,6 +143,7 @@ def test_node_credentials_reach_only_the_nodes_own_subjects(relay_running: Any) 
     assert refused("node_subscribes_other_notices", "subscription", "sco.notice.local.spot-k2"), r
     assert refused("node_subscribes_all_notices", "subscription", "sco.notice.local.>"), r
     assert refused("node_publishes_notice", "publish", "sco.notice.local.spot-k2"), r
+    assert refused("node_subscribes_all_inboxes", "subscription", "_INBOX.>"), r
     assert r["reclaimer_publishes_notice"] == [] and r["node_received"] == '{"id": "probe"}', r
     assert refused("reader_publishes_notice", "publish", "sco.notice.local.spot-k1"), r
     assert r["node_publishes_own_event"]["stream"] == "SCO_EVENTS", r
