@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make ee`: build the execution environment (ee/execution-environment.yml) with ansible-builder and podman, then
-# prove it the way AWX uses it: ansible-runner runs ee/smoke/ee-smoke.yml inside the image (sco.orchestrator's
-# contract_bundle and plan modules on localhost), ansible-doc renders a module, the product's version is the
-# collection's, and `ansible-galaxy collection list` shows sco.orchestrator and collections/requirements.yml's.
+# prove it the way AWX uses it: ee/smoke/ee-smoke.yml (sco.orchestrator's contract_bundle and plan modules on
+# localhost) runs through `ansible-runner transmit | worker (in the image) | process`, ansible-doc renders a module,
+# the product's version is the collection's, and `ansible-galaxy collection list` shows sco.orchestrator and
+# collections/requirements.yml's. ee/README.md has the details and the measured times.
 #
 # Environment:
 #   EE_TAG         image to build (default localhost/sco-ee:<collection version>)
