@@ -37,7 +37,9 @@ RENDER = """
 """
 
 
-def run_playbook(tmp: Path, play: str | Path, extravars: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+def run_playbook(
+    tmp: Path, play: str | Path, extravars: dict[str, Any], *flags: str
+) -> subprocess.CompletedProcess[str]:
     """Run a playbook file, or a playbook text written to a file first."""
     if isinstance(play, str):
         text, play = play, tmp / f"play-{len(list(tmp.glob('play-*')))}.yml"
@@ -45,7 +47,17 @@ def run_playbook(tmp: Path, play: str | Path, extravars: dict[str, Any]) -> subp
     extravars = {"ansible_python_interpreter": sys.executable, **extravars}
     env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"}
     return subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(play), "-e", json.dumps(extravars)],
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            str(play),
+            "-e",
+            json.dumps(extravars),
+            *flags,
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -224,15 +236,16 @@ def test_drill_with_cloud_credentials_deletes_the_instances_after_the_drain(  # 
 
 def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: KubeApiStandIn) -> None:
     """The relay's control users read every node's events through JetStream push consumers, which deliver on
-    _INBOX subjects: a node's credentials must not subscribe there (only to its own inbox), while its own agent still
-    gets the acks of what it publishes."""
+    _INBOX subjects: a node's credentials must not subscribe there (only to its own inbox, not even that of a node
+    whose name extends its own: "a" and "a.b"), while its own agent still gets the acks of what it publishes. Junk
+    on the drilled node's notice subject during the drill does not count as the drill's notice refused."""
     import asyncio
 
     import nats
 
-    srv, creds = start_relay(tmp_path, ["node-1", "node-2"])
-    pw = {u: (creds / u).read_text().strip() for u in ("node-node-1", "node-node-2", "control")}
-    agent = AgentEnv(tmp_path / "agent", kube, srv, nats_user="node-node-1", nats_password=pw["node-node-1"])
+    srv, creds = start_relay(tmp_path, ["a", "a.b"])
+    pw = {u: (creds / u).read_text().strip() for u in ("node-a", "node-a.b", "control", "reclaimer")}
+    agent = AgentEnv(tmp_path / "agent", kube, srv, node="a.b", nats_user="node-a.b", nats_password=pw["node-a.b"])
     add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.2)
     write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")
     (tmp_path / "nats").symlink_to(creds)
@@ -246,12 +259,13 @@ def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: 
         # the control loop's reader follows the hall's events on a durable push consumer (delivered on _INBOX)
         reader = await nats.connect(srv.url, user="control", password=pw["control"])
         seen: list[str] = []
-        spy = await nats.connect(srv.url, user="node-node-2", password=pw["node-node-2"], error_cb=on_error)
+        spy = await nats.connect(srv.url, user="node-a", password=pw["node-a"], error_cb=on_error)
 
         async def on_spied(msg: Any) -> None:
             seen.append(msg.subject)
 
-        for subject in ("_INBOX.>", "_INBOX.local.node-1.>"):
+        # refused: everyone's, a.b's; allowed but empty: a's own inbox space (a.b's replies come on _INBOX.local.a_b)
+        for subject in ("_INBOX.>", "_INBOX.local.a_b.>", "_INBOX.local.a.b.>", "_INBOX.local.a.>"):
             await spy.subscribe(subject, cb=on_spied)
         await spy.flush(timeout=3)
 
@@ -261,23 +275,34 @@ def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: 
         await reader.jetstream().subscribe(
             "sco.events.local.>", stream="SCO_EVENTS", durable="probe", cb=on_event, manual_ack=True
         )
+        junk = await nats.connect(srv.url, user="reclaimer", password=pw["reclaimer"])
+
+        async def inject() -> None:
+            for i in range(30):
+                await junk.publish("sco.notice.local.a.b", json.dumps({"junk": i}).encode())
+                await asyncio.sleep(0.3)
+
+        injecting = asyncio.create_task(inject())
         out = await asyncio.to_thread(
             run_playbook, tmp_path, REPO / "playbooks/drill.yml",
             {"drill_notice_keys": [str(tmp_path / "notice.key")], "sco_hall": "local", "sco_relay_url": srv.url,
-             "sco_credentials_dir": str(tmp_path), "drill_nodes": ["node-1"], "drill_notice_seconds": 15,
+             "sco_credentials_dir": str(tmp_path), "drill_nodes": ["a.b"], "drill_notice_seconds": 15,
              "drill_grace_seconds": 5},
         )  # fmt: skip
+        await injecting
         assert out.returncode == 0, out.stdout + out.stderr
+        assert "a.b: drained" in out.stdout
         await asyncio.sleep(1)
-        await spy.close()
-        await reader.close()
+        for c in (spy, reader, junk):
+            await c.close()
         return errors, seen
 
     agent.start().wait_subscribed()
     try:
         errors, seen = asyncio.run(snoop())
-        assert seen == []  # not one of node-1's events (nor its acks) reached another node
+        assert seen == []  # not one of a.b's events (nor its acks) reached another node
         assert sum("permissions violation" in e.lower() for e in errors) == 2, errors
+        assert agent.of("notice.refused")  # the junk was refused while the drill's notice drained the node
 
         def published() -> bool:
             out = subprocess.run(
@@ -290,3 +315,143 @@ def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: 
     finally:
         agent.stop()
         srv.stop()
+
+
+def _instances(st: Any, hall: str, names: list[str], *, window: float) -> list[Any]:
+    """Fleet-state rows for instances under reclaim (notified, T = now + window), as the reclaimer leaves them."""
+    from sco.state.fleet import Pool
+
+    st.ensure_pool(Pool(hall, "spot", flavor="f", image="i"))
+    out = []
+    for slot, name in enumerate(names):
+        inst = st.request(hall, "spot", "e", slot, name)
+        st.transition(inst.id, "active", "instance.active", server_id=f"srv-{name}")
+        st.transition(inst.id, "notified", "reclaim.scheduled", reclaim_id=f"r-{name}", terminate_at=st.now() + window)
+        out.append(st.instance(inst.id))
+    return out
+
+
+def test_the_reclaimer_records_an_event_for_the_node_its_subject_names(tmp_path: Path, fleet_dsn: str) -> None:
+    """A node may publish only on its own subject, but the body is its word: node a claiming to be node b's agent
+    must not drain b's account in the fleet state, nor hide b's real events (de-duplicated by node and seq)."""
+    import asyncio
+
+    import nats
+
+    from sco.provider.reclaimer import Reclaimer
+    from sco.state.fleet import FleetState
+
+    srv, creds = start_relay(tmp_path, ["a", "b"])
+    pw = {u: (creds / u).read_text().strip() for u in ("node-a", "node-b", "reclaimer")}
+    try:
+        with FleetState(fleet_dsn) as st:
+            a, b = _instances(st, "local", ["a", "b"], window=60)
+
+            async def scenario() -> None:
+                r = Reclaimer(
+                    None, st, srv.url, signing_keys=[generate()], nats_auth={"user": "reclaimer",
+                    "password": pw["reclaimer"]},
+                )  # fmt: skip
+                sub = await r._follow_events("local")
+                na = await nats.connect(srv.url, user="node-a", password=pw["node-a"], inbox_prefix="_INBOX.local.a")
+                nb = await nats.connect(srv.url, user="node-b", password=pw["node-b"], inbox_prefix="_INBOX.local.b")
+                forged = {"type": "drain.drained", "node": "b", "seq": 3, "at": 1.0}
+                await na.jetstream().publish("sco.events.local.a", json.dumps(forged).encode())
+                real = {"type": "drain.overrun", "node": "b", "seq": 3, "at": 2.0}
+                await nb.jetstream().publish("sco.events.local.b", json.dumps(real).encode())
+                wait = 0.0
+                while st.instance(b.id).state == "notified" and wait < 10:
+                    await asyncio.sleep(0.1)
+                    wait += 0.1
+                await sub.unsubscribe()
+                for c in (na, nb):
+                    await c.close()
+                await r.close()
+
+            asyncio.run(scenario())
+            assert st.instance(b.id).state == "overrun"  # b's own account, not a's forgery
+            assert st.instance(a.id).state == "notified"
+            kinds_b = [e["kind"] for e in st.events(instance_id=b.id)]
+            assert "agent.drain.overrun" in kinds_b and "agent.drain.drained" not in kinds_b
+            refused = [e for e in st.events(hall="local") if e["kind"] == "agent.event_refused"]
+            assert len(refused) == 1 and refused[0]["detail"]["subject"] == "sco.events.local.a"
+    finally:
+        srv.stop()
+
+
+def test_a_delete_that_keeps_failing_is_given_up_past_t_and_left_for_the_next_run(
+    tmp_path: Path, fleet_dsn: str
+) -> None:
+    """OpenStack unreachable: the reclaim retries the delete until give_up_after_s past T, then returns with the
+    instance still under reclaim (recorded), instead of running for ever holding the hall's lock."""
+    import asyncio
+
+    import openstack
+
+    from sco.provider.reclaimer import Reclaimer
+    from sco.state.fleet import FleetState
+
+    # a real openstacksdk connection to an endpoint nobody listens on
+    cloud = openstack.connect(
+        auth_url=f"http://127.0.0.1:{free_port()}/v3", username="u", password="p", project_name="p",
+        user_domain_name="Default", project_domain_name="Default", api_timeout=2,
+    )  # fmt: skip
+    with FleetState(fleet_dsn) as st:
+        (inst,) = _instances(st, "local", ["a"], window=1)
+        r = Reclaimer(cloud, st, "nats://127.0.0.1:1", signing_keys=[generate()], give_up_after_s=2)
+
+        async def go() -> None:
+            try:
+                await asyncio.wait_for(r.run("local", follow_events=False), 60)
+            finally:
+                await r.close()
+
+        asyncio.run(go())
+        after = st.instance(inst.id)
+        kinds = [e["kind"] for e in st.events(instance_id=inst.id)]
+    assert after.state == "notified"  # still under reclaim: the next run deletes it
+    assert "delete.failed" in kinds and kinds[-1] == "delete.abandoned"
+
+
+@pytest.mark.parametrize("seconds", [0, -30, "nan", "1e12", "soon"])
+def test_the_drill_refuses_a_notice_window_that_cannot_drain(tmp_path: Path, seconds: Any) -> None:
+    """0 would delete with no drain at all (cloud mode) or announce a termination already past."""
+    out = run_playbook(
+        tmp_path, REPO / "playbooks/drill.yml",
+        {"sco_hall": "local", "sco_relay_url": "nats://127.0.0.1:1", "sco_credentials_dir": str(tmp_path),
+         "drill_nodes": ["node-1"], "drill_notice_seconds": seconds, "drill_notice_keys": ["/nonexistent"]},
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "drill_notice_seconds must be a number from 1 to 3600" in out.stdout, out.stdout
+
+
+def test_the_drill_in_check_mode_says_what_it_would_do_and_sends_nothing(tmp_path: Path, relay: Any) -> None:
+    import asyncio
+
+    import nats
+
+    srv, creds = relay
+    (tmp_path / "nats").symlink_to(creds)
+    write_keypair(generate(), tmp_path / "notice.key", tmp_path / "notice.pub")
+    got: list[bytes] = []
+
+    async def listen_while(check: Any) -> Any:
+        nc = await nats.connect(srv.url, user="node-node-1", password=(creds / "node-node-1").read_text().strip())
+
+        async def on_msg(msg: Any) -> None:
+            got.append(msg.data)
+
+        await nc.subscribe("sco.notice.local.node-1", cb=on_msg)
+        await nc.flush()
+        out = await asyncio.to_thread(check)
+        await asyncio.sleep(0.5)
+        await nc.close()
+        return out
+
+    ev = {"sco_hall": "local", "sco_relay_url": srv.url, "sco_credentials_dir": str(tmp_path),
+          "drill_nodes": ["node-1"], "drill_notice_seconds": 10,
+          "drill_notice_keys": [str(tmp_path / "notice.key")]}  # fmt: skip
+    out = asyncio.run(listen_while(lambda: run_playbook(tmp_path, REPO / "playbooks/drill.yml", {**ev}, "--check")))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "check mode: would send signed notices (T+10 s) to node-1" in out.stdout, out.stdout
+    assert got == []

@@ -50,7 +50,9 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
     cred = Path(args.credentials)
     hall, node, other = args.hall, args.node, args.other
     # as the agent connects: replies on the node's own inbox
-    me = await Client(f"node-{node}").connect(args.server, cred, inbox_prefix=f"_INBOX.{hall}.{node}")
+    me = await Client(f"node-{node}").connect(
+        args.server, cred, inbox_prefix=f"_INBOX.{hall.replace('.', '_')}.{node.replace('.', '_')}"
+    )
     reclaimer = await Client("reclaimer").connect(args.server, cred)
     reader = await Client("control").connect(args.server, cred)
     out: dict[str, Any] = {}

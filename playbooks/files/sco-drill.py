@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
+import logging
 import sys
 import time
 import uuid
@@ -29,31 +31,53 @@ from sco.contract.signing import load_private
 FINAL = {"drain.drained": "drained", "drain.overrun": "overrun", "drain.error": "error", "notice.refused": "refused"}
 
 
+class RelayError(Exception):
+    """The relay cannot be used as this user: one line for the job's output."""
+
+
+async def connect(servers: list[str], user: str, password_file: str) -> Any:
+    try:
+        password = Path(password_file).read_text().strip()
+    except OSError as e:
+        raise RelayError(f"the password of relay user {user}: {password_file}: {e.strerror}") from None
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:  # nats-py would log a traceback per attempt: keep the reason
+        errors.append(str(e) or type(e).__name__)
+
+    try:
+        # nats-py keeps retrying a refused first connection whatever its options say: bound it
+        return await asyncio.wait_for(
+            nats.connect(
+                servers=servers,
+                user=user,
+                password=password,
+                connect_timeout=3,
+                max_reconnect_attempts=0,
+                allow_reconnect=False,
+                error_cb=on_error,
+            ),
+            10,
+        )
+    except Exception as e:
+        why = errors[-1] if errors else (str(e) or type(e).__name__)
+        raise RelayError(f"relay {', '.join(servers)} as {user}: {why}") from None
+
+
 async def drill(args: argparse.Namespace) -> dict[str, Any]:
     servers = [s.strip() for s in args.server.split(",") if s.strip()]
-    reader = await nats.connect(
-        servers=servers,
-        user=args.reader,
-        password=Path(args.reader_password_file).read_text().strip(),
-        connect_timeout=3,
-        max_reconnect_attempts=3,
-    )
-    reclaimer = await nats.connect(
-        servers=servers,
-        user=args.reclaimer,
-        password=Path(args.reclaimer_password_file).read_text().strip(),
-        connect_timeout=3,
-        max_reconnect_attempts=3,
-    )
+    reader = await connect(servers, args.reader, args.reader_password_file)
+    reclaimer = await connect(servers, args.reclaimer, args.reclaimer_password_file)
     keys = [load_private(Path(k)) for k in args.signing_key]
     drill_id = f"drill-{int(time.time())}-{uuid.uuid4().hex[:6]}"
     nodes: dict[str, dict[str, Any]] = {
         n: {"outcome": "no answer", "summary": "no answer", "events": []} for n in args.node
     }
     done = asyncio.Event()
+    sent: dict[str, str] = {}  # node -> sha256 of the notice sent to it
 
     async def on_event(msg: Any) -> None:
-        node = msg.subject.rsplit(".", 1)[-1]
+        node = msg.subject.removeprefix(f"sco.events.{args.hall}.")  # node names may hold dots
         if node not in nodes:
             return
         try:
@@ -62,6 +86,8 @@ async def drill(args: argparse.Namespace) -> dict[str, Any]:
             return
         rec = nodes[node]
         rec["events"].append(ev.get("type"))
+        if ev.get("type") == "notice.refused" and ev.get("sha256") != sent.get(node):
+            return  # a refusal of some other message (anyone's junk on the subject), not of the drill's notice
         if ev.get("type") in FINAL and rec["outcome"] == "no answer":
             rec["outcome"] = rec["summary"] = FINAL[ev["type"]]
             rec["seconds_after_notice"] = round(time.time() - sent_at, 3)
@@ -83,7 +109,9 @@ async def drill(args: argparse.Namespace) -> dict[str, Any]:
             "terminateAt": terminate_at,
             "issuedAt": sent_at,
         }
-        await reclaimer.publish(f"sco.notice.{args.hall}.{node}", sign_notice(notice, keys))
+        data = sign_notice(notice, keys)
+        sent[node] = hashlib.sha256(data).hexdigest()
+        await reclaimer.publish(f"sco.notice.{args.hall}.{node}", data)
     await reclaimer.flush(timeout=3)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(done.wait(), args.notice_seconds + args.grace_seconds)
@@ -145,8 +173,15 @@ def main() -> None:
                "reader_password_file", "signing_key") if not getattr(args, o)]  # fmt: skip
     if missing:
         p.error(f"sending the notices needs {', '.join(missing)}")
+    if not (0 < args.notice_seconds <= 3600 and 0 <= args.grace_seconds <= 600):  # also refuses NaN
+        p.error(f"--notice-seconds must be in (0, 3600] and --grace-seconds in [0, 600], got {args.notice_seconds}"
+                f" and {args.grace_seconds}")  # fmt: skip
+    logging.getLogger("nats").setLevel(logging.CRITICAL)  # failures are reported once, below
     try:
         report = asyncio.run(drill(args))
+    except RelayError as e:
+        print(f"sco-drill: {e}", file=sys.stderr)
+        sys.exit(2)
     except (OSError, nats.errors.Error) as e:
         print(f"sco-drill: {args.server}: {e}", file=sys.stderr)
         sys.exit(2)

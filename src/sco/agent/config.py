@@ -127,6 +127,13 @@ class AgentConfig:
     def subject(self, template: str) -> str:
         return template.format(hall=self.hall, node=self.node)
 
+    @property
+    def inbox_prefix(self) -> str:
+        """Where this node takes NATS replies: _INBOX.<hall>.<node>, dots made '_' so the node is one token (the
+        relay grants node "a" _INBOX.<hall>.a.>, which must not reach node "a.b"'s inbox). The notice_relay
+        role's template makes the same names."""
+        return f"_INBOX.{self.hall.replace('.', '_')}.{self.node.replace('.', '_')}"
+
 
 def _coerce(f: dataclasses.Field[Any], value: Any, where: str, problems: list[Problem]) -> Any:
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))

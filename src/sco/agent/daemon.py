@@ -162,6 +162,7 @@ class Agent:
                 kind=e.kind,
                 reason=e.reason,
                 bytes=len(raw),
+                sha256=digest,  # which message: a sender can tell its own notice from someone else's
                 refused_total=dict(self.refused),
             )
             log.warning("refused %s notice (%s): %s", source, e.kind, e.reason[:300])
@@ -383,7 +384,7 @@ class Agent:
             error_cb=error,
             # Replies (JetStream acks) come back on the node's own inbox: the relay lets a node subscribe only
             # there, never to _INBOX.>, where the control users' consumers deliver every node's events.
-            inbox_prefix=f"_INBOX.{self.cfg.hall}.{self.cfg.node}",
+            inbox_prefix=self.cfg.inbox_prefix,
             **self._nats_auth(),
         )
         subject = self.cfg.subject(self.cfg.notice_subject)

@@ -33,6 +33,7 @@ log = logging.getLogger("sco.reclaimer")
 NOTICE_SUBJECT = "sco.notice.{hall}.{node}"
 EVENTS_SUBJECT = "sco.events.{hall}.>"
 EVENTS_STREAM = "SCO_EVENTS"
+MAX_WINDOW_S = 3600.0  # a notice window beyond an hour is a mistake (seconds taken for milliseconds...)
 # What the agent's events mean for the instance's lifecycle state (and from which states they may move it).
 # the first signs of a drain under way (an API that answered "no" to the taint is one too)
 _DRAINING = ("node.tainted", "node.drain_set", "scheduler.unreachable", "scheduler.refused", "job.signalled")
@@ -88,6 +89,7 @@ class Reclaimer:
         gone_poll_s: float = 0.5,
         nova_concurrency: int = 32,
         nats_auth: dict[str, Any] | None = None,
+        give_up_after_s: float = 120.0,
     ) -> None:
         self.cloud = cloud  # an openstacksdk Connection
         self.state = state
@@ -97,6 +99,12 @@ class Reclaimer:
         self.signing_keys = signing_keys
         self.events_stream = events_stream
         self.gone_poll_s = gone_poll_s
+        # How long past T a delete that keeps failing (Nova down, refusing) is retried before this run gives up
+        # on it; the instance stays under reclaim in the fleet state, so the next run deletes it.
+        self.give_up_after_s = give_up_after_s
+        self.abandoned: set[int] = set()
+        if not (isinstance(window_s, int | float) and 0 < window_s <= MAX_WINDOW_S):  # also refuses NaN
+            raise ConfigError(f"window: expected more than 0 and at most {MAX_WINDOW_S:g} seconds, got {window_s}")
         # nats.connect's credentials (user/password, token, nkeys_seed or user_credentials): the relay's
         # reclaimer identity, which may publish notices and read the hall's events
         self.nats_auth = dict(nats_auth or {})
@@ -121,7 +129,10 @@ class Reclaimer:
 
     async def close(self) -> None:
         if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+            try:
+                await self.nc.drain()
+            except Exception:  # the relay went away meanwhile (reconnecting): nothing left to flush
+                await self.nc.close()
         self.nc = None
         self._pool.shutdown(wait=False)
 
@@ -215,11 +226,23 @@ class Reclaimer:
 
     # --- the agent's account ---------------------------------------------------------------------------
 
-    def fold(self, hall: str, ev: dict[str, Any]) -> bool:
-        """One agent event into the fleet state; False when it is not about a drain or already recorded."""
+    def fold(self, hall: str, ev: dict[str, Any], subject: str | None = None) -> bool:
+        """One agent event into the fleet state; False when it is not about a drain, already recorded, or claims
+        to be another node's than the subject it came on."""
         t = str(ev.get("type", ""))
         if not t.startswith(_RECORDED_PREFIXES):
             return False
+        if subject is not None:
+            # The relay lets a node publish only on its own subject, so the subject names the node; the body
+            # is the node's word, and a compromised node could name another to forge its account.
+            prefix = f"sco.events.{hall}."
+            sender = subject[len(prefix) :] if subject.startswith(prefix) else ""
+            if ev.get("node") != sender:
+                log.warning("event on %s claims node %r: not recorded", subject, ev.get("node"))
+                self.state.event(
+                    hall, "agent.event_refused", subject=subject, claimed_node=str(ev.get("node"))[:200], type=t[:200]
+                )
+                return False
         state, only_from = _FOLD.get(t, (None, ()))
         return self.state.agent_event(hall, ev, state, only_from)
 
@@ -235,7 +258,7 @@ class Reclaimer:
             try:
                 ev = json.loads(msg.data)
                 if isinstance(ev, dict):
-                    self.fold(hall, ev)
+                    self.fold(hall, ev, msg.subject)
             except ValueError:
                 log.warning("unreadable agent event on %s", msg.subject)
             await msg.ack()
@@ -263,10 +286,11 @@ class Reclaimer:
                 log.warning("agent events unavailable (%s): deleting on time regardless", e)
         try:
             while stop is None or not stop.is_set():
-                due = self.state.due(hall)
+                now = self.clock()
+                self._give_up(hall, now)
+                due = [i for i in self.state.due(hall) if i.id not in self.abandoned]
                 if not due:
                     return
-                now = self.clock()
                 deleting = [i for i in due if i.state == "deleting"]
                 overdue = [i for i in due if i.state != "deleting" and (i.terminate_at or 0) <= now]
                 upcoming = [i.terminate_at - now for i in due if i.state != "deleting" and i.terminate_at]
@@ -283,6 +307,20 @@ class Reclaimer:
                 # Events already in flight still land: give the subscription a moment to drain.
                 await asyncio.sleep(0.2)
                 await sub.unsubscribe()
+
+    def _give_up(self, hall: str, now: float) -> None:
+        """Stop retrying deletes that still fail give_up_after_s past T (recorded; a later run tries again)."""
+        for inst in self.state.due(hall):
+            if inst.id in self.abandoned or inst.terminate_at is None:
+                continue
+            if now > inst.terminate_at + self.give_up_after_s:
+                self.abandoned.add(inst.id)
+                self.state.event(
+                    hall, "delete.abandoned", instance_id=inst.id, pool=inst.pool, state=inst.state,
+                    after_deadline_s=round(now - inst.terminate_at, 3),
+                )  # fmt: skip
+                log.warning("%s: not deleted %.0f s after T; left under reclaim for the next run", inst.name,
+                            now - inst.terminate_at)  # fmt: skip
 
     async def _delete(self, hall: str, inst: Instance) -> None:
         assert inst.terminate_at is not None

@@ -36,7 +36,10 @@ options:
     description: A NATS credentials file (JWT and nkey seed), instead of O(nats_user) and O(nats_password).
     type: path
   window:
-    description: Seconds from the notice to the delete (120 in production).
+    description:
+      - Seconds from the notice to the delete (120 in production); more than 0 and at most 3600.
+      - A delete that keeps failing (Nova down) is retried until 120 seconds past the deadline; the instance is then
+        left under reclaim (a later run deletes it) and reported in its state before the delete.
     type: float
     default: 120
   notice_keys:
