@@ -44,6 +44,7 @@ sys.modules.setdefault("aiohttp", None)  # type: ignore[arg-type]
 
 OUTCOMES = ("drain.drained", "drain.overrun")
 PUBLISH_WARN_EVERY_S = 60.0
+FOREIGN_SAY_EVERY_S = 60.0
 
 
 def boot_id() -> str:
@@ -83,7 +84,10 @@ class Agent:
             "deliver": self.accept,
             "refuse": self._refuse,
         }
-        self.nats_source = NatsNoticeSource(trusted=self.notice_keys, **common)
+        self.foreign_traffic: Counter[str] = Counter()
+        self._foreign_said = -FOREIGN_SAY_EVERY_S  # clock time of the last warning and summary record
+        self._foreign_recorded: dict[str, int] = {}
+        self.nats_source = NatsNoticeSource(trusted=self.notice_keys, foreign=self._foreign, **common)
         self.metadata_source = MetadataNoticeSource(
             url=cfg.metadata_url,
             interval=lambda: self._policy("metadataPollSeconds", self.cfg.metadata_poll_seconds, 5),
@@ -165,6 +169,25 @@ class Agent:
                 refused_total=dict(self.refused),
             )
             log.warning("refused %s notice (%s): %s", source, e.kind, e.reason[:300])
+
+    def _foreign(self, kind: str) -> None:
+        """JetStream acks or deliveries another client routed onto the notice subject: one warning and one
+        summary record a minute at most (a flood costs a counter, not a disk write per message)."""
+        self.foreign_traffic[kind] += 1
+        now = self.clock()
+        if now - self._foreign_said >= FOREIGN_SAY_EVERY_S:
+            self._foreign_said = now
+            log.warning(
+                "foreign traffic on the notice subject, ignored (%s so far): another client routes JetStream "
+                "replies or deliveries here (check the relay's permissions)",
+                dict(self.foreign_traffic),
+            )
+            self._record_foreign()
+
+    def _record_foreign(self) -> None:
+        if dict(self.foreign_traffic) != self._foreign_recorded:
+            self._foreign_recorded = dict(self.foreign_traffic)
+            self.spool.append("notice.foreign_traffic", ROUTINE, foreign_traffic_total=self._foreign_recorded)
 
     def accept(self, n: Notice) -> None:
         verdict = self.book.offer(n)
@@ -470,6 +493,8 @@ class Agent:
             self.spool.maybe_sync()
             if self.spool.last_seq > self.spool.published_seq:
                 self._wake_publisher.set()
+            if self.clock() - self._foreign_said >= FOREIGN_SAY_EVERY_S:
+                self._record_foreign()  # the summary catches up after a flood ends
             if wd and time.monotonic() - last_ping >= wd:
                 notify("WATCHDOG=1")
                 last_ping = time.monotonic()
@@ -631,4 +656,5 @@ class Agent:
             await self.path.close()
         if self.checkpoint is not None:
             await self.checkpoint.close()
+        self._record_foreign()  # the total as of the stop, for `sco-agent status`
         self.spool.close()
