@@ -90,6 +90,27 @@ def test_the_modules_path_redacts_too() -> None:
         assert "/nonexist" in str(e.value)
 
 
+COLLECTION = Path(__file__).parent.parent / "collections"
+
+
+def _run_module(name: str, args: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """A module of the collection as Ansible runs it (its args in a file), its JSON answer."""
+    module = COLLECTION / f"ansible_collections/sco/orchestrator/plugins/modules/{name}.py"
+    argf = tmp_path / f"{name}-args.json"
+    argf.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(COLLECTION)}
+    p = subprocess.run([sys.executable, str(module), str(argf)], capture_output=True, text=True, env=env, timeout=60)
+    return dict(json.loads(p.stdout))
+
+
+@pytest.mark.parametrize("dsn", SECRET_DSNS[:3])
+def test_a_module_failing_to_reach_the_fleet_state_prints_no_password(tmp_path: Path, dsn: str) -> None:
+    for args, env in (({"hall": "local", "state_dsn": dsn}, {}), ({"hall": "local"}, {"SCO_DB_DSN": dsn})):
+        out = _run_module("demand", args, tmp_path, env)
+        assert out.get("failed") is True and "/nonexist" in out["msg"], out
+        assert "S3" not in json.dumps(out) and "CRET" not in json.dumps(out), out
+
+
 def test_describe_dsn() -> None:
     from sco._redact import describe_dsn
 
@@ -190,16 +211,9 @@ def test_contract_bundle_module_fails_on_an_inherited_millisecond_issued_at(tmp_
     write_keypair(key, tmp_path / "k.key", tmp_path / "k.pub")
     dest = tmp_path / "bundle.json"
     dest.write_bytes(sign({**compile_repo(SAMPLE, issued_at=1), "issuedAt": 1_764_400_000_000}, [key]))
-    module = (
-        Path(__file__).parent.parent
-        / "collections/ansible_collections/sco/orchestrator/plugins/modules/contract_bundle.py"
+    out = _run_module(
+        "contract_bundle", {"repo": str(SAMPLE), "dest": str(dest), "signing_keys": [str(tmp_path / "k.key")]}, tmp_path
     )
-    args = {"ANSIBLE_MODULE_ARGS": {"repo": str(SAMPLE), "dest": str(dest), "signing_keys": [str(tmp_path / "k.key")]}}
-    argf = tmp_path / "args.json"
-    argf.write_text(json.dumps(args))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "collections")}
-    p = subprocess.run([sys.executable, str(module), str(argf)], capture_output=True, text=True, env=env, timeout=60)
-    out = json.loads(p.stdout)
     assert out.get("failed") is True and "1764400000000" in out["msg"], out
     assert (peek_payload(dest.read_bytes()) or {})["issuedAt"] == 1_764_400_000_000  # left as it was
 
