@@ -126,13 +126,23 @@ def test_describe_dsn() -> None:
 
 
 def test_strip_userinfo() -> None:
-    from sco._redact import strip_userinfo
+    from sco._redact import strip_userinfo, strip_userinfo_in_text
 
     assert strip_userinfo("nats://user:SECRETPW@127.0.0.1:4222") == "nats://127.0.0.1:4222"
     assert strip_userinfo("nats://TOKEN@h:1, tls://u:p@x@h2:2/p?q") == "nats://h:1,tls://h2:2/p?q"
     assert strip_userinfo("u:pw@h:4222") == "h:4222"
     assert strip_userinfo("nats://h:4222") == "nats://h:4222"
     assert strip_userinfo("") == ""
+    assert strip_userinfo_in_text("dial nats://u:pw@h:1 and tls://tok@h2:2/x failed") == (
+        "dial nats://h:1 and tls://h2:2/x failed"
+    )
+
+
+def test_a_driver_message_echoing_the_password_is_scrubbed() -> None:
+    from sco._redact import without_dsn_secrets
+
+    assert without_dsn_secrets('bad value "S3 CRET" here', "host=x password='S3 CRET'") == 'bad value "***" here'
+    assert without_dsn_secrets("as it was", "not a dsn") == "as it was"
 
 
 def test_nats_credentials_in_the_url_are_never_printed(tmp_path: Path) -> None:

@@ -25,6 +25,20 @@ def describe_dsn(dsn: str) -> str:
     return " ".join(shown) or "(default host)"
 
 
+def without_dsn_secrets(text: str, dsn: str) -> str:
+    """``text`` (a driver's error message) with any password the DSN holds taken out, should libpq echo one."""
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+
+        parts = conninfo_to_dict(dsn)
+    except Exception:
+        return text
+    for key in ("password", "sslpassword"):
+        if value := str(parts.get(key) or ""):
+            text = text.replace(value, "***")
+    return text
+
+
 def libpq_parse_error(e: BaseException) -> str:
     """libpq's reason a string did not parse, with every quoted fragment of the string taken out."""
     return re.sub(r'"[^"]*"', '"..."', " ".join(str(e).split())) or "cannot be parsed"
@@ -38,6 +52,14 @@ def _plain(value: str) -> str:
 def strip_userinfo(url: str) -> str:
     """``url`` (or a comma-separated list of them, as NATS takes) without ``user:password@`` or ``token@``."""
     return ",".join(_strip_one(u.strip()) for u in url.split(",")) if url else url
+
+
+_USERINFO_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+
+
+def strip_userinfo_in_text(text: str) -> str:
+    """Every ``scheme://user:password@`` in a message (a client library's error text) without its userinfo."""
+    return _USERINFO_IN_TEXT.sub(r"\1", text)
 
 
 def _strip_one(u: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sco import __version__
-from sco._redact import describe_dsn, strip_userinfo
+from sco._redact import describe_dsn, strip_userinfo, strip_userinfo_in_text
 from sco.errors import ConfigError, FetchError, ScoError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -107,7 +107,11 @@ def _add_nats_auth(p: argparse.ArgumentParser) -> None:
 
 
 def _nats_why(e: BaseException) -> str:
-    """A connect failure in words: nats-py's own are often an empty TimeoutError."""
+    """A connect failure in words (never a URL's credentials): nats-py's own are often an empty TimeoutError."""
+    return strip_userinfo_in_text(_nats_reason(e))
+
+
+def _nats_reason(e: BaseException) -> str:
     if isinstance(e, ConnectionRefusedError):
         return "connection refused"
     if isinstance(e, TimeoutError) or type(e).__name__ == "TimeoutError":  # asyncio's, and nats.errors'

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sco import __version__
+from sco._redact import strip_userinfo_in_text
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.config import AgentConfig
@@ -389,7 +390,7 @@ class Agent:
         async def error(e: Exception) -> None:
             # Authorization and permission errors are the relay refusing this node: say so at the default level.
             level = logging.WARNING if "authoriz" in str(e).lower() or "permission" in str(e).lower() else logging.DEBUG
-            log.log(level, "NATS: %s", e)
+            log.log(level, "NATS: %s", strip_userinfo_in_text(str(e)))
 
         servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]
         # max_reconnect_attempts=-1: nats-py retries forever, the first connection included.

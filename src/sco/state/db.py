@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sco._redact import describe_dsn, libpq_parse_error
+from sco._redact import describe_dsn, libpq_parse_error, without_dsn_secrets
 from sco.errors import ConfigError, Problem, ScoError
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -66,7 +66,8 @@ def connect(dsn: str, *, autocommit: bool = True) -> Any:
     try:
         return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10)
     except psycopg.OperationalError as e:
-        raise StateError(f"fleet state at {describe_dsn(dsn)}: cannot connect: {' '.join(str(e).split())}") from None
+        why = without_dsn_secrets(" ".join(str(e).split()), dsn)
+        raise StateError(f"fleet state at {describe_dsn(dsn)}: cannot connect: {why}") from None
 
 
 @dataclass(frozen=True)
