@@ -78,4 +78,38 @@ def bench_planner() -> Iterator[dict[str, Any]]:
     }
 
 
-BENCHES = {"planner": bench_planner}
+def bench_planner_bounds() -> Iterator[dict[str, Any]]:
+    """The largest planning input ``sco.control.inputs`` accepts (MAX_POOLS pools, caps summing to
+    MAX_TOTAL_INSTANCES), every instance wanted: parse and plan, as ``sco plan`` and the plan module do."""
+    import resource
+
+    from sco.control.inputs import MAX_POOLS, MAX_TOTAL_INSTANCES, parse, plan_input
+
+    contracts = {
+        c: ContractInfo(c, 3, 0, on_demand=False, spend_cap_per_hour=Decimal(0)) for c in ("batch-a", "batch-b")
+    }
+    for pools in (MAX_POOLS, 10):
+        cap = MAX_TOTAL_INSTANCES // pools
+        doc = {
+            "now": NOW,
+            "pools": [
+                {"name": f"p{k}", "kind": "reclaimable", "flavor": "m1", "vcpus": 1, "ramMiB": 4096, "cap": cap}
+                for k in range(pools)
+            ],
+            "demand": {"demand": [{"contract": c, "units_milli": 10**12} for c in contracts]},
+        }
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            p = plan(plan_input(parse(doc, "bench"), contracts, NOW))
+            times.append(time.perf_counter() - t0)
+        yield {
+            "pools": pools,
+            "cap": cap,
+            "parse_and_plan_s": round(statistics.median(times), 3),
+            "launch": sum(x.launch for x in p.pools),
+            "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        }
+
+
+BENCHES = {"planner": bench_planner, "planner_bounds": bench_planner_bounds}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sco import __version__
+from sco._redact import describe_dsn, strip_userinfo, strip_userinfo_in_text
 from sco.errors import ConfigError, FetchError, ScoError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -53,8 +54,8 @@ def _file_name_problem(name: str) -> str | None:
         return "expected a file name, got an empty one"
     if "/" in name or name in (".", ".."):
         return "expected a plain file name, not a path (use --out-dir for the directory)"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
-        return "control characters in a file name"
+    if not name.isprintable():  # C0, DEL, C1 (U+0080-U+009F), line separators: never printed raw
+        return "control or unprintable characters in a file name"
     return None
 
 
@@ -106,7 +107,11 @@ def _add_nats_auth(p: argparse.ArgumentParser) -> None:
 
 
 def _nats_why(e: BaseException) -> str:
-    """A connect failure in words: nats-py's own are often an empty TimeoutError."""
+    """A connect failure in words (never a URL's credentials): nats-py's own are often an empty TimeoutError."""
+    return strip_userinfo_in_text(_nats_reason(e))
+
+
+def _nats_reason(e: BaseException) -> str:
     if isinstance(e, ConnectionRefusedError):
         return "connection refused"
     if isinstance(e, TimeoutError) or type(e).__name__ == "TimeoutError":  # asyncio's, and nats.errors'
@@ -114,6 +119,18 @@ def _nats_why(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _nats_url_ok(url: str) -> bool:
+    """A server nats-py can dial: a known scheme, a host and a numeric port (a malformed one is a config error)."""
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
+    try:
+        u.port  # noqa: B018 - raises ValueError on "abc" or 99999
+    except ValueError:
+        return False
+    return u.scheme in ("nats", "tls", "ws", "wss") and bool(u.hostname)
 
 
 def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
@@ -124,9 +141,9 @@ def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
         import nats
 
         servers = [u.strip() for u in (args.nats or "").split(",") if u.strip()]
-        bad = [u for u in servers if "://" in u and u.split("://", 1)[0] not in ("nats", "tls", "ws", "wss")]
-        if not servers or bad:
-            raise ConfigError(f"--nats {args.nats!r}: expected nats://HOST:PORT (comma-separated for several)")
+        shown = strip_userinfo(args.nats or "")  # credentials in the URL are never printed
+        if not servers or not all(_nats_url_ok(u) for u in servers):
+            raise ConfigError(f"--nats {shown!r}: expected nats://HOST:PORT (comma-separated for several)")
         errors: list[str] = []
         gave_up = asyncio.Event()
 
@@ -157,9 +174,9 @@ def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
             with contextlib.suppress(BaseException):
                 await connecting
             why = "; ".join(dict.fromkeys(errors)) or "no answer within 10 s"
-            raise FetchError(f"NATS {args.nats}: cannot connect: {why}")
+            raise FetchError(f"NATS {shown}: cannot connect: {why}")
         if (err := connecting.exception()) is not None:
-            raise FetchError(f"NATS {args.nats}: cannot connect: {_nats_why(err)}")
+            raise FetchError(f"NATS {shown}: cannot connect: {_nats_why(err)}")
         nc = connecting.result()
         try:
             return await work(nc)
@@ -400,18 +417,25 @@ def cmd_user_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distributor_root(args: argparse.Namespace) -> Path:
+    if not args.root:  # Path("") is the current directory: never serve or publish into it by accident
+        raise ConfigError("--root (or $SCO_DISTRIBUTOR_ROOT) is empty: give the distributor's directory")
+    return Path(args.root)
+
+
 def cmd_publish(args: argparse.Namespace) -> int:
     from sco.contract.distributor import bundle_path, publish
 
-    bundle = publish(_read(args.bundle), Path(args.root), _keyring(args))
-    print(f"published hall {bundle.hall} serial {bundle.serial} at {bundle_path(Path(args.root), bundle.hall)}")
+    root = _distributor_root(args)
+    bundle = publish(_read(args.bundle), root, _keyring(args))
+    print(f"published hall {bundle.hall} serial {bundle.serial} at {bundle_path(root, bundle.hall)}")
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from sco.contract.distributor import DistributorServer, parse_listen
 
-    root = Path(args.root)
+    root = _distributor_root(args)
     if not root.is_dir():
         # serving would answer 404 to every node until someone noticed: say so now
         why = "not a directory" if root.exists() else "no such directory (sco contract publish creates it)"
@@ -601,7 +625,7 @@ def cmd_db_migrate(args: argparse.Namespace) -> int:
         if not (pg.pgdata / "postmaster.pid").exists():
             pg.start()
         dsn = pg.dsn()
-        print(f"embedded PostgreSQL in {args.embedded}: {dsn}")
+        print(f"embedded PostgreSQL in {args.embedded}: {describe_dsn(dsn)}")
     else:
         dsn = dsn_from_env(args.dsn)
         check_dsn(dsn, "--dsn" if args.dsn else "$SCO_DB_DSN")

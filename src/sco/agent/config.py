@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sco._redact import strip_userinfo
 from sco.errors import ConfigError, Problem
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -227,6 +228,10 @@ def unknown_env(env: dict[str, str] | None = None) -> list[str]:
 
 def _url(value: str, schemes: tuple[str, ...]) -> bool:
     u = urllib.parse.urlsplit(value)
+    try:
+        u.port  # noqa: B018 - a port such as "abc" or 99999 raises ValueError
+    except ValueError:
+        return False
     return u.scheme in schemes and bool(u.hostname)
 
 
@@ -254,7 +259,7 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.kube_kubeconfig", f"{cfg.kube_kubeconfig}: no such file"))
     for u in filter(None, cfg.nats_url.split(",")):
         if not _url(u.strip(), ("nats", "tls")):
-            p.append(Problem(where, "agent.nats_url", f"{u!r} is not a nats:// URL"))
+            p.append(Problem(where, "agent.nats_url", f"{strip_userinfo(u.strip())!r} is not a nats:// URL"))
     if cfg.metadata_url and not _url(cfg.metadata_url, ("http", "https")):
         p.append(Problem(where, "agent.metadata_url", f"{cfg.metadata_url!r} is not an http(s) URL"))
     if cfg.bundle_url and not _url(cfg.bundle_url, ("http", "https")):

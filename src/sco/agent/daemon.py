@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sco import __version__
+from sco._redact import strip_userinfo_in_text
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.config import AgentConfig
@@ -44,6 +45,7 @@ sys.modules.setdefault("aiohttp", None)  # type: ignore[arg-type]
 
 OUTCOMES = ("drain.drained", "drain.overrun")
 PUBLISH_WARN_EVERY_S = 60.0
+FOREIGN_SAY_EVERY_S = 60.0
 
 
 def boot_id() -> str:
@@ -83,7 +85,10 @@ class Agent:
             "deliver": self.accept,
             "refuse": self._refuse,
         }
-        self.nats_source = NatsNoticeSource(trusted=self.notice_keys, **common)
+        self.foreign_traffic: Counter[str] = Counter()
+        self._foreign_said = -FOREIGN_SAY_EVERY_S  # clock time of the last warning and summary record
+        self._foreign_recorded: dict[str, int] = {}
+        self.nats_source = NatsNoticeSource(trusted=self.notice_keys, foreign=self._foreign, **common)
         self.metadata_source = MetadataNoticeSource(
             url=cfg.metadata_url,
             interval=lambda: self._policy("metadataPollSeconds", self.cfg.metadata_poll_seconds, 5),
@@ -166,6 +171,25 @@ class Agent:
                 refused_total=dict(self.refused),
             )
             log.warning("refused %s notice (%s): %s", source, e.kind, e.reason[:300])
+
+    def _foreign(self, kind: str) -> None:
+        """JetStream acks or deliveries another client routed onto the notice subject: one warning and one
+        summary record a minute at most (a flood costs a counter, not a disk write per message)."""
+        self.foreign_traffic[kind] += 1
+        now = self.clock()
+        if now - self._foreign_said >= FOREIGN_SAY_EVERY_S:
+            self._foreign_said = now
+            log.warning(
+                "foreign traffic on the notice subject, ignored (%s so far): another client routes JetStream "
+                "replies or deliveries here (check the relay's permissions)",
+                dict(self.foreign_traffic),
+            )
+            self._record_foreign()
+
+    def _record_foreign(self) -> None:
+        if dict(self.foreign_traffic) != self._foreign_recorded:
+            self._foreign_recorded = dict(self.foreign_traffic)
+            self.spool.append("notice.foreign_traffic", ROUTINE, foreign_traffic_total=self._foreign_recorded)
 
     def accept(self, n: Notice) -> None:
         verdict = self.book.offer(n)
@@ -367,7 +391,7 @@ class Agent:
         async def error(e: Exception) -> None:
             # Authorization and permission errors are the relay refusing this node: say so at the default level.
             level = logging.WARNING if "authoriz" in str(e).lower() or "permission" in str(e).lower() else logging.DEBUG
-            log.log(level, "NATS: %s", e)
+            log.log(level, "NATS: %s", strip_userinfo_in_text(str(e)))
 
         servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]
         # max_reconnect_attempts=-1: nats-py retries forever, the first connection included.
@@ -471,6 +495,8 @@ class Agent:
             self.spool.maybe_sync()
             if self.spool.last_seq > self.spool.published_seq:
                 self._wake_publisher.set()
+            if self.clock() - self._foreign_said >= FOREIGN_SAY_EVERY_S:
+                self._record_foreign()  # the summary catches up after a flood ends
             if wd and time.monotonic() - last_ping >= wd:
                 notify("WATCHDOG=1")
                 last_ping = time.monotonic()
@@ -632,4 +658,5 @@ class Agent:
             await self.path.close()
         if self.checkpoint is not None:
             await self.checkpoint.close()
+        self._record_foreign()  # the total as of the stop, for `sco-agent status`
         self.spool.close()

@@ -39,12 +39,19 @@ def status(state_dir: Path) -> dict[str, Any]:
     published = read_cursor(spool_dir)
     last, records, unpublished = 0, 0, 0
     unwritable: dict[str, Any] | None = None
+    notices: dict[str, Any] = {"refused_total": {}, "foreign_traffic_total": {}}
     for ev in read_events(spool_dir):
         records += 1
         last = ev["seq"]
         unpublished += ev["seq"] > published
         if ev["type"] == "spool.unwritable":
             unwritable = ev
+        elif ev["type"] == "agent.started":  # the agent's counters start again with each run
+            notices = {"refused_total": {}, "foreign_traffic_total": {}}
+        elif ev["type"] == "notice.refused":
+            notices["refused_total"] = ev.get("refused_total", {})
+        elif ev["type"] == "notice.foreign_traffic":
+            notices["foreign_traffic_total"] = ev.get("foreign_traffic_total", {})
     try:
         size = (spool_dir / SPOOL_FILE).stat().st_size
     except OSError:
@@ -58,6 +65,7 @@ def status(state_dir: Path) -> dict[str, Any]:
         "spool": {"records": records, "last_seq": last, "bytes": size, "last_unwritable": unwritable},
         "events": {"published_seq": published, "unpublished": unpublished},
         "bundle": bundle,
+        "notices": notices,  # as of the agent's last record (this run's): refusals, and foreign traffic counted
     }
 
 

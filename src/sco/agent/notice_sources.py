@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sco._http import AsyncHttpClient, HttpError
-from sco.agent.notices import Notice, NoticeRefused, notice_from_nats, parse_metadata
+from sco.agent.notices import Notice, NoticeRefused, foreign_traffic, notice_from_nats, parse_metadata
 from sco.contract.notice import verify_notice
 from sco.contract.signing import Keyring
 from sco.errors import NoticeAuthError
@@ -67,9 +67,10 @@ class NoticeSource:
 class NatsNoticeSource(NoticeSource):
     name = "nats"
 
-    def __init__(self, *, trusted: Callable[[], Keyring], **kw: Any) -> None:
+    def __init__(self, *, trusted: Callable[[], Keyring], foreign: Callable[[str], None], **kw: Any) -> None:
         super().__init__(**kw)
         self.trusted = trusted  # the notice keys of the bundle cached now
+        self.foreign = foreign  # JetStream traffic another client routed here: counted, never a refusal each
 
     def parse(self, raw: bytes, now: float) -> Notice:
         try:
@@ -81,6 +82,9 @@ class NatsNoticeSource(NoticeSource):
     async def subscribe(self, nc: Any, subject: str) -> None:
         async def on_msg(msg: Any) -> None:
             try:
+                if kind := foreign_traffic(msg.data, msg.reply or "", msg.headers):
+                    self.foreign(kind)
+                    return
                 self.handle(msg.data)
             except Exception:  # nats-py would report it to its error callback only, at DEBUG: say it loudly
                 log.exception("handling a notice from %s failed", msg.subject)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -27,6 +28,36 @@ class NoticeRefused(Exception):
         super().__init__(reason)
         self.kind = kind  # "malformed" | "foreign" | "absurd"
         self.reason = reason
+
+
+# A JetStream publish acknowledgement ({"stream", "seq"} and optional fields; "error" when the publish failed).
+_PUBACK_KEYS = frozenset({"stream", "seq", "duplicate", "domain", "error", "batch", "count", "val"})
+
+
+def foreign_traffic(data: bytes, reply: str, headers: Mapping[str, str] | None) -> str | None:
+    """What JetStream traffic routed onto a notice subject is ("jetstream-puback" | "jetstream-delivery"), or None.
+
+    A client that may not publish to another node's notice subject can still have the server send there: a
+    publish to the events stream with that subject as its reply gets the PubAck, and a push consumer with it as
+    deliver_subject gets the stream's messages (reply ``$JS.ACK.``, flow control ``$JS.FC.``, heartbeats with a
+    Status header). None of these is a notice; they are counted, not refused one record each.
+    """
+    if reply.startswith(("$JS.ACK.", "$JS.FC.")) or (headers and headers.get("Status")):
+        return "jetstream-delivery"
+    if data[:1] != b"{" or b'"stream"' not in data or len(data) > 4096:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    if (
+        isinstance(doc, dict)
+        and doc.keys() <= _PUBACK_KEYS
+        and isinstance(doc.get("stream"), str)
+        and type(doc.get("seq")) is int
+    ):
+        return "jetstream-puback"
+    return None
 
 
 @dataclass(frozen=True)

@@ -327,8 +327,13 @@ def compile_repo(
         new_serial = serial
     elif unchanged:
         new_serial = prev_serial
-        if issued_at is None and previous is not None:
-            issued_at = previous.get("issuedAt")
+        if issued_at is None and previous is not None and (inherited := previous.get("issuedAt")) is not None:
+            # the previous bundle may predate the bound (or be hand-made): its time is checked like a given one
+            if not isinstance(inherited, int) or isinstance(inherited, bool):
+                raise ConfigError(f"issuedAt {inherited!r} of the previous bundle: expected Unix epoch seconds")
+            if why := issued_at_problem(inherited):
+                raise ConfigError(f"issuedAt {inherited} of the previous bundle: {why}; give issued_at to replace it")
+            issued_at = inherited
     else:
         new_serial = prev_serial + 1
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sco._redact import describe_dsn, libpq_parse_error, without_dsn_secrets
 from sco.errors import ConfigError, Problem, ScoError
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -54,7 +55,7 @@ def check_dsn(dsn: str, where: str = "fleet-state DSN") -> None:
         conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as e:
         raise ConfigError(
-            f"{where}: not a libpq connection string such as 'host=db user=sco dbname=sco': {_redact(str(e))}"
+            f"{where}: not a libpq connection string such as 'host=db user=sco dbname=sco': {libpq_parse_error(e)}"
         ) from None
 
 
@@ -65,11 +66,8 @@ def connect(dsn: str, *, autocommit: bool = True) -> Any:
     try:
         return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10)
     except psycopg.OperationalError as e:
-        raise StateError(f"fleet state at {_redact(dsn)}: cannot connect: {' '.join(str(e).split())}") from None
-
-
-def _redact(dsn: str) -> str:
-    return re.sub(r"(password=)\S+", r"\1***", re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", dsn))
+        why = without_dsn_secrets(" ".join(str(e).split()), dsn)
+        raise StateError(f"fleet state at {describe_dsn(dsn)}: cannot connect: {why}") from None
 
 
 @dataclass(frozen=True)
