@@ -108,7 +108,7 @@ def _auth_nats(root: Path, users: str) -> NatsServer:
 
 _NODE_PERMS = (
     'permissions: {publish: {allow: ["sco.events.local.node-1", "$JS.API.>"]},'
-    ' subscribe: {allow: ["sco.notice.local.node-1", "_INBOX.>"]}}'
+    ' subscribe: {allow: ["sco.notice.local.node-1", "_INBOX.local.node-1.>"]}}'
 )
 
 

@@ -14,8 +14,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import ansible_collections
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 
 import sco
 
@@ -190,7 +192,7 @@ def test_example_halls_have_their_groups(hall: str, groups: dict[str, int], empt
 
 
 def test_execution_environment_definition_builds_a_context(tmp_path: Path) -> None:
-    shutil.copytree(REPO / "ee", tmp_path / "ee")
+    shutil.copytree(REPO / "ee", tmp_path / "ee", ignore=shutil.ignore_patterns("*.whl", "*.tar.gz"))
     built = ansible("ansible-galaxy", "collection", "build", str(COLL), "--output-path", str(tmp_path / "dist"))
     assert built.returncode == 0, built.stderr
     (tmp_path / "dist" / f"sco-orchestrator-{galaxy_version()}.tar.gz").rename(
@@ -205,11 +207,45 @@ def test_execution_environment_definition_builds_a_context(tmp_path: Path) -> No
     assert (
         "/build/collections/sco-orchestrator.tar.gz" in (tmp_path / "ctx" / "_build" / "requirements.yml").read_text()
     )
+    containerfile = (tmp_path / "ctx" / "Containerfile").read_text()
+    # by default a usual upstream base; scripts/ee.sh (make ee) swaps base, package manager and Python packages
+    # through these build arguments alone
+    assert 'ARG EE_BASE_IMAGE="quay.io/centos/centos:stream9"' in containerfile
+    assert 'ARG PKGMGR="/usr/bin/dnf"' in containerfile
+    assert 'ARG PYPKG="python3.11 python3.11-pip"' in containerfile
+    assert "FROM $EE_BASE_IMAGE AS base" in containerfile
+    assert "RUN $PKGMGR install $PYPKG -y" in containerfile
+    # pip from the package manager: ensurepip is disabled for Debian's system Python
+    assert "/output/scripts/pip_install" not in containerfile
+    # the product's wheel (ee/wheels) reaches pip in both stages that install it, as a build argument only
+    for stage in ("AS builder", "AS final"):
+        body = containerfile.split(stage, 1)[1].split("\nFROM ", 1)[0]
+        assert "COPY _build/wheels /build/wheels" in body and "ARG PIP_FIND_LINKS=/build/wheels" in body, stage
+    assert "ENV PIP_FIND_LINKS" not in containerfile
+    assert (tmp_path / "ctx" / "_build" / "wheels" / "README.md").is_file()
     # what the collection itself asks of any EE that installs it (meta/execution-environment.yml)
     deps = ansible("ansible-builder", "introspect", "collections")
     assert deps.returncode == 0, deps.stderr
-    assert f"spot-capacity-orchestrator=={galaxy_version()}  # from collection sco.orchestrator" in deps.stdout
+    assert f"spot-capacity-orchestrator[control]=={galaxy_version()}  # from collection sco.orchestrator" in deps.stdout
     assert "openssh-client [platform:dpkg]" in deps.stdout
+
+
+def test_execution_environment_has_the_collections_the_playbooks_use() -> None:
+    ee = yaml.safe_load((REPO / "ee" / "requirements.yml").read_text())["collections"]
+    wanted = yaml.safe_load((REPO / "collections" / "requirements.yml").read_text())["collections"]
+    by_name = {c["name"]: c for c in ee}
+    for c in wanted:
+        assert c["name"] in by_name, f"ee/requirements.yml lacks {c['name']} (collections/requirements.yml)"
+        assert by_name[c["name"]].get("version") == c.get("version"), c["name"]
+    # and the collection's own dependencies are among them, in a range that admits the copies the tests run with
+    # (the `ansible` package's; scripts/ee.sh installs those in the image when Galaxy is out of reach)
+    deps = yaml.safe_load((COLL / "galaxy.yml").read_text())["dependencies"]
+    assert set(deps) <= set(by_name)
+    for name in deps:
+        ns, coll = name.split(".")
+        manifests = [Path(p) / ns / coll / "MANIFEST.json" for p in ansible_collections.__path__]
+        have = json.loads(next(m for m in manifests if m.is_file()).read_text())["collection_info"]["version"]
+        assert have in SpecifierSet(by_name[name]["version"]), (name, have, by_name[name]["version"])
 
 
 def test_changelog_fragments_lint() -> None:

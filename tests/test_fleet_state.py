@@ -121,7 +121,7 @@ def test_cli_db_migrate(empty_dsn: str, capsys: pytest.CaptureFixture[str]) -> N
     assert "applied 0001_fleet_state" in capsys.readouterr().out
     assert main(["db", "migrate", "--dsn", empty_dsn]) == 0
     assert "up to date" in capsys.readouterr().out
-    assert main(["db", "migrate", "--dsn", "host=127.0.0.1 port=1 user=x dbname=y"]) == 7
+    assert main(["db", "migrate", "--dsn", "host=127.0.0.1 port=1 user=x dbname=y"]) == 11
     assert "cannot connect" in capsys.readouterr().err
 
 

@@ -23,7 +23,7 @@ class Client:
         self.errors: list[str] = []
         self.nc: Any = None
 
-    async def connect(self, server: str, credentials: Path) -> Client:
+    async def connect(self, server: str, credentials: Path, **options: Any) -> Client:
         async def on_error(e: Exception) -> None:
             self.errors.append(str(e))
 
@@ -34,6 +34,7 @@ class Client:
             error_cb=on_error,
             max_reconnect_attempts=0,
             connect_timeout=3,
+            **options,
         )
         return self
 
@@ -48,7 +49,8 @@ class Client:
 async def probe(args: argparse.Namespace) -> dict[str, Any]:
     cred = Path(args.credentials)
     hall, node, other = args.hall, args.node, args.other
-    me = await Client(f"node-{node}").connect(args.server, cred)
+    # as the agent connects: replies on the node's own inbox
+    me = await Client(f"node-{node}").connect(args.server, cred, inbox_prefix=f"_INBOX.{hall}.{node}")
     reclaimer = await Client("reclaimer").connect(args.server, cred)
     reader = await Client("control").connect(args.server, cred)
     out: dict[str, Any] = {}
@@ -66,6 +68,8 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
     out["node_subscribes_all_notices"] = await me.settle()
     await me.nc.publish(f"sco.notice.{hall}.{other}", b'{"id": "forged"}')
     out["node_publishes_notice"] = await me.settle()
+    await me.nc.subscribe("_INBOX.>")  # where the readers' consumers deliver every node's events
+    out["node_subscribes_all_inboxes"] = await me.settle()
 
     await reclaimer.nc.publish(f"sco.notice.{hall}.{node}", b'{"id": "probe"}')
     out["reclaimer_publishes_notice"] = await reclaimer.settle()

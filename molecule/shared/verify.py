@@ -157,6 +157,7 @@ def check_node_credentials_reach_only_their_own_subjects(
     assert refused("node_subscribes_other_notices", "subscription", f"sco.notice.{hall}.{other}"), r
     assert refused("node_subscribes_all_notices", "subscription", f"sco.notice.{hall}.>"), r
     assert refused("node_publishes_notice", "publish", f"sco.notice.{hall}.{other}"), r
+    assert refused("node_subscribes_all_inboxes", "subscription", "_INBOX.>"), r
     # the reclaimer's notice is the one the node receives; the node's forged one and the reader's were refused
     assert r["reclaimer_publishes_notice"] == [] and r["node_received"] == '{"id": "probe"}', r
     assert refused("reader_publishes_notice", "publish", f"sco.notice.{hall}.{node}"), r

@@ -47,9 +47,22 @@ def _add_trust(p: argparse.ArgumentParser) -> None:
 # --- keys -----------------------------------------------------------------------------------------
 
 
+def _file_name_problem(name: str) -> str | None:
+    """Why ``name`` is not one plain file name inside the directory it is meant for (None: it is)."""
+    if not name:
+        return "expected a file name, got an empty one"
+    if "/" in name or name in (".", ".."):
+        return "expected a plain file name, not a path (use --out-dir for the directory)"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "control characters in a file name"
+    return None
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from sco.contract.signing import generate, write_keypair
 
+    if args.name is not None and (problem := _file_name_problem(args.name)):
+        raise ConfigError(f"--name {args.name!r}: {problem}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     key = generate()
@@ -81,6 +94,10 @@ def _nats_auth(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_nats(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", default=_env("SCO_NATS_URL", "nats://127.0.0.1:4222"), help="[$SCO_NATS_URL]")
+    _add_nats_auth(p)
+
+
+def _add_nats_auth(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user", default=_env("SCO_NATS_USER"), help="[$SCO_NATS_USER]")
     p.add_argument("--password", default=_env("SCO_NATS_PASSWORD"), help="[$SCO_NATS_PASSWORD]")
     p.add_argument("--token", default=_env("SCO_NATS_TOKEN"), help="[$SCO_NATS_TOKEN]")
@@ -88,30 +105,62 @@ def _add_nats(p: argparse.ArgumentParser) -> None:
     p.add_argument("--creds", default=_env("SCO_NATS_CREDS"), help="NATS creds file [$SCO_NATS_CREDS]")
 
 
+def _nats_why(e: BaseException) -> str:
+    """A connect failure in words: nats-py's own are often an empty TimeoutError."""
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, TimeoutError) or type(e).__name__ == "TimeoutError":  # asyncio's, and nats.errors'
+        return "timed out (no answer within 5 s)"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
     import asyncio
+    import contextlib
 
     async def main() -> Any:
         import nats
 
-        async def quiet(e: Exception) -> None:  # the failure is reported once, below
-            pass
+        servers = [u.strip() for u in (args.nats or "").split(",") if u.strip()]
+        bad = [u for u in servers if "://" in u and u.split("://", 1)[0] not in ("nats", "tls", "ws", "wss")]
+        if not servers or bad:
+            raise ConfigError(f"--nats {args.nats!r}: expected nats://HOST:PORT (comma-separated for several)")
+        errors: list[str] = []
+        gave_up = asyncio.Event()
 
-        try:
-            # nats-py keeps retrying a refused first connection whatever its options say: bound it here.
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    args.nats,
-                    connect_timeout=5,
-                    allow_reconnect=False,
-                    max_reconnect_attempts=0,
-                    error_cb=quiet,
-                    **_nats_auth(args),
-                ),
-                10,
+        async def on_error(e: Exception) -> None:
+            # nats-py keeps retrying a refused first connection whatever its options say: one error per server
+            # tried is the answer, reported at once rather than after the overall bound
+            if not gave_up.is_set():
+                errors.append(_nats_why(e))
+                if len(errors) >= len(servers):
+                    gave_up.set()
+
+        connecting = asyncio.ensure_future(
+            nats.connect(
+                servers,
+                connect_timeout=5,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                error_cb=on_error,
+                **_nats_auth(args),
             )
-        except Exception as e:
-            raise FetchError(f"{args.nats}: cannot connect: {type(e).__name__}: {e}") from None
+        )
+        failed = asyncio.ensure_future(gave_up.wait())
+        await asyncio.wait({connecting, failed}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
+        if not connecting.done():
+            gave_up.set()
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            why = "; ".join(dict.fromkeys(errors)) or "no answer within 10 s"
+            raise FetchError(f"NATS {args.nats}: cannot connect: {why}")
+        if (err := connecting.exception()) is not None:
+            raise FetchError(f"NATS {args.nats}: cannot connect: {_nats_why(err)}")
+        nc = connecting.result()
         try:
             return await work(nc)
         finally:
@@ -189,13 +238,21 @@ async def ensure_events_stream(
 
 def _issued_at(args: argparse.Namespace) -> int | None:
     """Reproducible issue time: --issued-at, $SOURCE_DATE_EPOCH, or the repository's HEAD commit time."""
+    from sco.contract.compiler import issued_at_problem
+
+    def checked(value: int, where: str) -> int:
+        if why := issued_at_problem(value):
+            raise ConfigError(f"{where} {value}: {why}")
+        return value
+
     if args.issued_at is not None:
-        return int(args.issued_at)
+        return checked(int(args.issued_at), "--issued-at")
     if "SOURCE_DATE_EPOCH" in os.environ:
         try:
-            return int(os.environ["SOURCE_DATE_EPOCH"])
+            value = int(os.environ["SOURCE_DATE_EPOCH"])
         except ValueError:
             raise ConfigError("$SOURCE_DATE_EPOCH: expected an integer") from None
+        return checked(value, "$SOURCE_DATE_EPOCH")
     try:
         out = subprocess.run(
             ["git", "-C", str(args.repo), "log", "-1", "--format=%ct", "--", "."],
@@ -206,7 +263,9 @@ def _issued_at(args: argparse.Namespace) -> int | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else None
+    if out.returncode != 0 or not out.stdout.strip().isdigit():
+        return None
+    return checked(int(out.stdout.strip()), f"{args.repo}: git HEAD commit time")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -296,11 +355,30 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _http_url_problem(value: str) -> str | None:
+    """Why ``value`` is not one http(s) URL (None: it is)."""
+    from urllib.parse import urlsplit
+
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in value):
+        return "whitespace or control characters in a URL"
+    try:
+        u = urlsplit(value)
+        host = u.hostname
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if u.scheme not in ("http", "https") or not host:
+        return "expected an http:// or https:// URL with a host, such as http://distributor:8470"
+    return None
+
+
 def cmd_user_data(args: argparse.Namespace) -> int:
     from sco.contract.bundle import Bundle
     from sco.contract.signing import load_private
     from sco.contract.userdata import render
 
+    if args.distributor_url and (problem := _http_url_problem(args.distributor_url)):
+        # it becomes a line of the node's agent.env: a newline in it would add settings of its own
+        raise ConfigError(f"--distributor-url {args.distributor_url!r}: {problem}")
     keyring = _keyring(args)
     bundle = Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)
     keys = [load_private(Path(k)) for k in args.signing_key]
@@ -333,7 +411,12 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from sco.contract.distributor import DistributorServer, parse_listen
 
-    server = DistributorServer(Path(args.root), parse_listen(args.listen), verbose=args.verbose)
+    root = Path(args.root)
+    if not root.is_dir():
+        # serving would answer 404 to every node until someone noticed: say so now
+        why = "not a directory" if root.exists() else "no such directory (sco contract publish creates it)"
+        raise ConfigError(f"--root {root}: {why}")
+    server = DistributorServer(root, parse_listen(args.listen), verbose=args.verbose)
     print(f"serving {args.root} at {server.url}/v1/halls/<hall>/bundle.json", flush=True)
     try:
         server.serve_forever()
@@ -509,7 +592,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_db_migrate(args: argparse.Namespace) -> int:
-    from sco.state.db import applied, connect, dsn_from_env, migrate, migrations
+    from sco.state.db import applied, check_dsn, connect, dsn_from_env, migrate, migrations
 
     if args.embedded:
         from sco.state.embedded import EmbeddedPostgres
@@ -521,6 +604,7 @@ def cmd_db_migrate(args: argparse.Namespace) -> int:
         print(f"embedded PostgreSQL in {args.embedded}: {dsn}")
     else:
         dsn = dsn_from_env(args.dsn)
+        check_dsn(dsn, "--dsn" if args.dsn else "$SCO_DB_DSN")
     if args.check:
         # What a real run would apply, applying nothing (the fleet_state role's check mode).
         with connect(dsn) as conn:
@@ -578,7 +662,10 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
 
     async def go() -> int:
         with FleetState(dsn_from_env(args.dsn), application="sco reclaim") as st, st.writer(args.hall, args.lock_wait):
-            r = Reclaimer(_cloud(args.os_cloud), st, args.nats, window_s=args.window, signing_keys=keys)
+            r = Reclaimer(
+                _cloud(args.os_cloud), st, args.nats, window_s=args.window, signing_keys=keys,
+                nats_auth=_nats_auth(args),
+            )  # fmt: skip
             try:
                 for rc in await r.notify(args.hall, args.nodes):
                     sent = "published" if rc.published_at else "NOT published (relay down; metadata only)"
@@ -587,7 +674,7 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
                     await r.run(args.hall)
                     for rc in r.reclaims.values():
                         inst = st.instance(rc.instance.id)
-                        print(f"{inst.name}: {inst.state}")
+                        print(f"{inst.name}: {inst.state} (agent: {rc.agent_state or 'no account'})")
             finally:
                 await r.close()
         return 0
@@ -610,6 +697,7 @@ def _add_fleet_commands(sub: Any) -> None:
     x.add_argument("nodes", nargs="+", metavar="NODE", help="instance (node) names")
     x.add_argument("--window", type=float, default=float(_env("SCO_RECLAIM_WINDOW", "120") or 120))
     x.add_argument("--nats", default=_env("SCO_NATS_URL"), help="the hall's notice relay [$SCO_NATS_URL]")
+    _add_nats_auth(x)  # the relay's reclaimer identity
     x.add_argument("--os-cloud", default=_env("OS_CLOUD"), help="clouds.yaml entry [$OS_CLOUD]")
     x.add_argument("--dsn", default=_env("SCO_DB_DSN"), help="fleet state [$SCO_DB_DSN]")
     x.add_argument(

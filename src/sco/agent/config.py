@@ -44,7 +44,8 @@ class AgentConfig:
     hall: str = ""
     """Hall (site) this node belongs to; must match the bundle's hall."""
     node: str = ""
-    """This node's name in the scheduler (Kubernetes node name or Slurm NodeName); empty: the short hostname."""
+    """This node's name in the scheduler (Kubernetes node name or Slurm NodeName); unset: the short hostname
+    (set but empty is refused: a template that rendered nothing must not drain some other name)."""
     scheduler: str = "kubernetes"
     """kubernetes | slurm: which drain path the node takes."""
     state_dir: Path = Path("/var/lib/sco")
@@ -192,13 +193,29 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> AgentConfig:
             values[name] = _coerce(f, env[env_key], "environment", problems)
         elif name in raw:
             values[name] = _coerce(f, raw[name], where, problems)
-    if not values.get("node"):
+    if "node" not in values:
         values["node"] = socket.gethostname().split(".")[0].lower()
+    elif values["node"] == "":
+        named = ("environment", "SCO_AGENT_NODE") if "SCO_AGENT_NODE" in env else (where, "agent.node")
+        problems.append(Problem(*named, "set but empty: give this node's scheduler name, or unset it for the hostname"))
+        values["node"] = "unset"  # reported above; keeps the cross-field checks from repeating it
     cfg = AgentConfig(**values)
     problems += check(cfg, where)
     if problems:
         raise ConfigError(f"{len(problems)} problem(s) in the agent configuration", problems)
     return cfg
+
+
+# SCO_AGENT_* variables that are not settings but are read by the agent's commands.
+_OTHER_ENV = frozenset({"SCO_AGENT_CONFIG"})
+
+
+def unknown_env(env: dict[str, str] | None = None) -> list[str]:
+    """SCO_AGENT_* variables that name no setting (SCO_AGENT_NATSURL for SCO_AGENT_NATS_URL): ignored, so a typo
+    would silently keep the file's value; the agent warns about each at start and in check-config."""
+    env = dict(os.environ) if env is None else env
+    known = {f"SCO_AGENT_{f.name.upper()}" for f in dataclasses.fields(AgentConfig)} | _OTHER_ENV
+    return sorted(k for k in env if k.startswith("SCO_AGENT_") and k not in known)
 
 
 def _url(value: str, schemes: tuple[str, ...]) -> bool:
@@ -374,4 +391,4 @@ bundle_max_bytes = 33554432         # larger bundle responses are refused (the l
 bundle_fetch_deadline_seconds = 30  # one bundle request, connect to last byte
 """
 
-__all__ = ["SAMPLE", "AgentConfig", "check", "load"]
+__all__ = ["SAMPLE", "AgentConfig", "check", "load", "unknown_env"]

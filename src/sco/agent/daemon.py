@@ -381,6 +381,9 @@ class Agent:
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,
             error_cb=error,
+            # Replies (JetStream acks) come back on the node's own inbox: the relay lets a node subscribe only
+            # there, never to _INBOX.>, where the control users' consumers deliver every node's events.
+            inbox_prefix=f"_INBOX.{self.cfg.hall}.{self.cfg.node}",
             **self._nats_auth(),
         )
         subject = self.cfg.subject(self.cfg.notice_subject)
@@ -555,6 +558,14 @@ class Agent:
         await self._start_checkpoint()  # before the drain path, which waits on its workloads
         self.path = self._drain_path()
         b = self.cache.bundle
+        if b is None:
+            # said once, loudly: otherwise the first sign is a refused notice during a reclaim
+            log.warning(
+                "no bundle cached in %s: every NATS notice is refused (the bundle names the notice keys) and a "
+                "drain has no contract budgets until one is fetched%s",
+                self.cfg.bundle_dir,
+                f" from {self.cfg.bundle_url}" if self.cfg.bundle_url else " (bundle_url is not set)",
+            )
         self._restore_book()
         self.spool.append(
             "agent.started",

@@ -180,10 +180,20 @@ class KubernetesDrain:
         self.heard_at = self.deadline.now()
 
     def _api_problem(self, what: str, err: Exception) -> None:
-        kind = "scheduler.credentials" if isinstance(err, KubeCredentialError) else "scheduler.unreachable"
-        if kind not in self._logged:
-            self._logged.add(kind)
-            self._event(kind, CRITICAL if kind == "scheduler.credentials" else ROUTINE, what=what, error=str(err))
+        """Recorded once per kind: silence (unreachable), a credential refused (401/403, TLS), or an answer that
+        refused the request (422, 404, 5xx...: once per request kind, since each says something different)."""
+        fields: Obj = {"what": what, "error": str(err)}
+        if isinstance(err, KubeCredentialError):
+            kind, key, priority = "scheduler.credentials", "scheduler.credentials", CRITICAL
+        elif isinstance(err, KubeError):  # the API answered: not "unreachable", whatever the drain does next
+            kind, key, priority = "scheduler.refused", f"scheduler.refused:{what}", CRITICAL
+        else:
+            kind, key, priority = "scheduler.unreachable", "scheduler.unreachable", ROUTINE
+        if isinstance(err, KubeError):
+            fields["status"] = err.status
+        if key not in self._logged:
+            self._logged.add(key)
+            self._event(kind, priority, **fields)
         log.warning("API server (%s): %s", what, err)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:

@@ -109,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     st = sub.add_parser("status", help="spool, publication backlog and bundle state as JSON")
     st.add_argument("--state-dir", default=os.environ.get("SCO_AGENT_STATE_DIR", "/var/lib/sco"))
     args = p.parse_args(argv)
+    unknown = config.unknown_env() if args.cmd in ("run", "check-config") else []
 
     try:
         if args.cmd == "sample-config":
@@ -119,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "status":
             print(json.dumps(status(Path(args.state_dir)), indent=2, sort_keys=True))
             return 0
+        for name in unknown:  # before the configuration's own errors: a typo may be their cause
+            print(f"sco-agent: warning: environment: {name}: unknown setting, ignored", file=sys.stderr)
         cfg = config.load(_config_path(args))
         if args.cmd == "check-config" or args.check_config:
             print(f"{_config_path(args) or 'environment'}: ok (node {cfg.node}, hall {cfg.hall}, {cfg.scheduler})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -24,11 +25,22 @@ from pydantic import BaseModel, ValidationError
 
 from sco.contract.bundle import content_digest
 from sco.contract.model import API_VERSION, SELECTOR_TAGS, Contract, HallPolicy
-from sco.errors import ContractError, Problem
+from sco.errors import ConfigError, ContractError, Problem
 
 # libyaml when present: its parser is C, though PyYAML still constructs objects in Python.
 _Base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_FILE_BYTES = 1 << 20  # a contract is a few hundred bytes; a larger file is a mistake or an attack
+MAX_ISSUED_AHEAD_S = 86_400  # clocks disagree by seconds, not days: a later issue time is a typo (ms for s)
+
+
+def issued_at_problem(value: int, now: float | None = None) -> str | None:
+    """Why ``value`` cannot be a bundle's issue time (None: it can). Nodes report a bundle's age from it."""
+    now = time.time() if now is None else now
+    if value < 0:
+        return "expected Unix epoch seconds, not a negative number"
+    if value > now + MAX_ISSUED_AHEAD_S:
+        return f"more than a day in the future (now is {int(now)}; milliseconds instead of seconds?)"
+    return None
 
 
 class _Loader(_Base):  # type: ignore[misc]
@@ -67,14 +79,26 @@ class Resolved:
 
 
 def list_files(repo: Path) -> list[str]:
-    """Every YAML file under ``repo`` (hidden directories such as .git skipped), in path order."""
-    return sorted(
-        p.relative_to(repo).as_posix()
-        for p in repo.rglob("*")
-        if p.suffix in (".yaml", ".yml")
-        and p.is_file()
-        and not any(part.startswith(".") for part in p.relative_to(repo).parts)
-    )
+    """Every YAML file under ``repo`` (hidden directories such as .git skipped), in path order, and every
+    symlink leading out of it: rglob does not follow a directory symlink, so one leading out would be skipped
+    silently; listed, :func:`load_file` refuses it by name as it does a file symlink."""
+    root = repo.resolve()
+    out: list[str] = []
+    for p in repo.rglob("*"):
+        rel = p.relative_to(repo)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        yaml_file = p.suffix in (".yaml", ".yml") and (p.is_file() or p.is_symlink())
+        if yaml_file or (p.is_symlink() and not _inside(p, root)):
+            out.append(rel.as_posix())
+    return sorted(out)
+
+
+def _inside(link: Path, root: Path) -> bool:
+    try:
+        return link.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):  # a symlink loop: listed, and load_file says it cannot be read
+        return False
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
@@ -116,6 +140,8 @@ def load_file(repo: Path, rel: str) -> tuple[list[Resolved], list[Problem]]:
             return [], [Problem(rel, "", f"{size} bytes, more than the {MAX_FILE_BYTES} a contract file may hold")]
     except OSError as e:
         return [], [Problem(rel, "", f"cannot read: {e}")]
+    except RuntimeError:  # pathlib's word for a symlink loop
+        return [], [Problem(rel, "", "cannot read: a symlink loop")]
     try:
         docs = [d for d in yaml.load_all(path.read_text(encoding="utf-8"), Loader=_Loader) if d is not None]
     except yaml.MarkedYAMLError as e:
@@ -270,6 +296,8 @@ def compile_repo(
     Serial: ``serial`` if given (it must exceed the previous one); otherwise the previous serial when the
     content is unchanged (same input, same bytes), else the previous serial + 1 (1 with no previous).
     """
+    if issued_at is not None and (why := issued_at_problem(issued_at)):
+        raise ConfigError(f"issued_at {issued_at}: {why}")
     loaded, problems = load(Path(repo), workers)
     policies = [x for x in loaded if x.kind == "HallPolicy"]
     contracts = [x for x in loaded if x.kind == "WorkloadContract"]

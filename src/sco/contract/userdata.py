@@ -8,17 +8,28 @@ with an unknown drain budget, even if the distributor is unreachable at boot.
 from __future__ import annotations
 
 import base64
+import re
 
 import yaml
 
 from sco.contract.bundle import Bundle, subset_payload
 from sco.contract.signing import PrivateKey, PublicKey, public_key_text, sign
-from sco.errors import BundleError
+from sco.errors import BundleError, ConfigError
 
 # Nova refuses user_data above 65535 bytes once base64-encoded.
 NOVA_USER_DATA_LIMIT = 65535
 TRUST_DIR = "/etc/sco/trusted"
 CACHE_PATH = "/var/lib/sco/bundle/bundle.json"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _env_problem(name: str, value: str) -> str | None:
+    """agent.env is read line by line (systemd's EnvironmentFile=): one line per setting, nothing more."""
+    if not _ENV_NAME.match(name):
+        return "not an environment variable name"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        return "control characters (a newline would add a setting of its own)"
+    return None
 
 
 def render(
@@ -30,6 +41,9 @@ def render(
     names: list[str] | None = None,
     node_env: dict[str, str] | None = None,
 ) -> str:
+    bad = [f"{k!r}: {why}" for k, v in sorted((node_env or {}).items()) if (why := _env_problem(k, v))]
+    if bad:
+        raise ConfigError(f"node environment: {'; '.join(bad)}")
     payload = subset_payload(bundle, schedulers=schedulers, names=names)
     subset = sign(payload, signing_keys)
     files = [

@@ -20,15 +20,29 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
 from sco.control.model import ContractInfo, Instance, PlanInput, PlanSettings, Pool, Reservation
 from sco.control.units import flavor_milli
 from sco.errors import ConfigError, Problem
 
+MAX_POOL_INSTANCES = 10_000
+"""A pool's cap: the planner's work grows with it (one step per instance placed), so an absurd cap is refused."""
+
+
+def _not_bool(v: Any) -> Any:
+    # YAML's true is an int to pydantic's lax mode: "vcpus: true" would plan a 1-vCPU flavour
+    if isinstance(v, bool):
+        raise ValueError("expected a number, not true/false")
+    return v
+
+
 NonEmpty = Annotated[str, Field(min_length=1)]
-NonNeg = Annotated[int, Field(ge=0)]
+NonNeg = Annotated[int, BeforeValidator(_not_bool), Field(ge=0)]
+Positive = Annotated[int, BeforeValidator(_not_bool), Field(gt=0)]
+Seconds = Annotated[float, BeforeValidator(_not_bool), Field(ge=0, allow_inf_nan=False)]
+"""A duration or a Unix time: finite (.nan and .inf compare false with everything and stall a plan)."""
 
 
 class _Strict(BaseModel):
@@ -40,19 +54,19 @@ class PoolSpec(_Strict):
     kind: Literal["reclaimable", "committed", "on-demand"]
     flavor: NonEmpty
     """Nova flavour (or Ironic resource class) the pool's instances are launched with."""
-    vcpus: Annotated[int, Field(gt=0)]
-    ram_mib: Annotated[int, Field(gt=0, alias="ramMiB")]
+    vcpus: Positive
+    ram_mib: Annotated[int, BeforeValidator(_not_bool), Field(gt=0, alias="ramMiB")]
     gpus: NonNeg = 0
-    cap: NonNeg
+    cap: Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=MAX_POOL_INSTANCES)]
     group: str = ""
     available: bool = True
     unavailable_reason: str = ""
-    price_per_hour: Annotated[Decimal, Field(ge=0)] = Decimal(0)
+    price_per_hour: Annotated[Decimal, BeforeValidator(_not_bool), Field(ge=0, allow_inf_nan=False)] = Decimal(0)
     image: str = ""
     """Image to boot (the acquirer's default when empty)."""
     lease: str = ""
     """Committed pools: the Blazar lease whose reservations back this pool (default: the pool's name)."""
-    instances_per_host: Annotated[int, Field(gt=0)] = 1
+    instances_per_host: Positive = 1
     """Committed pools backed by host reservations (physical:host): instances of the flavour one host holds."""
 
     def resolve(self) -> Pool:
@@ -79,8 +93,8 @@ def _default_shares() -> dict[Tier, str | int | float]:
 class SettingsSpec(_Strict):
     shares: dict[Tier, str | int | float] = Field(default_factory=_default_shares)
     """Most of a tier's new units in one pool or group, as a fraction ("1/2", 0.5, 1)."""
-    idle_grace_seconds: Annotated[float, Field(ge=0)] = 600.0
-    settle_seconds: Annotated[float, Field(ge=0)] = 300.0
+    idle_grace_seconds: Seconds = 600.0
+    settle_seconds: Seconds = 300.0
 
     @field_validator("shares")
     @classmethod
@@ -106,7 +120,7 @@ class InstanceSpec(_Strict):
     name: NonEmpty
     pool: NonEmpty
     contracts: list[str] = Field(default_factory=list)
-    launched_at: float = 0.0
+    launched_at: Seconds = 0.0
     state: str = "active"
 
 
@@ -130,7 +144,7 @@ class PlanDocument(_Strict):
     reservations: list[ReservationSpec] = Field(default_factory=list)
     fleet: list[InstanceSpec] = Field(default_factory=list)
     demand: DemandSpec = Field(default_factory=DemandSpec)
-    now: float | None = None
+    now: Seconds | None = None
     """Plan as of this Unix time (default: now)."""
 
     @field_validator("pools")

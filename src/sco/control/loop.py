@@ -367,6 +367,15 @@ def step_acquire(params: Params, check: bool, store: Any = None) -> dict[str, An
 # --- reclaim ------------------------------------------------------------------------------------------
 
 
+def _nats_auth(params: Params) -> dict[str, Any]:
+    """The relay identity of the reclaim module (nats_creds, or nats_user and nats_password) for nats.connect."""
+    if params.get("nats_creds"):
+        return {"user_credentials": str(params["nats_creds"])}
+    if params.get("nats_user"):
+        return {"user": str(params["nats_user"]), "password": str(params.get("nats_password") or "")}
+    return {}
+
+
 def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, Any]:
     """Reclaim instances through the provider's reclaimer: notice (NATS and metadata), drain window, delete."""
     if store is None:
@@ -404,8 +413,9 @@ def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, An
             st.writer(hall, float(params.get("lock_wait") or 0)),
         ):
             r = Reclaimer(
-                _cloud(params), st, str(params["nats_url"]), window_s=float(params["window"]), signing_keys=keys
-            )
+                _cloud(params), st, str(params["nats_url"]), window_s=float(params["window"]), signing_keys=keys,
+                nats_auth=_nats_auth(params),
+            )  # fmt: skip
             try:
                 done = await r.notify(hall, todo)
                 if params.get("wait", True):
@@ -417,6 +427,8 @@ def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, An
                         "terminate_at": rc.terminate_at,
                         "published": rc.published_at is not None,
                         "state": st.instance(rc.instance.id).state,
+                        # what the agent had reported when the delete went out (None: not deleted in this run)
+                        "agent": rc.agent_state,
                     }
                     for rc in done
                 ]

@@ -34,7 +34,8 @@ NOTICE_SUBJECT = "sco.notice.{hall}.{node}"
 EVENTS_SUBJECT = "sco.events.{hall}.>"
 EVENTS_STREAM = "SCO_EVENTS"
 # What the agent's events mean for the instance's lifecycle state (and from which states they may move it).
-_DRAINING = ("node.tainted", "node.drain_set", "scheduler.unreachable", "job.signalled", "pod.evicted")
+# the first signs of a drain under way (an API that answered "no" to the taint is one too)
+_DRAINING = ("node.tainted", "node.drain_set", "scheduler.unreachable", "scheduler.refused", "job.signalled")
 _FOLD: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "drain.drained": ("drained", ("notified", "draining")),
     "drain.overrun": ("overrun", ("notified", "draining")),
@@ -70,6 +71,7 @@ class Reclaim:
     metadata_at: float | None = None
     delete_sent_at: float | None = None  # when the DELETE went to Nova
     deleted_at: float | None = None  # when Nova accepted it
+    agent_state: str | None = None  # the agent's account when the delete went out (drained, overrun, draining...)
 
 
 class Reclaimer:
@@ -85,6 +87,7 @@ class Reclaimer:
         events_stream: str = EVENTS_STREAM,
         gone_poll_s: float = 0.5,
         nova_concurrency: int = 32,
+        nats_auth: dict[str, Any] | None = None,
     ) -> None:
         self.cloud = cloud  # an openstacksdk Connection
         self.state = state
@@ -94,6 +97,9 @@ class Reclaimer:
         self.signing_keys = signing_keys
         self.events_stream = events_stream
         self.gone_poll_s = gone_poll_s
+        # nats.connect's credentials (user/password, token, nkeys_seed or user_credentials): the relay's
+        # reclaimer identity, which may publish notices and read the hall's events
+        self.nats_auth = dict(nats_auth or {})
         if not signing_keys:
             raise ConfigError("no notice key: the hall's agents refuse unsigned notices (hall policy noticeKeys)")
         self.nc: Any = None
@@ -106,7 +112,10 @@ class Reclaimer:
 
             # nats-py retries a refused first connection whatever its options say: bound the first one.
             self.nc = await asyncio.wait_for(
-                nats.connect(self.nats_url, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True), 5
+                nats.connect(
+                    self.nats_url, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True, **self.nats_auth
+                ),
+                5,
             )
         return self.nc
 
@@ -232,8 +241,13 @@ class Reclaimer:
             await msg.ack()
 
         # A durable consumer per hall: a restarted reclaimer continues where the last one acknowledged.
+        # The stream is named, not looked up by subject: the relay's reclaimer user may not list streams.
         return await js.subscribe(
-            EVENTS_SUBJECT.format(hall=hall), durable=f"sco-reclaimer-{hall}", cb=on_msg, manual_ack=True
+            EVENTS_SUBJECT.format(hall=hall),
+            stream=self.events_stream,
+            durable=f"sco-reclaimer-{hall}",
+            cb=on_msg,
+            manual_ack=True,
         )
 
     # --- delete at T -----------------------------------------------------------------------------------
@@ -277,6 +291,7 @@ class Reclaimer:
         def delete() -> None:
             if r is not None:
                 r.delete_sent_at = self.clock()
+                r.agent_state = inst.state
             self.cloud.compute.delete_server(inst.server_id, ignore_missing=True)
 
         try:

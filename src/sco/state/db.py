@@ -29,7 +29,7 @@ _MIGRATE_KEY = 1
 class StateError(ScoError):
     """The fleet state cannot be reached, or is not in the shape this version expects."""
 
-    exit_code = 7
+    exit_code = 11  # the README's table: 7 is the Kubernetes API's, 8 a held hall lock, 9 and 10 the control loop's
 
 
 class HallBusy(StateError):
@@ -45,13 +45,27 @@ def dsn_from_env(dsn: str | None) -> str:
     return value
 
 
+def check_dsn(dsn: str, where: str = "fleet-state DSN") -> None:
+    """A string libpq cannot parse is a configuration error, named where it came from (never a traceback)."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as e:
+        raise ConfigError(
+            f"{where}: not a libpq connection string such as 'host=db user=sco dbname=sco': {_redact(str(e))}"
+        ) from None
+
+
 def connect(dsn: str, *, autocommit: bool = True) -> Any:
     import psycopg
 
+    check_dsn(dsn)
     try:
         return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10)
     except psycopg.OperationalError as e:
-        raise StateError(f"fleet state at {_redact(dsn)}: cannot connect: {str(e).strip()}") from None
+        raise StateError(f"fleet state at {_redact(dsn)}: cannot connect: {' '.join(str(e).split())}") from None
 
 
 def _redact(dsn: str) -> str:

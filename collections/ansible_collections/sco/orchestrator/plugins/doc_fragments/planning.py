@@ -8,9 +8,9 @@ options:
   pools:
     description:
       - The hall's pools, each a dict with C(name), C(kind) (reclaimable, committed, on-demand), C(flavor),
-        C(vcpus), C(ramMiB), C(gpus), C(cap) (most instances), C(group) (diversification group), C(image),
-        C(available), C(unavailableReason), C(pricePerHour) (on-demand), C(lease) and C(instancesPerHost)
-        (committed).
+        C(vcpus), C(ramMiB), C(gpus), C(cap) (most instances, at most 10000), C(group) (diversification group),
+        C(image), C(available), C(unavailableReason), C(pricePerHour) (on-demand), C(lease) and
+        C(instancesPerHost) (committed).
       - Pools the fleet state marks unavailable (quota, no valid host) are skipped whatever this says.
     type: list
     elements: dict

@@ -24,6 +24,17 @@ options:
   nats_url:
     description: The hall's notice relay.
     type: str
+  nats_user:
+    description:
+      - The relay user the reclaimer connects as (the notice_relay role's C(reclaimer)), which may publish the hall's
+        notices and read the hall's events, from which the agents' accounts are recorded.
+    type: str
+  nats_password:
+    description: The password of O(nats_user).
+    type: str
+  nats_creds:
+    description: A NATS credentials file (JWT and nkey seed), instead of O(nats_user) and O(nats_password).
+    type: path
   window:
     description: Seconds from the notice to the delete (120 in production).
     type: float
@@ -62,11 +73,16 @@ EXAMPLES = r"""
     cloud: hall-a
     nodes: [hall-a-spot-a-s1f2e3d4c-0, hall-a-spot-a-s1f2e3d4c-1]
     nats_url: nats://relay.hall-a:4222
+    nats_user: reclaimer
+    nats_password: "{{ lookup('ansible.builtin.file', 'credentials/nats/reclaimer') }}"
 """
 
 RETURN = r"""
 reclaimed:
-  description: Per instance - name, notice id, terminate_at, published (relay reached), state after the run.
+  description:
+    - Per instance - name, notice id, terminate_at, published (relay reached), state after the run, and agent -
+      what the node's agent had reported when the delete went out (drained, overrun, draining, or notified when no
+      account came), null when the instance was not deleted in this run (O(wait=false)).
   returned: success
   type: list
   elements: dict
@@ -87,12 +103,21 @@ def main() -> None:
         **common_argument_spec(),
         "nodes": {"type": "list", "elements": "str", "required": True},
         "nats_url": {"type": "str"},
+        "nats_user": {"type": "str"},
+        "nats_password": {"type": "str", "no_log": True},
+        "nats_creds": {"type": "path"},
         "window": {"type": "float", "default": 120},
         "notice_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
         "wait": {"type": "bool", "default": True},
         "lock_wait": {"type": "float", "default": 0},
     }
-    run_step(AnsibleModule(argument_spec=spec, supports_check_mode=True), "reclaim")
+    module = AnsibleModule(
+        argument_spec=spec,
+        supports_check_mode=True,
+        mutually_exclusive=[("nats_creds", "nats_user")],
+        required_by={"nats_password": "nats_user"},
+    )
+    run_step(module, "reclaim")
 
 
 if __name__ == "__main__":
