@@ -151,7 +151,8 @@ def check_node_credentials_reach_only_their_own_subjects(
     r = json.loads(probe.stdout)
 
     def refused(bucket: str, what: str, subject: str) -> bool:
-        return any(f'permissions violation for {what} to "{subject}"' in e.lower() for e in r[bucket])
+        # nats-py lowercases the server's -ERR text
+        return any(f'permissions violation for {what} to "{subject}"'.lower() in e.lower() for e in r[bucket])
 
     assert r["node_subscribes_own_notices"] == [], r
     assert refused("node_subscribes_other_notices", "subscription", f"sco.notice.{hall}.{other}"), r
