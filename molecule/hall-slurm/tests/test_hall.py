@@ -19,6 +19,7 @@ INVENTORY = Path(__file__).resolve().parents[1] / "inventory" / "hosts.yml"
 REPO = Path(__file__).resolve().parents[3]
 ETC_SLURM = WORK / "hosts" / "ctl" / "etc" / "slurm"
 sys.path.insert(0, str(REPO / "molecule" / "shared"))
+import verify  # noqa: E402  (molecule/shared/verify.py)
 
 
 def get(name: str) -> Any:
@@ -27,11 +28,7 @@ def get(name: str) -> Any:
 
 def test_agent_unit_enabled_hardened_and_config_checked() -> None:
     h = get("spot-s1")
-    unit = h.file("/etc/systemd/system/sco-agent.service").content_string
-    for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "MemoryMax=64M", "CapabilityBoundingSet=CAP_KILL"):
-        assert line in unit.splitlines()
-    assert h.file("/etc/systemd/system/multi-user.target.wants/sco-agent.service").is_symlink
-    assert h.run("systemctl is-enabled sco-agent.service").stdout.strip() == "enabled"
+    verify.check_agent_unit(h)
     out = h.run("/opt/sco/bin/sco-agent check-config --config /etc/sco/agent.toml")
     assert out.rc == 0, out.stderr
     assert "node spot-s1, hall local, slurm" in out.stdout

@@ -1,0 +1,111 @@
+"""What the converged local hall does (molecule scenario local: every part of inventories/local on one test host):
+the checks every hall shares (molecule/shared/verify.py), and the fleet state and control loop the example hall
+scenarios do not deploy, against the demo's embedded PostgreSQL that prepare.yml started on the host's loopback."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared"))
+import verify  # molecule/shared/verify.py
+
+from sco.state.db import migrations
+
+SC = verify.Scenario("local")
+HOST = "sco-local"
+HALL = "local"
+
+
+def test_agent_unit_enabled_and_hardened() -> None:
+    verify.check_agent_unit(SC.host(HOST))
+
+
+def test_agent_config_passes_check_config_with_the_nodes_own_credentials() -> None:
+    verify.check_agent_config(SC, SC.host(HOST), HOST, HALL, "kubernetes", "nats://127.0.0.1:4222")
+
+
+def test_a_bundle_signed_by_a_removed_key_is_refused() -> None:
+    verify.check_removed_key_refused(SC, SC.host(HOST), HOST)
+
+
+def test_relay_unit_and_config() -> None:
+    verify.check_relay_unit_and_config(SC.host(HOST))
+
+
+@pytest.fixture(scope="module")
+def relay_post() -> Iterator[str]:
+    with verify.relay_running(SC.host(HOST)) as post:
+        yield post
+
+
+def test_relay_creates_the_event_stream_once(relay_post: str) -> None:
+    verify.check_stream_created_once(SC.host(HOST), relay_post)
+
+
+def test_node_credentials_reach_only_the_nodes_own_subjects(relay_post: str) -> None:
+    assert SC.host(HOST).run(relay_post).rc == 0  # the stream exists whatever ran first
+    # the other node need not exist: the node's allow-list names its own subjects only
+    verify.check_node_credentials_reach_only_their_own_subjects(SC, HOST, HALL, HOST, "spot-other")
+
+
+def test_distributor_publishes_and_serves_the_signed_bundle() -> None:
+    verify.check_distributor_serves_the_signed_bundle(SC, HOST, HALL)
+
+
+# The DSN as a program reads it from an env file (systemd's EnvironmentFile or a shell's `.`), then the schema.
+_SCHEMA = """
+import json, shlex, sys, psycopg
+line = next(ln for ln in open(sys.argv[1]) if ln.startswith('SCO_DB_DSN='))
+dsn = ' '.join(shlex.split(line.split('=', 1)[1]))
+with psycopg.connect(dsn) as c:
+    print(json.dumps({
+        'versions': [v for (v,) in c.execute('SELECT version FROM schema_migration ORDER BY version')],
+        'user': c.execute('SELECT current_user').fetchone()[0],
+        'owner': c.execute("SELECT tableowner FROM pg_tables WHERE tablename = 'schema_migration'").fetchone()[0],
+    }))
+"""
+
+
+@pytest.mark.parametrize("env_file", ["/etc/sco/fleet-state.env", "/etc/sco/control-loop.env"])
+def test_fleet_state_migrated_on_the_demos_postgresql_and_reached_with_the_written_dsn(env_file: str) -> None:
+    """fleet_state made SCO's role and database on 127.0.0.1:5433 and applied every migration as that role; the
+    DSN it wrote, and the one control_loop's unit reads, both reach it."""
+    h = SC.host(HOST)
+    assert h.file(env_file).mode == 0o600
+    out = h.run(f"/opt/sco/bin/python -c {_quote(_SCHEMA)} {env_file}")
+    assert out.rc == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got == {"versions": [m.version for m in migrations()], "user": "sco", "owner": "sco"}
+    assert "port=5433" in h.file(env_file).content_string
+    pending = h.run("set -a; . /etc/sco/fleet-state.env; /opt/sco/bin/sco db migrate --check")
+    assert pending.rc == 0 and pending.stdout.strip() == "fleet state up to date", pending.stdout + pending.stderr
+
+
+def test_control_loop_laid_out_with_its_timer_enabled() -> None:
+    h = SC.host(HOST)
+    lines = verify.unit_text(h, "sco-control-loop.service").splitlines()
+    for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
+                 "ReadWritePaths=/var/lib/sco/control-loop", "EnvironmentFile=/etc/sco/control-loop.env"):  # fmt: skip
+        assert line in lines, line
+    assert verify.exec_line(h, "sco-control-loop.service", "ExecStart").startswith(
+        f"/opt/sco/bin/sco-control-loop --private-data-dir /var/lib/sco/control-loop --hall {HALL} "
+    )
+    link = h.file("/etc/systemd/system/timers.target.wants/sco-control-loop.timer")
+    assert link.is_symlink and link.linked_to == "/etc/systemd/system/sco-control-loop.timer"
+    assert h.run("systemctl is-enabled sco-control-loop.timer").stdout.strip() == "enabled"
+    extra = yaml.safe_load(h.file("/var/lib/sco/control-loop/env/extravars").content_string)
+    # the local inventory's settings, with the bundle the distributor publishes on this host
+    assert extra["sco_hall"] == HALL and extra["sco_pools"][0]["name"] == "local-spot"
+    assert extra["sco_bundle"] == f"/var/lib/sco/distributor/{HALL}/bundle.json"
+    assert h.file(extra["sco_bundle"]).exists
+    assert h.file("/var/lib/sco/control-loop/project/control_loop.yml").exists
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "'\"'\"'") + "'"

@@ -1,0 +1,203 @@
+"""Checks every hall scenario's verify shares: a converged host's units, the agent's config, trust revocation, the
+relay's permissions (real nats-py clients, molecule/shared/natsprobe.py) and the distributor's bundle. Reached over
+SSH (testinfra) and, for the clients, from inside a host's network namespace. Without systemd as PID 1 the units
+cannot be started, so each check runs the unit's own command lines.
+
+A scenario's tests/test_hall.py makes one `Scenario` and calls these with its host names."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import testinfra
+
+BASE = Path("/var/tmp/sco-molecule")
+SHARED = Path(__file__).resolve().parent
+REPO = SHARED.parents[1]
+SAMPLES = REPO / "src" / "sco" / "samples" / "local"
+HARDENING = [
+    "NoNewPrivileges=yes",
+    "ProtectSystem=strict",
+    "ProtectHome=yes",
+    "PrivateTmp=yes",
+    "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+    "SystemCallFilter=@system-service",
+]
+AGENT_LIMITS = ["MemoryMax=64M", "CPUQuota=20%", "CapabilityBoundingSet=CAP_KILL"]
+
+
+class Scenario:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.work = BASE / name
+        self.inventory = REPO / "molecule" / name / "inventory" / "hosts.yml"
+
+    def host(self, name: str) -> Any:
+        return testinfra.get_host(f"ansible://{name}", ansible_inventory=str(self.inventory))
+
+    def root(self, name: str) -> Path:
+        """The host's root filesystem as the controller sees it."""
+        return self.work / "hosts" / name
+
+    def in_netns(self, host: str, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", f"scom-{self.name}-{host}", *argv], capture_output=True, text=True, timeout=timeout
+        )
+
+
+def unit_text(h: Any, unit: str) -> str:
+    return str(h.file(f"/etc/systemd/system/{unit}").content_string)
+
+
+def exec_line(h: Any, unit: str, key: str) -> str:
+    """A unit's command line as systemd would run it (the first `key=` line, prefixes such as + dropped)."""
+    line = next(ln for ln in unit_text(h, unit).splitlines() if ln.startswith(f"{key}="))
+    return line.removeprefix(f"{key}=").lstrip("+-@:!")
+
+
+def check_unit_enabled_and_hardened(h: Any, unit: str, extra: list[str], wanted_by: str = "multi-user.target") -> None:
+    lines = unit_text(h, unit).splitlines()
+    for line in HARDENING + extra:
+        assert line in lines or any(ln.startswith(line) for ln in lines), (unit, line)
+    link = h.file(f"/etc/systemd/system/{wanted_by}.wants/{unit}")
+    assert link.is_symlink and link.linked_to == f"/etc/systemd/system/{unit}"
+    assert h.run(f"systemctl is-enabled {unit}").stdout.strip() == "enabled"
+
+
+def check_agent_unit(h: Any) -> None:
+    check_unit_enabled_and_hardened(h, "sco-agent.service", AGENT_LIMITS)
+    dropin = h.file("/etc/systemd/system/sco-agent.service.d/10-ansible.conf").content_string
+    assert "ExecStart=/opt/sco/bin/sco-agent run --config /etc/sco/agent.toml" in dropin
+
+
+def check_agent_config(sc: Scenario, h: Any, node: str, hall: str, scheduler: str, nats_url: str) -> None:
+    """check-config passes, with the node's own relay identity: the one the relay's allow-lists were written for."""
+    out = h.run("/opt/sco/bin/sco-agent check-config --config /etc/sco/agent.toml")
+    assert out.rc == 0, out.stderr
+    assert f"node {node}, hall {hall}, {scheduler}" in out.stdout
+    cfg = h.file("/etc/sco/agent.toml")
+    assert cfg.mode == 0o640
+    password = (sc.work / "credentials" / "nats" / f"node-{node}").read_text().strip()
+    for line in (f'nats_url = "{nats_url}"', f'nats_user = "node-{node}"', f'nats_password = "{password}"'):
+        assert line in cfg.content_string.splitlines(), line
+    pkgs = h.run("/opt/sco/bin/python -m pip list --format=freeze").stdout
+    assert "spot-capacity-orchestrator==0.1.0" in pkgs
+
+
+def check_removed_key_refused(sc: Scenario, h: Any, node: str) -> None:
+    """prepare (shared/retired_key.yml) left retired.pub trusted, as a previous run would have; site.yml's list has
+    only hall.pub, so converge took it out and a bundle it signed no longer verifies."""
+    assert h.run("ls /etc/sco/trusted").stdout.split() == ["hall.pub"]
+    for name, key in (("by-retired", sc.work / "retired" / "retired.key"), ("by-hall", sc.work / "keys" / "hall.key")):
+        subprocess.run(
+            [sys.executable, "-m", "sco.cli", "contract", "compile", str(SAMPLES), "-o",
+             str(sc.root(node) / "root" / f"{name}.json"), "--signing-key", str(key), "--issued-at", "1"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+    refused = h.run("/opt/sco/bin/sco contract verify /root/by-retired.json --trust-dir /etc/sco/trusted")
+    assert refused.rc == 3, refused.stderr
+    accepted = h.run("/opt/sco/bin/sco contract verify /root/by-hall.json --trust-dir /etc/sco/trusted")
+    assert accepted.rc == 0, accepted.stderr
+
+
+def check_relay_unit_and_config(h: Any) -> None:
+    check_unit_enabled_and_hardened(h, "sco-nats.service", ["User=sco-nats", "CapabilityBoundingSet="])
+    checked = h.run("/usr/local/bin/nats-server -t -c /etc/sco-nats/nats-server.conf")
+    assert checked.rc == 0, checked.stderr
+    conf = h.file("/etc/sco-nats/nats-server.conf")
+    assert conf.mode == 0o640 and conf.group == "sco-nats"
+    assert h.file("/etc/sco-nats/admin.password").mode == 0o600
+
+
+@contextmanager
+def relay_running(h: Any) -> Iterator[str]:
+    """nats-server started as the unit would (its user, its config); yields the unit's ExecStartPost (the event
+    stream's creation)."""
+    h.run("pkill -x nats-server || true")
+    started = h.run(
+        "setsid runuser -u sco-nats -- /usr/local/bin/nats-server -c /etc/sco-nats/nats-server.conf "
+        "> /var/log/sco-nats.log 2>&1 < /dev/null & echo started"
+    )
+    assert started.rc == 0, started.stderr
+    try:
+        yield exec_line(h, "sco-nats.service", "ExecStartPost")
+    finally:
+        h.run("pkill -x nats-server || true")
+
+
+def check_stream_created_once(h: Any, post: str) -> None:
+    first = h.run(post)
+    assert first.rc == 0, first.stderr + h.run("cat /var/log/sco-nats.log").stdout
+    assert json.loads(first.stdout) == {"stream": "SCO_EVENTS", "action": "created"}
+    again = h.run(post)
+    assert json.loads(again.stdout)["action"] == "unchanged"
+
+
+def check_node_credentials_reach_only_their_own_subjects(
+    sc: Scenario, relay: str, hall: str, node: str, other: str
+) -> None:
+    """Real clients as the node, the reclaimer and the control loop's reader, inside the relay host's namespace."""
+    probe = sc.in_netns(
+        relay, sys.executable, str(SHARED / "natsprobe.py"), "--credentials", str(sc.work / "credentials" / "nats"),
+        "--hall", hall, "--node", node, "--other", other,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    r = json.loads(probe.stdout)
+
+    def refused(bucket: str, what: str, subject: str) -> bool:
+        # nats-py lowercases the server's -ERR text
+        return any(f'permissions violation for {what} to "{subject}"'.lower() in e.lower() for e in r[bucket])
+
+    assert r["node_subscribes_own_notices"] == [], r
+    assert refused("node_subscribes_other_notices", "subscription", f"sco.notice.{hall}.{other}"), r
+    assert refused("node_subscribes_all_notices", "subscription", f"sco.notice.{hall}.>"), r
+    assert refused("node_publishes_notice", "publish", f"sco.notice.{hall}.{other}"), r
+    assert refused("node_subscribes_all_inboxes", "subscription", "_INBOX.>"), r
+    # the reclaimer's notice is the one the node receives; the node's forged one and the reader's were refused
+    assert r["reclaimer_publishes_notice"] == [] and r["node_received"] == '{"id": "probe"}', r
+    assert refused("reader_publishes_notice", "publish", f"sco.notice.{hall}.{node}"), r
+    assert r["node_publishes_own_event"]["stream"] == "SCO_EVENTS", r
+    assert refused("node_publishes_other_event", "publish", f"sco.events.{hall}.{other}"), r
+
+
+_FETCH = """
+import sys, time, urllib.request, urllib.error
+url = sys.argv[1]
+for i in range(50):
+    try:
+        r = urllib.request.urlopen(url, timeout=2); break
+    except OSError:
+        time.sleep(0.2)
+etag = r.headers['ETag']; body = r.read()
+try:
+    urllib.request.urlopen(urllib.request.Request(url, headers={'If-None-Match': etag}), timeout=2); print('no-304')
+except urllib.error.HTTPError as e:
+    print(r.status, len(body), e.code)
+"""
+
+
+def check_distributor_serves_the_signed_bundle(sc: Scenario, host: str, hall: str) -> None:
+    """The published bundle verifies against the distributor's trust, and the unit's server answers 200 with it,
+    then 304 on its ETag (fetched from inside the host's namespace)."""
+    h = sc.host(host)
+    check_unit_enabled_and_hardened(h, "sco-distributor.service", ["DynamicUser=yes"])
+    verify = h.run(
+        f"/opt/sco/bin/sco contract verify /var/lib/sco/distributor/{hall}/bundle.json --trust-dir "
+        "/etc/sco/distributor-trusted"
+    )
+    assert verify.rc == 0, verify.stderr
+    serve = exec_line(h, "sco-distributor.service", "ExecStart")
+    assert "--listen 0.0.0.0:8470" in serve
+    h.run(f"setsid {serve} > /var/log/sco-distributor.log 2>&1 < /dev/null &")
+    try:
+        out = sc.in_netns(host, sys.executable, "-c", _FETCH, f"http://127.0.0.1:8470/v1/halls/{hall}/bundle.json")
+        published = (sc.root(host) / f"var/lib/sco/distributor/{hall}/bundle.json").read_bytes()
+        assert out.stdout.split() == ["200", str(len(published)), "304"], out.stderr
+    finally:
+        h.run("pkill -f 'sco contract serve' || true")
