@@ -119,16 +119,17 @@ def check_relay_unit_and_config(h: Any) -> None:
 def relay_running(h: Any) -> Iterator[str]:
     """nats-server started as the unit would (its user, its config); yields the unit's ExecStartPost (the event
     stream's creation)."""
-    h.run("pkill -x nats-server || true")
+    # The test hosts share the machine's process table (a network namespace and a chroot, not a container):
+    # pkill -x nats-server would kill every nats-server on the machine. Stop only the process group started here.
     started = h.run(
         "setsid runuser -u sco-nats -- /usr/local/bin/nats-server -c /etc/sco-nats/nats-server.conf "
-        "> /var/log/sco-nats.log 2>&1 < /dev/null & echo started"
+        "> /var/log/sco-nats.log 2>&1 < /dev/null & echo $! > /run/sco-verify-nats.pgid"
     )
     assert started.rc == 0, started.stderr
     try:
         yield exec_line(h, "sco-nats.service", "ExecStartPost")
     finally:
-        h.run("pkill -x nats-server || true")
+        h.run("kill -TERM -- -$(cat /run/sco-verify-nats.pgid) 2>/dev/null; rm -f /run/sco-verify-nats.pgid")
 
 
 def check_stream_created_once(h: Any, post: str) -> None:
@@ -194,10 +195,10 @@ def check_distributor_serves_the_signed_bundle(sc: Scenario, host: str, hall: st
     assert verify.rc == 0, verify.stderr
     serve = exec_line(h, "sco-distributor.service", "ExecStart")
     assert "--listen 0.0.0.0:8470" in serve
-    h.run(f"setsid {serve} > /var/log/sco-distributor.log 2>&1 < /dev/null &")
+    h.run(f"setsid {serve} > /var/log/sco-distributor.log 2>&1 < /dev/null & echo $! > /run/sco-verify-dist.pgid")
     try:
         out = sc.in_netns(host, sys.executable, "-c", _FETCH, f"http://127.0.0.1:8470/v1/halls/{hall}/bundle.json")
         published = (sc.root(host) / f"var/lib/sco/distributor/{hall}/bundle.json").read_bytes()
         assert out.stdout.split() == ["200", str(len(published)), "304"], out.stderr
     finally:
-        h.run("pkill -f 'sco contract serve' || true")
+        h.run("kill -TERM -- -$(cat /run/sco-verify-dist.pgid) 2>/dev/null; rm -f /run/sco-verify-dist.pgid")

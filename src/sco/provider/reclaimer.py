@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sco._redact import strip_userinfo, strip_userinfo_in_text
 from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey
 from sco.errors import ConfigError, Problem
@@ -165,7 +166,9 @@ class Reclaimer:
         try:
             nc = await self._connect()
         except Exception as e:  # the relay is down: the metadata channel still carries every notice
-            log.warning("notice relay %s unreachable: %s", self.nats_url, e)
+            log.warning(
+                "notice relay %s unreachable: %s", strip_userinfo(self.nats_url), strip_userinfo_in_text(str(e))
+            )
             nc = None
         for r in out:
             if nc is not None:
@@ -173,7 +176,7 @@ class Reclaimer:
             else:
                 self.state.event(
                     hall, "notice.publish_failed", instance_id=r.instance.id, notice=r.notice["id"],
-                    error=f"relay {self.nats_url} unreachable",
+                    error=f"relay {strip_userinfo(self.nats_url)} unreachable",
                 )  # fmt: skip
         await asyncio.gather(*(self._write_metadata(hall, r) for r in out))
         return out
@@ -202,7 +205,9 @@ class Reclaimer:
                 terminate_at=r.terminate_at, ms=round((r.published_at - r.started_at) * 1000, 3),
             )  # fmt: skip
         except Exception as e:
-            self.state.event(hall, "notice.publish_failed", instance_id=inst.id, notice=nid, error=str(e))
+            self.state.event(
+                hall, "notice.publish_failed", instance_id=inst.id, notice=nid, error=strip_userinfo_in_text(str(e))
+            )
 
     async def _write_metadata(self, hall: str, r: Reclaim) -> None:
         nid, inst = r.notice["id"], r.instance
