@@ -273,7 +273,7 @@ def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: 
             await msg.ack()
 
         await reader.jetstream().subscribe(
-            "sco.events.local.>", stream="SCO_EVENTS", durable="probe", cb=on_event, manual_ack=True
+            "sco.events.local.>", stream="SCO_EVENTS", durable="control", cb=on_event, manual_ack=True
         )
         junk = await nats.connect(srv.url, user="reclaimer", password=pw["reclaimer"])
 
@@ -455,3 +455,62 @@ def test_the_drill_in_check_mode_says_what_it_would_do_and_sends_nothing(tmp_pat
     assert out.returncode == 0, out.stdout + out.stderr
     assert "check mode: would send signed notices (T+10 s) to node-1" in out.stdout, out.stdout
     assert got == []
+
+
+def test_readers_and_reclaimers_touch_only_their_own_consumer(tmp_path: Path, fleet_dsn: str) -> None:
+    """The reclaimer follows the events on its durable consumer with the role's grants; the control reader has one
+    of its own (named after it) and may not delete the reclaimer's (that would silence the agents' accounts
+    mid-reclaim), create others, or delete or purge the stream."""
+    import asyncio
+
+    import nats
+
+    from sco.provider.reclaimer import Reclaimer
+    from sco.state.fleet import FleetState
+
+    srv, creds = start_relay(tmp_path, ["a"])
+    pw = {u: (creds / u).read_text().strip() for u in ("control", "reclaimer")}
+
+    async def scenario(st: Any) -> dict[str, str]:
+        r = Reclaimer(
+            None, st, srv.url, signing_keys=[generate()], nats_auth={"user": "reclaimer", "password": pw["reclaimer"]}
+        )
+        sub = await r._follow_events("local")  # as in a real reclaim: creates sco-reclaimer-local
+        out: dict[str, str] = {}
+        nc = await nats.connect(srv.url, user="control", password=pw["control"])
+        js = nc.jetstream(timeout=3)
+
+        async def on_msg(msg: Any) -> None:
+            await msg.ack()
+
+        attempts = {
+            "own durable": lambda: js.subscribe("sco.events.local.>", stream="SCO_EVENTS", durable="control",
+                                                cb=on_msg, manual_ack=True),
+            "another durable": lambda: js.subscribe("sco.events.local.>", stream="SCO_EVENTS", durable="other",
+                                                    cb=on_msg, manual_ack=True),
+            "delete the reclaimer's": lambda: js.delete_consumer("SCO_EVENTS", "sco-reclaimer-local"),
+            "delete the stream": lambda: js.delete_stream("SCO_EVENTS"),
+            "purge the stream": lambda: js.purge_stream("SCO_EVENTS"),
+        }  # fmt: skip
+        for what, attempt in attempts.items():
+            try:
+                await attempt()
+                out[what] = "allowed"
+            except Exception as e:
+                out[what] = f"refused: {type(e).__name__}"
+        info = await r.nc.jetstream().consumer_info("SCO_EVENTS", "sco-reclaimer-local")
+        out["reclaimer's consumer"] = info.name
+        await sub.unsubscribe()
+        await nc.close()
+        await r.close()
+        return out
+
+    try:
+        with FleetState(fleet_dsn) as st:
+            out = asyncio.run(scenario(st))
+    finally:
+        srv.stop()
+    assert out["own durable"] == "allowed", out
+    assert out["reclaimer's consumer"] == "sco-reclaimer-local", out
+    for what in ("another durable", "delete the reclaimer's", "delete the stream", "purge the stream"):
+        assert out[what].startswith("refused"), out
