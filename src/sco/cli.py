@@ -658,14 +658,14 @@ def _cloud(name: str | None) -> Any:
 def cmd_reclaim(args: argparse.Namespace) -> int:
     import asyncio
 
-    from sco.provider.reclaimer import Reclaimer
+    from sco.provider.reclaimer import Reclaimer, window_problem
     from sco.state.db import dsn_from_env
     from sco.state.fleet import FleetState
 
     if not args.nats:
         raise ConfigError("no notice relay: give --nats URL or set $SCO_NATS_URL")
-    if not 0 < args.window <= 3600:  # also refuses NaN
-        raise ConfigError(f"--window: expected more than 0 and at most 3600 seconds, got {args.window}")
+    if (problem := window_problem("--window", args.window)) is not None:
+        raise ConfigError(problem)
     from sco.contract.notice import subject_name_problem
     from sco.contract.signing import load_private
 

@@ -382,11 +382,10 @@ def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, An
         raise ConfigError("state_dsn: the reclaimer needs the fleet state (give state_dsn or set $SCO_DB_DSN)")
     hall = str(params["hall"])
     nodes = [str(n) for n in params.get("nodes") or []]
-    from sco.provider.reclaimer import MAX_WINDOW_S
+    from sco.provider.reclaimer import window_problem
 
-    window = params.get("window", 120)
-    if not (isinstance(window, int | float) and 0 < window <= MAX_WINDOW_S):  # also refuses NaN
-        raise ConfigError(f"window: expected more than 0 and at most {MAX_WINDOW_S:g} seconds, got {window}")
+    if (problem := window_problem("window", params.get("window", 120))) is not None:
+        raise ConfigError(problem)  # before check mode returns: a window that cannot drain is refused there too
     if not nodes:
         return {"changed": False, "reclaimed": []}
     live = {i.name: i for i in store.fleet(hall)}

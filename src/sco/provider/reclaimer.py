@@ -46,6 +46,13 @@ _FOLD: dict[str, tuple[str | None, tuple[str, ...]]] = {
 _RECORDED_PREFIXES = ("notice.", "node.", "drain.", "scheduler.", "job.")
 
 
+def window_problem(what: str, window: object) -> str | None:
+    """Why ``window`` cannot be a notice window (seconds from the notice to the delete), or None."""
+    if isinstance(window, int | float) and not isinstance(window, bool) and 0 < window <= MAX_WINDOW_S:
+        return None  # (NaN fails the comparison)
+    return f"{what}: expected more than 0 and at most {MAX_WINDOW_S:g} seconds, got {window}"
+
+
 def notice_document(notice_id: str, hall: str, node: str, terminate_at: float, issued_at: float) -> dict[str, Any]:
     return {"id": notice_id, "hall": hall, "node": node, "terminateAt": terminate_at, "issuedAt": issued_at}
 
@@ -104,8 +111,8 @@ class Reclaimer:
         # on it; the instance stays under reclaim in the fleet state, so the next run deletes it.
         self.give_up_after_s = give_up_after_s
         self.abandoned: set[int] = set()
-        if not (isinstance(window_s, int | float) and 0 < window_s <= MAX_WINDOW_S):  # also refuses NaN
-            raise ConfigError(f"window: expected more than 0 and at most {MAX_WINDOW_S:g} seconds, got {window_s}")
+        if (problem := window_problem("window", window_s)) is not None:
+            raise ConfigError(problem)
         # nats.connect's credentials (user/password, token, nkeys_seed or user_credentials): the relay's
         # reclaimer identity, which may publish notices and read the hall's events
         self.nats_auth = dict(nats_auth or {})
