@@ -11,11 +11,11 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/sco demo
+	$(VENV)/bin/sco-demo
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks molecule
-	$(VENV)/bin/ruff format --check src tests benchmarks molecule
+	$(VENV)/bin/ruff check src devkit tests benchmarks molecule
+	$(VENV)/bin/ruff format --check src devkit tests benchmarks molecule
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	cd collections/ansible_collections/sco/orchestrator && ANSIBLE_COLLECTIONS_PATH=$(CURDIR)/collections \
@@ -26,8 +26,12 @@ lint: setup
 testhosts: setup
 	@$(if $(filter 0,$(shell id -u)),,sudo) bash scripts/testhost-rootfs.sh $(SCO_TESTHOST_ROOTFS)
 
+# PYTEST_JOBS=N: N pytest-xdist workers (--dist loadgroup: the OpenStack tests in two groups, each on one worker
+# with a cloud of its own; tests/conftest.py). Most tests wait on daemons and deadlines, not on the CPU, so 4 on
+# two cores halves the time; PYTEST_JOBS=0 runs in one process, in file order.
+PYTEST_JOBS ?= 4
 unit: setup testhosts
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadgroup --durations=25)
 
 # The collection artifact as Galaxy ships it: ansible-test sanity on it (Python 3.11).
 sanity: setup
@@ -38,9 +42,11 @@ SCENARIO ?=
 molecule: setup testhosts
 	bash scripts/molecule.sh $(SCENARIO)
 
-# The collection artifact (and a copy for the execution environment build in ee/).
+# What an air-gapped controller needs (scripts/collection.py): dist/ holds the collection artifact, the collections it
+# depends on (from PyPI's `ansible` package), dist/requirements.yml for `ansible-galaxy collection install --offline`,
+# and dist/wheelhouse (the product and its dependencies); plus a copy of the artifact for the ee/ build.
 collection: setup
-	$(VENV)/bin/ansible-galaxy collection build collections/ansible_collections/sco/orchestrator --output-path dist --force
+	$(PY) scripts/collection.py --out dist
 	cp dist/sco-orchestrator-*.tar.gz ee/sco-orchestrator.tar.gz
 
 # The execution environment (ee/README.md): built with ansible-builder and podman, then run as AWX runs it (root;

@@ -15,7 +15,7 @@ from sco.contract.bundle import Bundle
 from sco.contract.compiler import compile_repo
 from sco.contract.signing import Keyring, generate, sign
 from sco.schedulers.kube_contracts import MAX_DATA_BYTES, KubeConfigMaps, configmap_data, publish
-from sco.standins.kube_apiserver import KubeApiStandIn
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 
 
 def bench_admission_configmap() -> Iterator[dict[str, Any]]:

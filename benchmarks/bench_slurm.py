@@ -15,8 +15,8 @@ from tests.harness import AgentEnv, NatsServer, ensure_stream, hall_bundle, wait
 
 from sco.contract.bundle import Bundle
 from sco.contract.signing import Keyring, generate
-from sco.devcluster.slurm import SlurmCluster
 from sco.schedulers.slurm_admission import render_lua, write
+from sco_devkit.devcluster.slurm import SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = """#!/bin/bash

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import textwrap
@@ -9,9 +10,45 @@ from pathlib import Path
 import pytest
 
 from sco.contract.signing import Keyring, PrivateKey, generate
-from sco.demo import sample_repo
+from sco_devkit.demo import sample_repo
+
+# torch's dynamo registers a substitute for sys.intern when first imported; ansible-core's module_utils replace
+# sys.intern with a patch object, after which that import fails (the DCP tests ran after Ansible tests in one
+# session). Importing it before anything loads Ansible keeps both working.
+with contextlib.suppress(ImportError):  # torch is installed by setup; without it the other tests still run
+    import torch._dynamo  # noqa: F401
 
 SAMPLE = sample_repo()
+
+# With pytest-xdist (make unit PYTEST_JOBS=N): the tests of a session's OpenStack (~1.1 GiB, ~90 s to start) go to
+# one of two groups, each on one worker, so two clouds start (each on free loopback ports of its own) and the
+# longest chain of the suite is cut in two. The groups are balanced by measured time (make unit, --durations):
+# ~700 s each. They are scheduled first (xdist hands each worker one unit at the start, in collection order), so
+# they never queue behind each other on one worker; the rest spreads, test by test.
+_CLOUD_FIXTURES = {"openstack_cloud", "blazar", "ironic"}
+_CLOUD_GROUP = {
+    "test_control_loop_e2e": "cloud-a",
+    "test_reconcile": "cloud-a",
+    "test_drill": "cloud-a",
+    "test_provider_openstack": "cloud-b",
+    "test_blazar_leases": "cloud-b",
+    "test_reclaimer": "cloud-b",
+    "test_acquire_calls": "cloud-b",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups into node id suffixes
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # on the workers, where xdist reads the groups off the collected items (its own dist option says "no" there)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {}
+    for item in items:
+        if _CLOUD_FIXTURES & set(getattr(item, "fixturenames", ())):
+            group = _CLOUD_GROUP.get(item.module.__name__.rsplit(".", 1)[-1] if item.module else "", "cloud-a")
+            item.add_marker(pytest.mark.xdist_group(name=group))
+            rank[item.nodeid] = 0 if group == "cloud-a" else 1
+    items.sort(key=lambda i: rank.get(i.nodeid, 2))  # stable: each file's own order stays
 
 
 @pytest.fixture
@@ -76,7 +113,7 @@ def nats_server(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def kube():  # type: ignore[no-untyped-def]
-    from sco.standins.kube_apiserver import KubeApiStandIn
+    from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 
     srv = KubeApiStandIn().start()
     yield srv
@@ -117,7 +154,7 @@ def openstack_cloud(tmp_path_factory):  # type: ignore[no-untyped-def]
     ~1 min). $SCO_TEST_OPENSTACK may name the describe() JSON of a cloud a developer keeps running."""
     import json
 
-    from sco.devcluster.openstack import OpenStackCloud
+    from sco_devkit.devcluster.openstack import OpenStackCloud
 
     if os.environ.get("SCO_TEST_OPENSTACK"):
         yield OpenStackCloud.attach(json.loads(Path(os.environ["SCO_TEST_OPENSTACK"]).read_text()))
@@ -144,3 +181,49 @@ def ironic(openstack_cloud):  # type: ignore[no-untyped-def]
     if "ironic" not in openstack_cloud.procs and not openstack_cloud.attached:
         openstack_cloud.start_ironic()
     return openstack_cloud
+
+
+@pytest.fixture
+def signed(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The sample hall's bundle (compiled and signed by the ``sco`` command), its key and public key."""
+    from tests.cli_run import sco
+
+    keys = tmp_path / "keys"
+    assert sco("keygen", "--out-dir", keys, "--name", "k").returncode == 0
+    b = tmp_path / "bundle.json"
+    p = sco("contract", "compile", SAMPLE, "-o", b, "--signing-key", keys / "k.key", "--issued-at", "1764400000")
+    assert p.returncode == 0, p.stderr
+    return b, keys / "k.key", keys / "k.pub"
+
+
+# --- the checkpoint store (Ceph RGW) -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ceph(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """One real one-node Ceph cluster with an RGW (bluestore on a file) for the session (~20 s cold): the DCP
+    workload's checkpoint store. Tests provision their own bucket and user (role checkpoint_store's logic)."""
+    from sco_devkit.devcluster.ceph import CephCluster
+
+    c = CephCluster(tmp_path_factory.mktemp("ceph"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="session")
+def node_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The node's wheelhouse (tests/node_install.py), built once per session for every test that installs from it."""
+    from tests.node_install import build_wheelhouse
+
+    return build_wheelhouse(tmp_path_factory.mktemp("node-wheelhouse"))
+
+
+@pytest.fixture(scope="session")
+def node_venv(node_wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with the node's install only (no extras), from the node wheelhouse, offline."""
+    from tests.node_install import install_venv
+
+    return install_venv(node_wheelhouse, tmp_path_factory.mktemp("node-venv") / "venv")

@@ -21,8 +21,8 @@ from typing import Any
 from sco.contract.compiler import compile_repo
 from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey, generate, sign, write_keypair
-from sco.demo import sample_repo
-from sco.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNOTATION, KubeApiStandIn
+from sco_devkit.demo import sample_repo
+from sco_devkit.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNOTATION, KubeApiStandIn
 
 BIN = Path(sys.executable).parent
 
@@ -246,6 +246,8 @@ def hall_bundle(root: Path, key: PrivateKey, notice_key: PrivateKey | None = Non
 class AgentEnv:
     """Everything one agent needs, and the agent process."""
 
+    agent_bin = BIN / "sco-agent"  # the footprint benchmark runs a node's install instead (tests/node_install.py)
+
     def __init__(
         self,
         root: Path,
@@ -279,8 +281,10 @@ class AgentEnv:
             "metadata_url": metadata.url if metadata else "",
             "log_level": "info",
             "checkpoint_socket": "",  # tests that want the socket pass a short path (Unix path limit)
+            "metrics_listen": f"127.0.0.1:{free_port()}",  # agents side by side: never the fixed default port
             **settings,
         }
+        self.metrics_url = f"http://{lines['metrics_listen']}/metrics" if lines["metrics_listen"] else ""
         self.config = root / "agent.toml"
         self.config.write_text("[agent]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -290,7 +294,7 @@ class AgentEnv:
     def start(self) -> AgentEnv:
         self.log = open(self.root / "agent.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [str(BIN / "sco-agent"), "run", "--config", str(self.config)], stdout=self.log, stderr=self.log
+            [str(self.agent_bin), "run", "--config", str(self.config)], stdout=self.log, stderr=self.log
         )
         wait_for(lambda: any(e["type"] == "agent.started" for e in self.events()) or self._dead(), 15, "agent start")
         assert self.proc.poll() is None, self.logtext()

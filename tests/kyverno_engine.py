@@ -33,7 +33,7 @@ import celpy
 import jmespath
 import yaml
 
-from sco.standins.kube_apiserver import json_patch
+from sco_devkit.standins.kube_apiserver import json_patch
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY_DIR = ROOT / "kyverno" / "policies"
@@ -70,6 +70,7 @@ _GVK = {
     "Node": ("", "v1", "nodes"),
     "Job": ("batch", "v1", "jobs"),
     "Eviction": ("policy", "v1", "pods"),
+    "Event": ("", "v1", "events"),
 }
 
 

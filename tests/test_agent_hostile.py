@@ -25,7 +25,8 @@ import pytest
 from sco.agent.notices import NoticeBook, NoticeRefused, parse_metadata, parse_nats
 from sco.agent.spool import MAX_RECORD, ROUTINE, Spool, read_events
 from sco.contract.signing import Keyring, generate, write_keypair
-from sco.standins.kube_apiserver import KubeApiStandIn
+from sco.errors import ConfigError
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import BIN, AgentEnv, MetadataServer, NatsServer, add_pod, free_port, stream_events, wait_for
 
 WINDOW = 20.0
@@ -78,6 +79,88 @@ def test_unsigned_forged_and_untrusted_notices_are_refused_and_counted(agent: Ag
     assert p.returncode == 0, p.stderr
     out = agent.outcome(WINDOW)
     assert out["type"] == "drain.drained" and out["notice"] == "good-1"
+
+
+async def _route_jetstream_traffic_to(url: str, victim_subject: str, n: int) -> None:
+    """What a node can do without publishing to another node's notice subject: publish its own events with that
+    subject as the reply (JetStream sends the PubAck there), and create a push consumer delivering there."""
+    import nats
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    nc = await nats.connect(url)
+    try:
+        for i in range(n):
+            await nc.publish(f"sco.events.local.attacker.{i}", b"{}", reply=victim_subject)
+        # the same message id twice: the second PubAck says "duplicate": true
+        for _ in range(2):
+            await nc.publish(
+                "sco.events.local.attacker.dup", b"{}", reply=victim_subject, headers={"Nats-Msg-Id": "d1"}
+            )
+        await nc.flush()
+        js = nc.jetstream()
+        await js.add_consumer(
+            "SCO_EVENTS",
+            ConsumerConfig(
+                durable_name="routed", deliver_subject=victim_subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=30
+            ),
+        )
+        await nc.flush()
+    finally:
+        await nc.close()
+
+
+def test_jetstream_acks_and_deliveries_routed_to_a_notice_subject_are_foreign(tmp_path: Path, nats_server: Any) -> None:
+    import asyncio
+
+    from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+    from tests.harness import BIN, AgentEnv, wait_for
+
+    kube = KubeApiStandIn().start()
+    env = AgentEnv(tmp_path / "a", kube, nats_server)
+    victim = f"sco.notice.local.{env.node}"
+    try:
+        env.start().wait_subscribed()
+        asyncio.run(_route_jetstream_traffic_to(nats_server.url, victim, 60))
+        # 62 PubAcks, then every stream message (62 and the agent's own) delivered with a $JS.ACK. reply
+        wait_for(lambda: env.logtext().count("foreign traffic") >= 1, 15, "the foreign-traffic warning")
+        env.send(env.notice("real-1", 30))  # the real channel still works beside the noise
+        wait_for(lambda: env.of("notice.accepted"), 15, "the real notice")
+        time.sleep(1)  # let the deliveries land: the assertion below is on what they left behind
+    finally:
+        env.stop()
+        kube.stop()
+    refused = env.of("notice.refused")
+    assert not refused, refused[:3]
+    foreign = env.of("notice.foreign_traffic")
+    assert foreign, env.logtext()[-2000:]
+    total = foreign[-1]["foreign_traffic_total"]  # brought up to date at stop
+    assert total.get("jetstream-puback", 0) == 62, total
+    assert total.get("jetstream-delivery", 0) >= 62, total
+    assert len(foreign) <= 3, foreign  # a summary, not a record per message
+    warnings = [x for x in env.logtext().splitlines() if "foreign traffic" in x]
+    assert 1 <= len(warnings) <= 2, warnings
+    p = subprocess.run(
+        [str(BIN / "sco-agent"), "status", "--state-dir", str(env.state)], capture_output=True, text=True, timeout=30
+    )
+    assert p.returncode == 0, p.stderr
+    notices = json.loads(p.stdout)["notices"]
+    assert notices["foreign_traffic_total"] == total and notices["refused_total"] == {}, notices
+
+
+def test_foreign_traffic_shapes() -> None:
+    from sco.agent.notices import foreign_traffic
+
+    assert foreign_traffic(b'{"stream":"SCO_EVENTS","seq":7}', "", None) == "jetstream-puback"
+    assert foreign_traffic(b'{"stream":"S","seq":7,"duplicate":true,"domain":"d"}', "", None) == "jetstream-puback"
+    ack = b'{"error":{"code":503,"description":"no responders"},"stream":"S","seq":0}'
+    assert foreign_traffic(ack, "", None) == "jetstream-puback"
+    assert foreign_traffic(b"x", "$JS.ACK.SCO_EVENTS.routed.1.2.3.4.5", None) == "jetstream-delivery"
+    assert foreign_traffic(b"", "", {"Status": "100", "Description": "Idle Heartbeat"}) == "jetstream-delivery"
+    # a notice, signed or not, or anything else, is for the notice path to judge
+    assert foreign_traffic(b'{"stream":"S","seq":1,"terminateAt":5}', "", None) is None
+    assert foreign_traffic(b'{"payload":{},"signatures":[]}', "", None) is None
+    assert foreign_traffic(b"not json", "_INBOX.x", None) is None
+    assert foreign_traffic(b'{"stream":"S","seq":"7"}', "", None) is None
 
 
 def _auth_nats(root: Path, users: str) -> NatsServer:
@@ -226,7 +309,6 @@ def test_guessed_event_ids_do_not_make_jetstream_drop_real_events(agent: AgentEn
 
 def test_events_and_notices_only_on_the_nodes_own_subject(tmp_path: Path) -> None:
     from sco.agent import config as agent_config
-    from sco.errors import ConfigError
 
     (tmp_path / "k.pub").write_text("{}")
     base = {

@@ -6,6 +6,8 @@ The notice window is 20 s in these tests (margin 2 s); outcomes are asserted aga
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from sco.contract.notice import sign_notice
-from sco.standins.kube_apiserver import KubeApiStandIn
-from tests.harness import AgentEnv, MetadataServer, NatsServer, add_pod, free_port, stream_events, wait_for
+from sco.errors import ConfigError
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+from tests.harness import BIN, AgentEnv, MetadataServer, NatsServer, add_pod, free_port, stream_events, wait_for
 
 WINDOW = 20.0
 
@@ -62,6 +65,33 @@ def test_notice_over_nats_drains_inside_the_deadline(agent: AgentEnv, kube: Kube
     assert agent.proc is not None
     maps = Path(f"/proc/{agent.proc.pid}/maps").read_text()
     assert "aiohttp" not in maps and "pydantic_core" not in maps  # the agent's memory budget
+
+
+def test_a_taint_the_api_refuses_is_spooled_as_refused(tmp_path: Path, nats_server: NatsServer) -> None:
+    from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+
+    kube = KubeApiStandIn().start()
+    env = AgentEnv(tmp_path / "a", kube, nats_server)
+    # a taint written before validation was this strict: the API validates the whole list on every update (422)
+    kube.cluster.nodes[env.node]["spec"]["taints"] = [{"key": "bad key!", "effect": "NoSchedule"}]
+    try:
+        add_pod(kube, "web", "w-0", env.node, prestop=0.2)
+        env.start().wait_subscribed()
+        env.send(env.notice("refused-1", 10))
+        out = env.outcome(12)
+        assert out["type"] == "drain.overrun"  # never "drained" on an untainted node: the outcome is unchanged
+        assert any("422" in r for r in out["reasons"]), out["reasons"]
+        refused = env.of("scheduler.refused")
+        assert refused and refused[0]["what"] == "taint" and refused[0]["status"] == 422, env.events()
+        assert not env.of("scheduler.unreachable"), env.of("scheduler.unreachable")
+        # `sco-agent events` prints it as it is
+        p = subprocess.run(
+            [str(BIN / "sco-agent"), "events", "--state-dir", str(env.state)], capture_output=True, text=True
+        )
+        assert '"scheduler.refused"' in p.stdout and '"status": 422' in p.stdout, p.stdout
+    finally:
+        env.stop()
+        kube.stop()
 
 
 def test_metadata_poll_alone_with_nats_down(tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer) -> None:
@@ -295,9 +325,8 @@ def test_defect2_check_config_names_an_unknown_node_and_a_refused_credential(
     tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer
 ) -> None:
     import subprocess
-    import sys
 
-    from sco.standins.kube_apiserver import Identity
+    from sco_devkit.standins.kube_apiserver import Identity
 
     env = AgentEnv(tmp_path / "a", kube, nats_server, node="node-7")
     del kube.cluster.nodes["node-7"]
@@ -318,7 +347,7 @@ def test_defect2_check_config_names_an_unknown_node_and_a_refused_credential(
 
 
 def test_defect2_taint_refused_evictions_go_ahead(tmp_path: Path, nats_server: NatsServer) -> None:
-    from sco.standins.kube_apiserver import Identity
+    from sco_devkit.standins.kube_apiserver import Identity
 
     kube = KubeApiStandIn(tokens={"agent": Identity("sco-agent", deny=("patch nodes",))}).start()
     tok = tmp_path / "token"
@@ -377,7 +406,7 @@ def test_defect4_a_pod_recreated_under_the_same_name_is_left_alone(agent: AgentE
 
 
 def test_defect5_a_rotated_token_is_read_again(tmp_path: Path, nats_server: NatsServer) -> None:
-    from sco.standins.kube_apiserver import Identity
+    from sco_devkit.standins.kube_apiserver import Identity
 
     kube = KubeApiStandIn(tokens={"t1": Identity("system:node:node-1")}).start()
     tok = tmp_path / "token"
@@ -428,7 +457,6 @@ def test_defect5_tls_needs_a_ca_and_a_wrong_one_is_a_credential_problem(
 
 def test_defect5_https_without_a_ca_is_refused_at_start(tmp_path: Path, nats_server: NatsServer) -> None:
     from sco.agent import config
-    from sco.errors import ConfigError
 
     kube = KubeApiStandIn()
     try:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sco.standins.kube_apiserver import KubeApiStandIn, _Handler
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn, _Handler
 from tests.harness import AgentEnv, NatsServer, add_pod
 from tests.kyverno_engine import ROOT, agent_request, apply_rule, load_policies, rule
 
@@ -124,6 +124,20 @@ def test_the_real_agent_stays_inside_its_scope(tmp_path: Path, kube: KubeApiStan
         return any((b.get(k) or b["metadata"].get(k)) != (a.get(k) or a["metadata"].get(k)) for k in keep)
 
     assert any(q["method"] == "PATCH" and changes(q) for q in writes)  # the taint itself
+    # the drain's Kubernetes Events (sco.agent.kube_events): about node-a or its pods, so refused for node-b
+    seen_pods = {
+        f"/api/v1/namespaces/{q['before']['metadata']['namespace']}/pods/{q['before']['metadata']['name']}": q["before"]
+        for q in reqs
+        if q.get("before", {}).get("kind") == "Pod"
+    }
+    events = list(kube.cluster.events.values())
+    assert {e["involvedObject"]["kind"] for e in events} == {"Node", "Pod"}
+    for ev in events:
+        for bound, want in (("node-a", "pass"), ("node-b", "fail")):
+            r = rule(pols, POLICY, "agent-creates-events-only-about-its-node")
+            res = apply_rule(r, agent_request("CREATE", ev, node=bound), api=seen_pods)
+            assert res.status == want, (ev["involvedObject"], bound, res)
+    writes = [q for q in writes if not q["path"].endswith("/events")]
     for q in writes:
         other = "fail" if q["method"] != "PATCH" or changes(q) else "pass"
         for bound, want in (("node-a", "pass"), ("node-b", other)):
@@ -151,7 +165,7 @@ def test_the_agent_of_node_a_can_touch_nothing_on_node_b(tmp_path: Path, nats_se
     extra authentication.kubernetes.io/node-name). The real agent drains node-a with it; the same agent
     binary holding that token but told to drain node-b (a compromised node A) gets 403 for every write, and
     node-b and its pods are untouched."""
-    from sco.standins.kube_apiserver import NODE_NAME_EXTRA, Identity
+    from sco_devkit.standins.kube_apiserver import NODE_NAME_EXTRA, Identity
 
     bound_a = Identity(AGENT_USER, AGENT_GROUPS, ((NODE_NAME_EXTRA, ("node-a",)),))
     kube = KubeApiStandIn(tokens={"tok-a": bound_a}).start()

@@ -99,3 +99,14 @@ def test_grants_never_pass_authority_or_ceiling(
         refused = sum(r.units_milli for r in a.refusals if r.contract == name)
         assert refused <= m and (refused == m or granted > 0 or m == 0)
     assert all(r.reason for r in a.refusals) and all(g.reason for g in a.grants)
+
+
+def test_a_lost_instance_neither_costs_nor_holds_the_cap_and_a_deleting_one_still_holds_it() -> None:
+    fleet = (
+        Instance("i1", "od-1", "od", ("train",), state="lost"),
+        Instance("i2", "od-2", "od", ("train",), state="deleting"),
+    )
+    total, _ = current_spend({"od": od("od", "10.00")}, fleet)
+    assert total == D(0)
+    a = arbitrate({"train": 24 * U}, {"train": c("train", 2, True, "100")}, (od("od", "10.00", cap=2),), fleet, D(100))
+    assert [g.instances for g in a.grants] == [1]  # the deleting server still holds one of the 2

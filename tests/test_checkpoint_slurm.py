@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sco.devcluster.slurm import SlurmCluster
+from sco_devkit.devcluster.slurm import SlurmCluster
 from tests.harness import NatsServer, wait_for
 from tests.test_slurm import WINDOW, agent_for, clean, cluster  # noqa: F401  (fixtures)
 

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from sco.contract.compiler import compile_repo
-from sco.errors import ContractError
+from sco.errors import ConfigError, ContractError
+from tests.cli_run import run_module
 from tests.conftest import SAMPLE, WriteFn, contract_yaml
 
 
@@ -35,6 +36,35 @@ def test_sample_repository_compiles_with_every_scheduler_kind() -> None:
         "onDemand": True,
         "spendCapPerHour": "40.00",
     }
+
+
+def test_an_inherited_issued_at_is_bounded_too() -> None:
+    first = compile_repo(SAMPLE, issued_at=1_764_400_000)
+    forged = {**first, "issuedAt": 1_764_400_000_000}  # milliseconds, from a bundle made before the bound
+    with pytest.raises(ConfigError) as e:
+        compile_repo(SAMPLE, previous=forged)
+    assert "issuedAt 1764400000000" in str(e.value) and "previous bundle" in str(e.value), e.value
+    for bad in ("yesterday", True, -5, 1.5):
+        with pytest.raises(ConfigError):
+            compile_repo(SAMPLE, previous={**first, "issuedAt": bad})
+    assert compile_repo(SAMPLE, previous=first)["issuedAt"] == 1_764_400_000  # a sane one is still inherited
+    fresh = compile_repo(SAMPLE, previous=forged, issued_at=1_764_400_100)  # an explicit one replaces it
+    assert fresh["issuedAt"] == 1_764_400_100
+
+
+def test_contract_bundle_module_fails_on_an_inherited_millisecond_issued_at(tmp_path: Path) -> None:
+    from sco.contract.bundle import peek_payload
+    from sco.contract.signing import generate, sign, write_keypair
+
+    key = generate()
+    write_keypair(key, tmp_path / "k.key", tmp_path / "k.pub")
+    dest = tmp_path / "bundle.json"
+    dest.write_bytes(sign({**compile_repo(SAMPLE, issued_at=1), "issuedAt": 1_764_400_000_000}, [key]))
+    out = run_module(
+        "contract_bundle", {"repo": str(SAMPLE), "dest": str(dest), "signing_keys": [str(tmp_path / "k.key")]}, tmp_path
+    )
+    assert out.get("failed") is True and "1764400000000" in out["msg"], out
+    assert (peek_payload(dest.read_bytes()) or {})["issuedAt"] == 1_764_400_000_000  # left as it was
 
 
 def test_same_input_same_payload_and_serial_only_grows(repo: Path, write: WriteFn) -> None:

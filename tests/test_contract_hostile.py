@@ -21,8 +21,8 @@ from sco.contract.bundle import Bundle
 from sco.contract.compiler import compile_repo
 from sco.contract.signing import Keyring, PrivateKey, generate, sign, write_keypair
 from sco.errors import BundleError, ContractError
-from tests.conftest import WriteFn, contract_yaml
-from tests.harness import free_port, wait_for
+from tests.conftest import SAMPLE, WriteFn, contract_yaml
+from tests.harness import NatsServer, free_port, wait_for
 
 SCO = [sys.executable, "-m", "sco.cli"]
 
@@ -90,6 +90,27 @@ def test_absurd_signed_bundle_is_refused_and_the_last_good_one_kept(
     write_keypair(key, tmp_path / "k.key", tmp_path / "k.pub")
     p = sco("contract", "verify", tmp_path / "bad.json", "--trust", tmp_path / "k.pub")
     assert p.returncode == 3 and CHANGES[change] in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_directory_symlink_out_of_the_repository_is_refused(tmp_path: Path, repo: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret.yaml").write_text((SAMPLE / "hall.yaml").read_text())
+    (repo / "contracts" / "more").symlink_to(outside, target_is_directory=True)
+    (repo / "inside").symlink_to(repo / "contracts", target_is_directory=True)  # stays inside: fine, not twice
+    with pytest.raises(ContractError) as e:
+        compile_repo(repo)
+    lines = e.value.lines()
+    assert any("contracts/more" in x and "leaves the repository" in x for x in lines), lines
+    assert len(lines) == 1, lines
+    p = sco("contract", "check", repo)
+    assert p.returncode == 2 and "contracts/more" in p.stderr and "leaves the repository" in p.stderr
+    (repo / "loop-a").symlink_to(repo / "loop-b")  # a loop is named too, never a traceback
+    (repo / "loop-b").symlink_to(repo / "loop-a")
+    (repo / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    p = sco("contract", "check", repo)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "loop-a: cannot read: a symlink loop" in p.stderr and "dangling.yaml: cannot read" in p.stderr, p.stderr
 
 
 def test_compiler_refuses_duplicate_keys(repo: Path, write: WriteFn) -> None:
@@ -240,7 +261,7 @@ def test_bundle_status_counts_refused_bundles_not_attempts(tmp_path: Path, repo:
 def test_events_create_stream_command(tmp_path: Path) -> None:
     import asyncio
 
-    from tests.harness import NatsServer, stream_events
+    from tests.harness import stream_events
 
     srv = NatsServer(tmp_path / "nats").start()
     try:

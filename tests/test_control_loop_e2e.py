@@ -28,11 +28,11 @@ from sco.contract.compiler import compile_repo
 from sco.contract.signing import Keyring, generate, sign, write_keypair
 from sco.contract.userdata import CACHE_PATH
 from sco.control.record import PgFleetStore
-from sco.demo import sample_repo
-from sco.devcluster.slurm import SlurmCluster
-from sco.standins.kube_apiserver import KubeApiStandIn
 from sco.state.db import connect, hall_lock
 from sco.state.fleet import FleetState
+from sco_devkit.demo import sample_repo
+from sco_devkit.devcluster.slurm import SlurmCluster
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import TEST_POLICY, wait_for
 
 pytestmark = pytest.mark.slow
@@ -198,7 +198,9 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
         ]
 
         large = openstack_cloud.flavors["sco.large"]  # 4 vCPUs, 4 GiB: 4 units
-        pool = {"flavor": large, "image": openstack_cloud.image_id, "vcpus": 4, "ramMiB": 4096}
+        # the loopback cloud has no network to allocate ports on (see sco.devcluster.openstack.NetworkEndpoint)
+        pool = {"flavor": large, "image": openstack_cloud.image_id, "vcpus": 4, "ramMiB": 4096,
+                "launch": {"networks": "none"}}  # fmt: skip
         pools = [
             {"name": "spot-a", "kind": "reclaimable", "cap": 1, "group": "rack-1", **pool},
             {"name": "spot-b", "kind": "reclaimable", "cap": 1, "group": "rack-2", **pool},
@@ -336,7 +338,7 @@ RECLAIM_PLAY = """
         nodes: "{{ nodes }}"
         nats_url: "{{ nats_url }}"
         notice_keys: ["{{ signing_key }}"]
-        window: 3
+        window: 10  # the bundle's floor: web's 6 s budget + 2 s final write + the 2 s margin
       when: nodes | length > 0
 """
 
@@ -356,7 +358,8 @@ def test_reclaim_module_notices_then_deletes_at_the_deadline(  # type: ignore[no
     (repo / "hall.yaml").write_text(TEST_POLICY)
     (repo / "contracts.yaml").write_text(CONTRACTS)
     (tmp_path / "bundle.json").write_bytes(sign(compile_repo(repo), [key]))
-    pool = {"flavor": openstack_cloud.flavors["sco.large"], "image": openstack_cloud.image_id, "vcpus": 4}
+    pool = {"flavor": openstack_cloud.flavors["sco.large"], "image": openstack_cloud.image_id, "vcpus": 4,
+            "launch": {"networks": "none"}}  # fmt: skip
     extra = {
         "bundle": str(tmp_path / "bundle.json"),
         "trust_dir": str(trust),
@@ -465,12 +468,13 @@ spec:
     (tmp_path / "bundle.json").write_bytes(sign(compile_repo(repo), [key]))
     conn = blazar.connect()
     ep = {"service_type": "reservation"}
-    start = (int(time.time()) // 60 + 60) * 60  # an hour ahead: Blazar moves no host now
+    # only an ACTIVE lease is committed capacity: one that starts now (no server of this test is on the host)
+    start = int(time.time())
     name = f"floor-{os.urandom(2).hex()}"
     fmt = "%Y-%m-%d %H:%M"
     body = {
         "name": name,
-        "start_date": datetime.fromtimestamp(start, UTC).strftime(fmt),
+        "start_date": "now",
         "end_date": datetime.fromtimestamp(start + 7200, UTC).strftime(fmt),
         "reservations": [
             {
@@ -486,7 +490,13 @@ spec:
     resp = conn.session.post("/leases", json=body, endpoint_filter=ep, raise_exc=False)
     assert resp.status_code in (200, 201, 202), resp.text
     lease = resp.json()["lease"]
+
+    def status() -> str:
+        got = conn.session.get(f"/leases/{lease['id']}", endpoint_filter=ep, raise_exc=False)
+        return str(got.json()["lease"]["status"]) if got.status_code == 200 else f"HTTP {got.status_code}"
+
     try:
+        wait_for(lambda: status() == "ACTIVE", 120, "the lease ACTIVE", 1.0)
         pool = {"flavor": "f", "image": "i", "vcpus": 4, "ramMiB": 4096}
         pools = [
             {"name": "committed", "kind": "committed", "cap": 20, "lease": name, "instancesPerHost": 8, **pool},
@@ -503,7 +513,7 @@ spec:
                 "bundle": str(tmp_path / "bundle.json"),
                 "trust_dir": str(trust),
                 "pools": pools,
-                "now": start + 60,
+                "now": time.time(),
                 "ansible_python_interpreter": sys.executable,
             },
             envvars={
@@ -522,4 +532,6 @@ spec:
         assert any(d["kind"] == "floor" and "24 units on committed" in d["reason"] for d in plan["decisions"])
     finally:
         conn.session.delete(f"/leases/{lease['id']}", endpoint_filter=ep, raise_exc=False)
+        # Blazar ends a lease by deleting what runs on its hosts: let it finish before another test launches
+        wait_for(lambda: status() == "HTTP 404", 120, "the lease gone", 1.0)
         conn.close()

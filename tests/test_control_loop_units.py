@@ -38,13 +38,13 @@ def test_launches_and_grants_land_in_the_entry_of_their_subset() -> None:
     assert (out[("od", web)].count, out[("od", web)].launch, out[("od", web)].contracts) == (1, 1, ("web",))
 
 
-def test_scale_down_sheds_the_highest_slots_and_says_which_it_cannot() -> None:
+def test_scale_down_deletes_the_idle_instances_the_plan_names_whatever_their_slot() -> None:
     e = entry_name(["web"])
     slots = [S(10, "n0", "spot", e, 0), S(11, "n1", "spot", e, 1), S(12, "n2", "spot", e, 2)]
-    # idle: slots 0 and 2; slot 1 busy
+    # idle: slots 0 and 2; slot 1 busy (a count is a count, not a range of slots: slot 0 can go)
     plan = plan_pools({"pool": "spot", "launch": 0, "launch_contracts": [], "delete": ["10", "12"]})
     (t,) = entry_targets(plan, {}, slots, {("spot", e): ("web",)})
-    assert (t.count, t.launch, t.delete, t.kept) == (2, 0, ("n2",), ("n0",))
+    assert (t.count, t.launch, t.delete) == (1, 0, ("n0", "n2"))
     # all idle: the entry goes to zero
     plan = plan_pools({"pool": "spot", "launch": 0, "launch_contracts": [], "delete": ["10", "11", "12"]})
     (t,) = entry_targets(plan, {}, slots, {("spot", e): ("web",)})
@@ -95,7 +95,7 @@ def test_summary_from_runner_events() -> None:
                 }
             },
         ),
-        ev("sco.orchestrator.acquire", {"launched": 3, "deleted": 0, "failed": 0}),
+        ev("sco.orchestrator.acquire", {"launched": 3, "deleted": 0, "launch_failures": 0}),
         ev("ansible.builtin.debug", {"msg": "ignored"}),
     ]
     s = summarise(events)

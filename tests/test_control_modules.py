@@ -14,13 +14,13 @@ import pytest
 import yaml
 
 from sco.contract.signing import generate, write_keypair
-from sco.standins.kube_apiserver import KubeApiStandIn
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import hall_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 COLLECTIONS = ROOT / "collections"
-MODULES = ("demand", "plan", "arbitrate", "acquire", "reclaim")
+MODULES = ("demand", "reconcile", "plan", "arbitrate", "acquire", "reclaim")
 ENV = {"ANSIBLE_COLLECTIONS_PATH": str(COLLECTIONS), "PATH": f"{BIN}:{os.environ['PATH']}"}
 
 POOLS = [

@@ -86,3 +86,48 @@ def test_grace_is_the_smaller_of_budget_and_time_left_and_at_least_one(
     assert isinstance(g, int) and g >= 1
     assert g <= max(1.0, budget) and g <= max(1.0, left - margin)
     assert g >= min(budget, left - margin) - 1
+
+
+# --- the agent's one retry pacing and the best-effort deadline (issue 20) ---------------------------------------
+
+
+def test_backoff_is_capped_exponential_with_jitter() -> None:
+    import random
+
+    from sco.agent.retry import Backoff
+
+    top = Backoff(0.2, 2.0, rand=lambda a, b: b)
+    assert [round(top.next(), 3) for _ in range(6)] == [0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    low = Backoff(0.2, 2.0, rand=lambda a, b: a)
+    assert [round(low.next(), 3) for _ in range(5)] == [0.1, 0.2, 0.4, 0.8, 1.0]
+    top.reset()
+    assert top.next() == 0.2
+    rng = random.Random(7)
+    waits = [Backoff(0.2, 2.0, rand=rng.uniform).next() for _ in range(50)]
+    assert all(0.1 <= w <= 0.2 for w in waits) and len(set(waits)) == 50  # agents do not retry in lockstep
+
+
+def test_the_agents_retry_loops_all_use_it() -> None:
+    """The five loops (taint, list/watch, eviction, the late reports to the API server and to slurmctld) and the
+    forced delete: no hand-rolled doubling left."""
+    import inspect
+
+    from sco.agent import kube_drain, kube_fallback, slurm_drain
+
+    for mod in (kube_drain, kube_fallback, slurm_drain):
+        src = inspect.getsource(mod)
+        assert "* 2)" not in src and "Backoff(" in src, mod.__name__
+
+
+def test_a_notice_past_its_time_gets_a_best_effort_deadline() -> None:
+    from sco.agent.deadline import LATE_WINDOW_S, Deadline
+
+    now = 1000.0
+    ok = Deadline.for_notice(now + 120, 10, now, clock=lambda: now)
+    assert ok.late is None and ok.terminate_at == now + 120
+    late = Deadline.for_notice(now - 5, 10, now, clock=lambda: now)
+    assert late.late == {"terminate_at": now - 5, "past_by_s": 5.0}
+    assert late.kill_at == now + 1 and late.grace(30) == 1 and late.terminate_at == now + LATE_WINDOW_S
+    assert now < late.overrun_at < late.terminate_at
+    close = Deadline.for_notice(now + 8, 10, now, clock=lambda: now)  # inside the margin: no room for a grace
+    assert close.late is not None and close.kill_at == now + 1 and close.terminate_at == now + 8

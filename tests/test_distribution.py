@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -112,7 +113,7 @@ def test_fetcher_accepts_keeps_and_records_why(
     # distributor down: the node keeps the bundle indefinitely
     server.shutdown()
     server.server_close()
-    offer = BundleFetcher(again, url, timeout=1).refresh()
+    offer = BundleFetcher(again, url, deadline_s=1).refresh()
     assert offer.outcome == "error" and again.bundle.serial == 3
 
 
@@ -223,3 +224,77 @@ def test_stale_temporaries_of_live_writers_are_left_alone(tmp_path: Path) -> Non
     finally:
         live.kill()
         live.wait()
+
+
+def _slow_clients(port: int, sources: list[str]) -> list[socket.socket]:
+    """A slowloris: each connection sends part of a request line and keeps it open."""
+    out = []
+    for src in sources:
+        s = socket.socket()
+        s.bind((src, 0))
+        s.settimeout(5)
+        try:
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"GET /v1/halls/local/bundle.json HTTP/1.1\r\nHost: x\r\nX-a: ")
+        except OSError:
+            s.close()
+            continue
+        out.append(s)
+    return out
+
+
+def test_a_slowloris_of_300_connections_leaves_a_node_answered(
+    tmp_path: Path, key: PrivateKey, keyring: Keyring
+) -> None:
+    """Issue 20: 256 connections trickling a byte every 5 s shut the distributor to everyone (revocations stopped
+    reaching nodes). Now one address holds at most 16 connections, and a request's headers must be in within
+    ``header_timeout`` however slowly they trickle: 300 slow connections from one address and from ten others
+    leave a GET from another node answered within 1 s, and are cut off at the deadline while still sending."""
+    srv = DistributorServer(tmp_path / "root", ("127.0.0.1", 0), header_timeout=2.0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    raw = sign(PAYLOAD, [key])
+    publish(raw, srv.files.root, keyring)
+    port = int(srv.server_address[1])
+    attackers = ["127.0.0.1"] * 150 + [f"127.0.0.{3 + i % 10}" for i in range(150)]
+    slow = _slow_clients(port, attackers)
+    try:
+        time.sleep(0.3)  # every accepted one holds its thread
+        t0 = time.monotonic()
+        node = socket.socket()
+        node.bind(("127.0.0.2", 0))
+        node.settimeout(5)
+        node.connect(("127.0.0.1", port))
+        node.sendall(b"GET /v1/halls/local/bundle.json HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        got = b""
+        while chunk := node.recv(1 << 16):
+            got += chunk
+        elapsed = time.monotonic() - t0
+        node.close()
+        assert got.startswith(b"HTTP/1.1 200") and got.endswith(raw)
+        assert elapsed < 1.0, elapsed
+        # the slow ones keep trickling a byte every 0.3 s: the header deadline still closes them
+        cut: set[int] = set()
+        end = time.monotonic() + 4
+        while time.monotonic() < end and len(cut) < len(slow):
+            for i, s in enumerate(slow):
+                if i in cut:
+                    continue
+                try:
+                    s.sendall(b"a")
+                    s.setblocking(False)
+                    if s.recv(1) == b"":
+                        cut.add(i)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    cut.add(i)
+                finally:
+                    s.settimeout(5)
+            time.sleep(0.3)
+        assert len(cut) == len(slow), (len(cut), len(slow))
+        assert srv.deadlines.reaped >= 16 + 150 and srv.refused_connections >= 150 - 16
+    finally:
+        for s in slow:
+            s.close()
+        srv.shutdown()
+        srv.server_close()

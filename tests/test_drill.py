@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from sco.contract.signing import generate, write_keypair
-from sco.standins.kube_apiserver import KubeApiStandIn
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, add_pod, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,8 @@ def run_playbook(
     if isinstance(play, str):
         text, play = play, tmp / f"play-{len(list(tmp.glob('play-*')))}.yml"
         play.write_text(text)
-    extravars = {"ansible_python_interpreter": sys.executable, **extravars}
+    # the hall's state directory (keys, credentials, drill reports) in the test's own directory, never $HOME
+    extravars = {"ansible_python_interpreter": sys.executable, "sco_state_dir": str(tmp), **extravars}
     env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"}
     return subprocess.run(
         [
@@ -61,7 +62,7 @@ def run_playbook(
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=int(os.environ.get("DRILL_PLAY_TIMEOUT", "300")),
         env=env,
     )
 
@@ -139,6 +140,8 @@ def test_drill_reclaims_the_chosen_node_and_reports_drained(tmp_path: Path, rela
             "drill_grace_seconds": 5,
         }
         (tmp_path / "nats").symlink_to(creds)  # the drill reads <sco_credentials_dir>/nats/<user>
+        ev["drill_report_dir"] = str(tmp_path / "reports")
+        ev["drill_progress_seconds"] = 1
         out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "node-1: drained" in out.stdout
@@ -146,6 +149,14 @@ def test_drill_reclaims_the_chosen_node_and_reports_drained(tmp_path: Path, rela
         assert len(drained) == 1 and drained[0]["notice"].startswith("drill-")
         # the agent's events reached the hall's stream under its own credentials
         assert agent.of("notice.accepted")
+        # the job showed the node's progress while it drained, and ended with its time left at T
+        assert "node-1: drained in" in out.stdout and "s left at T" in out.stdout, out.stdout
+        (page,) = (tmp_path / "reports").glob("drill-*.html")
+        report = json.loads(page.with_suffix(".json").read_text())
+        assert f"report: {page}" in out.stdout
+        assert report["nodes"]["node-1"]["outcome"] == "drained" and report["nodes"]["node-1"]["pods"] == 1
+        assert report["nodes"]["node-1"]["notice"] == drained[0]["notice"]
+        assert 'data-node="node-1"' in page.read_text()
     finally:
         agent.stop()
 
@@ -202,6 +213,7 @@ def test_drill_with_cloud_credentials_deletes_the_instances_after_the_drain(  # 
                 "drill_nodes": [inst.name],
                 "drill_notice_seconds": 15,
                 "drill_grace_seconds": 5,
+                "drill_report_dir": str(tmp_path / "reports"),
             }
             os.environ["OS_CLIENT_CONFIG_FILE"] = str(clouds)
             try:
@@ -225,6 +237,12 @@ def test_drill_with_cloud_credentials_deletes_the_instances_after_the_drain(  # 
             assert kinds.index("agent.drain.drained") < kinds.index("instance.delete_requested")
             assert drained["notice"].startswith("reclaim-") and drained["at"] < after.terminate_at
             assert conn.compute.find_server(inst.server_id, ignore_missing=True) is None
+            # the report followed the reclaimer's notice (the agent's own events) and adds the instance's end
+            (page,) = (tmp_path / "reports").glob("drill-*.html")
+            node = json.loads(page.with_suffix(".json").read_text())["nodes"][inst.name]
+            assert node["notice"] == drained["notice"] and node["outcome"] == "drained", node
+            assert node["instance"] == "deleted" and node["left_at_t_s"] > 0
+            assert f"{inst.name}: drained in" in out.stdout  # the live progress, as without the cloud
         finally:
             agent.stop()
             srv.stop()
@@ -355,9 +373,9 @@ def test_the_reclaimer_records_an_event_for_the_node_its_subject_names(tmp_path:
                 sub = await r._follow_events("local")
                 na = await nats.connect(srv.url, user="node-a", password=pw["node-a"], inbox_prefix="_INBOX.local.a")
                 nb = await nats.connect(srv.url, user="node-b", password=pw["node-b"], inbox_prefix="_INBOX.local.b")
-                forged = {"type": "drain.drained", "node": "b", "seq": 3, "at": 1.0}
+                forged = {"type": "drain.drained", "node": "b", "seq": 3, "at": 1.0, "notice": "r-b"}
                 await na.jetstream().publish("sco.events.local.a", json.dumps(forged).encode())
-                real = {"type": "drain.overrun", "node": "b", "seq": 3, "at": 2.0}
+                real = {"type": "drain.overrun", "node": "b", "seq": 3, "at": 2.0, "notice": "r-b"}
                 await nb.jetstream().publish("sco.events.local.b", json.dumps(real).encode())
                 wait = 0.0
                 while st.instance(b.id).state == "notified" and wait < 10:
@@ -379,11 +397,12 @@ def test_the_reclaimer_records_an_event_for_the_node_its_subject_names(tmp_path:
         srv.stop()
 
 
-def test_a_delete_that_keeps_failing_is_given_up_past_t_and_left_for_the_next_run(
+def test_a_delete_that_keeps_failing_ends_the_run_unconfirmed_and_the_next_run_tries_again(
     tmp_path: Path, fleet_dsn: str
 ) -> None:
-    """OpenStack unreachable: the reclaim retries the delete until give_up_after_s past T, then returns with the
-    instance still under reclaim (recorded), instead of running for ever holding the hall's lock."""
+    """OpenStack unreachable: the reclaim retries the delete with backoff for retry_for_s past T, then returns with
+    the instance still under reclaim and named as not confirmed gone (exit 9 for sco reclaim), instead of running
+    for ever holding the hall's lock; the next run, long past T, deletes again at once (nothing is abandoned)."""
     import asyncio
 
     import openstack
@@ -397,20 +416,28 @@ def test_a_delete_that_keeps_failing_is_given_up_past_t_and_left_for_the_next_ru
         user_domain_name="Default", project_domain_name="Default", api_timeout=2,
     )  # fmt: skip
     with FleetState(fleet_dsn) as st:
-        (inst,) = _instances(st, "local", ["a"], window=1)
-        r = Reclaimer(cloud, st, "nats://127.0.0.1:1", signing_keys=[generate()], give_up_after_s=2)
+        (inst,) = _instances(st, "local", ["a"], window=3)
 
-        async def go() -> None:
-            try:
-                await asyncio.wait_for(r.run("local", follow_events=False), 60)
-            finally:
-                await r.close()
+        def attempts() -> int:
+            return [e["kind"] for e in st.events(instance_id=inst.id)].count("delete.failed")
 
-        asyncio.run(go())
+        for _ in range(2):
+            before = attempts()
+            r = Reclaimer(cloud, st, "nats://127.0.0.1:1", signing_keys=[generate()], retry_for_s=2)
+
+            async def go(r: Reclaimer = r) -> None:
+                try:
+                    await asyncio.wait_for(r.run("local", follow_events=False), 60)
+                finally:
+                    await r.close()
+
+            asyncio.run(go())
+            assert attempts() > before
+            assert inst.id in r.unconfirmed
         after = st.instance(inst.id)
         kinds = [e["kind"] for e in st.events(instance_id=inst.id)]
     assert after.state == "notified"  # still under reclaim: the next run deletes it
-    assert "delete.failed" in kinds and kinds[-1] == "delete.abandoned"
+    assert "delete.abandoned" not in kinds and kinds[-1] == "delete.pending"
 
 
 @pytest.mark.parametrize("seconds", [0, -30, "nan", "1e12", "soon"])
@@ -514,3 +541,90 @@ def test_readers_and_reclaimers_touch_only_their_own_consumer(tmp_path: Path, fl
     assert out["reclaimer's consumer"] == "sco-reclaimer-local", out
     for what in ("another durable", "delete the reclaimer's", "delete the stream", "purge the stream"):
         assert out[what].startswith("refused"), out
+
+
+def _fatal_lines(out: subprocess.CompletedProcess[str]) -> list[str]:
+    return [ln for ln in out.stdout.splitlines() if ln.startswith("fatal:")]
+
+
+def _one_line(out: subprocess.CompletedProcess[str]) -> str:
+    """The job failed with one message (not a traceback, not "from_json failed"): return it."""
+    (fatal,) = _fatal_lines(out)
+    assert "from_json" not in out.stdout and "Traceback" not in out.stdout, out.stdout
+    msg = json.loads(fatal.split("=> ", 1)[1])["msg"]
+    assert isinstance(msg, str) and "\n" not in msg, msg
+    return msg
+
+
+def test_a_missing_notice_key_stops_the_drill_with_one_line_and_sends_nothing(tmp_path: Path, relay: Any) -> None:
+    """The crash of issue 19: a missing key file raised in the script, whose exit 1 was read as "not drained" and
+    whose empty output failed in from_json. Now: one line naming the file and what to do; no notice sent."""
+    srv, creds = relay
+    (tmp_path / "nats").symlink_to(creds)
+    ev = {"sco_hall": "local", "sco_relay_url": srv.url, "sco_credentials_dir": str(tmp_path),
+          "drill_nodes": ["node-1"], "drill_notice_seconds": 5, "drill_report_dir": str(tmp_path / "reports"),
+          "drill_notice_keys": [str(tmp_path / "keys/notice.key")]}  # fmt: skip
+    out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev)
+    assert out.returncode != 0
+    msg = _one_line(out)
+    assert msg.startswith(f"drill: notice key {tmp_path}/keys/notice.key: no such key file"), msg
+    assert "--for notice" in msg and "spec.noticeKeys" in msg, msg
+    assert not (tmp_path / "reports").exists()  # stopped before anything was sent
+    # a file that is no key: the same, one line
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys/notice.key").write_text("")
+    os.chmod(tmp_path / "keys/notice.key", 0o600)
+    msg = _one_line(run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev))
+    assert msg.startswith(f"drill: notice key {tmp_path}/keys/notice.key: not a key file"), msg
+
+
+def test_the_drill_makes_its_notice_key_and_says_the_hall_must_trust_it(tmp_path: Path) -> None:
+    """With drill_make_notice_key the drill makes the missing key (0600), then checks the hall's published bundle:
+    a key its policy does not list would have every notice refused, so the job stops with the entry to add; a key
+    it lists passes."""
+    import threading
+
+    from sco.contract.distributor import DistributorServer, publish
+    from sco.contract.signing import Keyring, load_private
+    from tests.harness import hall_bundle
+
+    hall_key, trusted_notice = generate(), generate()
+    write_keypair(hall_key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    write_keypair(trusted_notice, tmp_path / "trusted-notice.key", tmp_path / "trusted-notice.pub")
+    root = tmp_path / "distributor"
+    publish(hall_bundle(tmp_path, hall_key, trusted_notice), root, Keyring([hall_key.public]))
+    dist = DistributorServer(root, ("127.0.0.1", 0))
+    threading.Thread(target=dist.serve_forever, daemon=True).start()
+    try:
+        ev = {"sco_hall": "local", "sco_relay_url": "nats://127.0.0.1:1", "sco_credentials_dir": str(tmp_path),
+              "sco_distributor_url": dist.url, "sco_trusted_keys": [str(tmp_path / "hall.pub")],
+              "drill_nodes": ["node-1"], "drill_make_notice_key": True,
+              "drill_notice_keys": [str(tmp_path / "keys/notice.key")]}  # fmt: skip
+        out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev)
+        made = load_private(tmp_path / "keys/notice.key")  # made, and private (load_private refuses 0644)
+        msg = _one_line(out)
+        assert f"notice key {tmp_path}/keys/notice.key (keyid {made.keyid}, just made) is not in the noticeKeys" in msg
+        assert f"add {{keyid: '{made.keyid}', public: '" in msg and dist.url in msg, msg
+        # the key the hall lists: past the key check (check mode: nothing sent)
+        ok = {**ev, "drill_notice_keys": [str(tmp_path / "trusted-notice.key")]}
+        out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ok, "--check")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "check mode: would send signed notices" in out.stdout
+    finally:
+        dist.shutdown()
+        dist.server_close()
+
+
+def test_a_relay_that_refuses_the_drill_stops_it_with_one_line(tmp_path: Path, relay: Any) -> None:
+    srv, _ = relay
+    (tmp_path / "nats").mkdir()
+    for user in ("control", "reclaimer"):
+        (tmp_path / "nats" / user).write_text("wrong-password\n")
+    write_keypair(generate(), tmp_path / "notice.key", tmp_path / "notice.pub")
+    ev = {"sco_hall": "local", "sco_relay_url": srv.url, "sco_credentials_dir": str(tmp_path),
+          "drill_nodes": ["node-1"], "drill_notice_seconds": 5, "drill_report_dir": str(tmp_path / "reports"),
+          "drill_notice_keys": [str(tmp_path / "notice.key")]}  # fmt: skip
+    out = run_playbook(tmp_path, REPO / "playbooks/drill.yml", ev)
+    assert out.returncode != 0
+    msg = _one_line(out)
+    assert msg.startswith(f"drill: relay {srv.url} as control: ") and "authorization" in msg.lower(), msg

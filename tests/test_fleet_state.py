@@ -15,6 +15,8 @@ import pytest
 from sco.cli import main
 from sco.state.db import HallBusy, StateError, applied, connect, hall_lock, migrate, migrations
 from sco.state.fleet import FleetState, Pool
+from tests.cli_run import one_line_error, sco
+from tests.harness import free_port
 
 
 @pytest.fixture
@@ -32,6 +34,30 @@ def test_migrations_apply_in_order_once_and_are_recorded(empty_dsn: str) -> None
         assert migrate(c) == []  # a second run applies nothing
         tables = {r[0] for r in c.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
     assert {"hall", "pool", "instance", "lifecycle_event", "token_bucket", "schema_migration"} <= tables
+
+
+def test_db_migrate_garbage_dsn_is_one_line_exit_5() -> None:
+    p = sco("db", "migrate", "--dsn", "garbage")
+    one_line_error(p, 5, "--dsn", "connection string")
+    p = sco("db", "migrate", "--dsn", "host=x password=hunter2 garbage")
+    one_line_error(p, 5, "--dsn")
+    assert "hunter2" not in p.stderr
+
+
+def test_db_migrate_embedded_on_a_file_is_one_line(tmp_path: Path) -> None:
+    f = tmp_path / "a-file"
+    f.write_text("keep me\n")
+    p = sco("db", "migrate", "--embedded", f)
+    one_line_error(p, 1, str(f), "not a directory")
+    assert f.read_text() == "keep me\n"
+
+
+def test_fleet_state_unreachable_has_its_own_documented_exit_code() -> None:
+    """7 is the Kubernetes API's in the README; the fleet state gets 11, and the README says so."""
+    p = sco("db", "migrate", "--dsn", f"host=127.0.0.1 port={free_port()} user=x dbname=y connect_timeout=2")
+    one_line_error(p, 11, "fleet state", "cannot connect")
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "11 fleet state" in readme and "7 Kubernetes API" in readme
 
 
 def test_an_edited_migration_is_refused_and_a_broken_one_applies_nothing(empty_dsn: str, tmp_path: Path) -> None:

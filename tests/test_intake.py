@@ -15,9 +15,9 @@ from sco.contract.signing import Keyring, generate
 from sco.control import intake
 from sco.control.intake import DemandReport, from_pods, pod_request_milli, tolerates
 from sco.control.units import fmt, quantity, request_milli, units_milli
-from sco.devcluster.slurm import SlurmCluster
 from sco.schedulers.slurm import SlurmClient
-from sco.standins.kube_apiserver import KubeApiStandIn
+from sco_devkit.devcluster.slurm import SlurmCluster
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import hall_bundle, wait_for
 
 TOLERATE = [{"key": "sco.dev/reclaim", "operator": "Equal", "value": "reclaimable", "effect": "NoSchedule"}]
@@ -101,8 +101,22 @@ def test_pods_are_sorted_into_demand_uncontracted_ineligible_and_load(contracts:
         p["status"] = {"phase": "Pending"}
     report = from_pods(pods, contracts)
     assert [d.to_dict() for d in report.demand] == [
-        {"contract": "guarded", "tier": 2, "scheduler": "kubernetes", "units_milli": 1000, "items": 1},
-        {"contract": "web", "tier": 3, "scheduler": "kubernetes", "units_milli": 4000, "items": 2},
+        {
+            "contract": "guarded",
+            "tier": 2,
+            "scheduler": "kubernetes",
+            "units_milli": 1000,
+            "items": 1,
+            "requests_milli": {"1000": 1},
+        },
+        {
+            "contract": "web",
+            "tier": 3,
+            "scheduler": "kubernetes",
+            "units_milli": 4000,
+            "items": 2,
+            "requests_milli": {"2000": 2},
+        },  # 2 CPUs; 8 GiB
     ]
     assert [(u.ref, u.reason) for u in report.uncontracted] == [
         ("nobody/stray", "no contract selects namespace 'nobody' with labels {}")
@@ -174,9 +188,23 @@ def test_pending_slurm_jobs_by_contract(slurm: SlurmCluster, contracts: dict[str
     slurm.sbatch(script, "-A", "genomics", comment, "--hold", "-c", "1")  # held: not demand yet
     report = asyncio.run(intake.slurm_demand(SlurmClient(slurm_conf=str(slurm.conf), timeout=10), contracts, ["spot"]))
     assert [d.to_dict() for d in report.demand] == [
-        {"contract": "climate-sims", "tier": 2, "scheduler": "slurm", "units_milli": 1000, "items": 1},
+        {
+            "contract": "climate-sims",
+            "tier": 2,
+            "scheduler": "slurm",
+            "units_milli": 1000,
+            "items": 1,
+            "requests_milli": {"1000": 1},
+        },
         # 2 CPUs, then 3 array tasks of 2 CPUs each
-        {"contract": "genomics-ckpt", "tier": 3, "scheduler": "slurm", "units_milli": 2000 + 3 * 2000, "items": 4},
+        {
+            "contract": "genomics-ckpt",
+            "tier": 3,
+            "scheduler": "slurm",
+            "units_milli": 2000 + 3 * 2000,
+            "items": 4,
+            "requests_milli": {"2000": 4},
+        },
     ]
     why = sorted(u.reason for u in report.uncontracted)
     assert why == [

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sco.schedulers.kube import Credentials, KubeClient, KubeConfigError, KubeCredentialError, KubeGone
-from sco.standins.kube_apiserver import Identity, KubeApiStandIn
+from sco_devkit.standins.kube_apiserver import Identity, KubeApiStandIn
 from tests.harness import add_pod, make_tls
 
 

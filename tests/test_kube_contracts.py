@@ -17,7 +17,7 @@ from sco.contract.bundle import Bundle, subset_payload
 from sco.contract.compiler import compile_repo
 from sco.contract.signing import Keyring, PrivateKey, sign, write_keypair
 from sco.schedulers.kube_contracts import KubeConfigMaps, configmap_data, publish
-from sco.standins.kube_apiserver import KubeApiStandIn
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import sample_repo
 
 
@@ -157,7 +157,7 @@ def test_cli_publishes_what_the_distributor_serves(
 def test_a_credential_that_may_not_write_configmaps_is_named(
     key: PrivateKey, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from sco.standins.kube_apiserver import Identity
+    from sco_devkit.standins.kube_apiserver import Identity
 
     srv = KubeApiStandIn(tokens={"ro": Identity("viewer", deny=("create configmaps",))}).start()
     try:

@@ -1,6 +1,6 @@
 """The kubelet graceful-shutdown fallback around a silent Kubernetes API (seed view 19, fourth row).
 
-A real dbus-daemon (Debian's ``dbus``) carries the logind **stand-in** (``sco.standins.logind``); a test-side
+A real dbus-daemon (Debian's ``dbus``) carries the logind **stand-in** (``sco_devkit.standins.logind``); a test-side
 kubelet double takes its own delay lock and, on ``PrepareForShutdown``, terminates the node's pods by priority
 (through the stand-in cluster directly, as kubelet acts locally) before letting go. The agent is its own process.
 """
@@ -23,8 +23,8 @@ from jeepney.bus_messages import message_bus
 from jeepney.io.threading import DBusRouter, open_dbus_connection
 
 from sco.agent.inhibit import InhibitError, Logind
-from sco.standins.kube_apiserver import KubeApiStandIn
-from sco.standins.logind import LogindStandIn, PrivateBus
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+from sco_devkit.standins.logind import LogindStandIn, PrivateBus
 from tests.harness import AgentEnv, NatsServer, add_pod, wait_for
 
 WINDOW = 20.0

@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from sco.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNOTATION, KubeApiStandIn
+from sco_devkit.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNOTATION, KubeApiStandIn
 
 
 @pytest.fixture
@@ -399,7 +399,7 @@ def test_watch_resumes_gets_410_after_compaction_and_bookmarks(api) -> None:  # 
 
 
 def test_tls_and_bearer_tokens_with_a_node_bound_identity(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from sco.standins.kube_apiserver import NODE_NAME_EXTRA, Identity
+    from sco_devkit.standins.kube_apiserver import NODE_NAME_EXTRA, Identity
     from tests.harness import make_tls
 
     ca, crt, key = make_tls(tmp_path)
@@ -447,7 +447,7 @@ def test_tls_and_bearer_tokens_with_a_node_bound_identity(tmp_path) -> None:  # 
 
 
 def test_token_auth_file_in_upstream_csv(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from sco.standins.kube_apiserver import load_token_auth_file, load_tokens_json
+    from sco_devkit.standins.kube_apiserver import load_token_auth_file, load_tokens_json
 
     f = tmp_path / "tokens.csv"
     f.write_text('t1,system:node:n1,uid1,"system:nodes"\nt2,admin,uid2,"system:masters,extra"\n')

@@ -183,6 +183,7 @@ def test_agent_clusterrole_is_the_smallest_the_drain_needs() -> None:
         ("pods", "watch"),
         ("pods", "delete"),
         ("pods/eviction", "create"),
+        ("events", "create"),  # sco.agent.kube_events: kubectl describe shows the drain
     }
 
 
@@ -193,12 +194,27 @@ JOBS = ("sco-require-contract", "reclaimable-jobs-restart-never")
 NODES = ("sco-agent-own-node-only", "agent-changes-only-its-node")
 DELETES = ("sco-agent-own-node-only", "agent-deletes-only-pods-on-its-node")
 EVICTIONS = ("sco-agent-own-node-only", "agent-evicts-only-pods-on-its-node")
+EVENTS = ("sco-agent-own-node-only", "agent-creates-events-only-about-its-node")
 DIRECT = ("sco-require-contract", "pods-bound-to-reclaimable-nodes-tolerate-the-taint")
 DRIVERS = ("sco-require-contract", "spark-drivers-stay-off-reclaimable-nodes")
 
 
 def _evict(ns: str = "ci", name: str = "p") -> Obj:
     return {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}}
+
+
+def _kevent(kind: str, name: str, ns: str) -> Obj:
+    """A core/v1 Event as sco.agent.kube_events makes it (Node events in default, pod events in the pod's)."""
+    ref = {"apiVersion": "v1", "kind": kind, "name": name, "uid": name, **({"namespace": ns} if kind != "Node" else {})}
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{name}.0123456789abcdef", "namespace": ns},
+        "involvedObject": ref,
+        "reason": "SpotReclaimDrainStarted",
+        "message": "draining",
+        "type": "Normal",
+    }
 
 
 def _on(node_name: str) -> Obj:
@@ -527,11 +543,48 @@ CASES: list[tuple[str, tuple[str, str], Obj, Any, str, str]] = [
 ]
 
 
+CASES += [
+    ("agent-events-own-node", EVENTS, agent_request("CREATE", _kevent("Node", "node-a", "default")), API, "pass", ""),
+    ("agent-events-own-pod", EVENTS, agent_request("CREATE", _kevent("Pod", "on-a", "ci")), API, "pass", ""),
+    (
+        "agent-events-other-node",  # the agent of node A cannot create an event about node B
+        EVENTS,
+        agent_request("CREATE", _kevent("Node", "node-b", "default")),
+        API,
+        "fail",
+        "about Node node-b",
+    ),
+    ("agent-events-other-pod", EVENTS, agent_request("CREATE", _kevent("Pod", "on-b", "ci")), API, "fail", "'node-b'"),
+    ("agent-events-unbound-pod", EVENTS, agent_request("CREATE", _kevent("Pod", "pending", "ci")), API, "fail", ""),
+    (
+        "agent-events-other-kind",  # an event about anything else (a Deployment, a Namespace): refused
+        EVENTS,
+        agent_request("CREATE", _kevent("Namespace", "node-a", "default")),
+        API,
+        "fail",
+        "about Namespace",
+    ),
+    (
+        "unbound-agent-events",
+        EVENTS,
+        agent_request("CREATE", _kevent("Node", "node-a", "default"), node=None),
+        API,
+        "fail",
+        "of node ''",
+    ),
+    ("others-events-skipped", EVENTS, request("CREATE", _kevent("Node", "node-b", "default")), API, "skip", ""),
+]
+
+
 @pytest.mark.parametrize(("rule_id", "policy_rule", "req", "data", "want", "text"), CASES, ids=[c[0] for c in CASES])
 def test_rule_case(rule_id: str, policy_rule: tuple[str, str], req: Obj, data: Any, want: str, text: str) -> None:
     r = rule(POLICIES, *policy_rule)
     # the eviction and direct-binding rules read the API (apiCall); the others read the contracts ConfigMap
-    res = apply_rule(r, req, api=data) if policy_rule in (EVICTIONS, DIRECT) else apply_rule(r, req, configmaps=data)
+    res = (
+        apply_rule(r, req, api=data)
+        if policy_rule in (EVICTIONS, DIRECT, EVENTS)
+        else apply_rule(r, req, configmaps=data)
+    )
     assert res.status == want, res
     assert text in res.message, res.message
     for o in (req["object"], req["oldObject"]):

@@ -22,14 +22,16 @@ def newcomer_env() -> dict[str, str]:
 
 
 def local_var(name: str) -> str:
-    """A variable as the site playbook resolves it for the local hall's host (inventory + playbook group_vars)."""
+    """A variable as the site playbook's roles resolve it for the local hall's host (the inventory over role hall's
+    defaults)."""
     out = subprocess.run(
-        [str(BIN / "ansible"), "-i", "inventories/local", "--playbook-dir", "playbooks", "-m", "debug", "-a",
-         f"var={name}", "-o", "localhost"],
+        [str(BIN / "ansible-playbook"), "-i", "inventories/local", "-l", "localhost", "tests/show_hall_var.yml",
+         "-e", f"show={name}"],
         cwd=REPO, env=newcomer_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    return str(json.loads(out.stdout.split("=>", 1)[1])[name])
+    shown = out.stdout.split(f'"msg": "{name}=', 1)[1].split('"\n', 1)[0]
+    return str(json.loads(shown.encode().decode("unicode_escape")))
 
 
 def test_fleet_state_is_the_demos_embedded_postgresql() -> None:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from sco.errors import ConfigError
+from tests.cli_run import sco
 from tests.conftest import SAMPLE
-from tests.test_cli import no_traceback, sco
+from tests.test_cli import no_traceback
 
 INPUT = {
     "now": 1_764_400_000,
@@ -101,6 +105,79 @@ def test_plan_explain(tmp_path: Path, bundle: tuple[Path, Path]) -> None:
     assert pools["spot-a"]["delete"] == ["i-old"]
 
 
+def _plan_doc() -> dict[str, Any]:
+    return json.loads(json.dumps(INPUT))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        (("pools", 1, "cap"), 1_000_000_000, "pools.1.cap"),
+        (("pools", 1, "vcpus"), True, "pools.1.vcpus"),
+        (("pools", 1, "cap"), True, "pools.1.cap"),
+        (("now",), math.nan, "now"),
+        (("now",), math.inf, "now"),
+        (("fleet", 0, "launchedAt"), math.nan, "fleet.0.launchedAt"),
+        (("settings", "idleGraceSeconds"), math.inf, "settings.idleGraceSeconds"),
+        (("reservations", 0, "instances"), True, "reservations.0.instances"),
+        (("demand", "demand", 0, "units_milli"), True, "demand.demand.0.units_milli"),
+    ],
+)
+def test_plan_refuses_absurd_numbers_naming_the_field(path: tuple[Any, ...], value: Any, needle: str) -> None:
+    from sco.control.inputs import parse
+    from sco.control.loop import _document
+
+    doc = _plan_doc()
+    target = doc
+    for k in path[:-1]:
+        target = target[k]
+    target[path[-1]] = value
+    with pytest.raises(ConfigError) as e:
+        parse(doc, "plan.yaml")
+    assert any(line.startswith(f"plan.yaml: {needle}:") for line in e.value.lines()), e.value.lines()
+    # the collection's plan module reads its options through the same parser
+    params = {k: doc.get(k) for k in ("pools", "settings", "reservations", "fleet", "demand", "now")}
+    with pytest.raises(ConfigError) as e:
+        _document(params, None, "local")
+    assert any(needle in line for line in e.value.lines()), e.value.lines()
+
+
+def test_plan_cli_refuses_nan_now_and_a_huge_cap(tmp_path: Path, signed: tuple[Path, Path, Path]) -> None:
+    b, _key, pub = signed
+    doc = tmp_path / "plan.yaml"
+    text = yaml.safe_dump(_plan_doc()).replace("now: 1764400000", "now: .nan")
+    assert "now: .nan" in text
+    doc.write_text(text.replace("cap: 20", "cap: 1000000000", 1))
+    p = sco("plan", "--input", doc, "--bundle", b, "--trust", pub)
+    assert "Traceback" not in p.stderr and p.returncode == 5, p.stderr
+    assert f"{doc}: now:" in p.stderr and f"{doc}: pools.1.cap:" in p.stderr, p.stderr
+
+
+def _pool(i: int, cap: int) -> dict[str, Any]:
+    return {"name": f"p{i}", "kind": "reclaimable", "flavor": "m1", "vcpus": 1, "ramMiB": 1024, "cap": cap}
+
+
+@pytest.mark.parametrize(
+    ("pools", "needle"),
+    [
+        ([_pool(i, 1) for i in range(1001)], "at most 1000 pools"),
+        ([_pool(i, 10_000) for i in range(11)], "caps add up to 110000"),
+    ],
+)
+def test_plan_bounds_pools_and_their_total_cap(pools: list[dict[str, Any]], needle: str) -> None:
+    from sco.control.inputs import parse
+    from sco.control.loop import _document
+
+    with pytest.raises(ConfigError) as e:
+        parse({"pools": pools, "now": 1_764_400_000}, "plan.yaml")
+    lines = e.value.lines()
+    assert any(x.startswith("plan.yaml: pools:") and needle in x for x in lines), lines
+    with pytest.raises(ConfigError) as e:  # the collection's plan module reads its options through the same parser
+        _document({"pools": pools, "now": 1_764_400_000}, None, "local")
+    assert any("pools" in x and needle in x for x in e.value.lines()), e.value.lines()
+    parse({"pools": pools[:10], "now": 1_764_400_000}, "plan.yaml")  # within both bounds: fine
+
+
 def test_plan_bad_input_names_file_and_field(tmp_path: Path, bundle: tuple[Path, Path]) -> None:
     b, pub = bundle
     bad = json.loads(json.dumps(INPUT))
@@ -118,3 +195,24 @@ def test_plan_bad_input_names_file_and_field(tmp_path: Path, bundle: tuple[Path,
     doc.write_text("pools: [")
     p = sco("plan", "--input", doc, "--bundle", b, "--trust", pub)
     assert p.returncode == 5 and "not YAML/JSON" in p.stderr
+
+
+def test_plan_reads_json_as_json_and_refuses_a_fleet_listing_an_id_twice(
+    tmp_path: Path, bundle: tuple[Path, Path]
+) -> None:
+    b, pub = bundle
+    doc = json.loads(json.dumps(INPUT))
+    raw = json.dumps(doc, separators=(",", ":\t"))  # valid JSON; YAML does not take a tab there
+    f = tmp_path / "plan.json"
+    f.write_text(raw)
+    p = sco("plan", "--input", f, "--bundle", b, "--trust", pub, "--json")
+    no_traceback(p)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)  # stdout is the plan alone (no solver banner)
+    assert out["solver"]["name"] == "highs" and out["cost_per_hour"] == "0"
+    doc["fleet"].append(dict(doc["fleet"][0], name="another-name"))
+    f.write_text(json.dumps(doc))
+    p = sco("plan", "--input", f, "--bundle", b, "--trust", pub)
+    no_traceback(p)
+    assert p.returncode == 5
+    assert "fleet: Value error, instance id 'i-old' is listed twice: fleet.0 and fleet.1" in p.stderr

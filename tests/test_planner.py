@@ -55,10 +55,10 @@ def test_share_and_caps_leave_a_shortfall_with_the_reason() -> None:
         settings=PlanSettings(now=NOW, shares={2: Fraction(1, 2)}),
     )
     p = plan(inp)
-    assert p.shortfall_milli == {"sims": 20 * U}  # one group may hold only half of tier 2
+    # one group may hold only half of what tier 2 places on new instances: with one group, nothing
+    assert p.shortfall_milli == {"sims": 40 * U} and not p.changed
     short = [d for d in p.decisions if d.kind == "short"]
-    assert short and "groups at the tier-2 share of 1/2: rack1" in short[0].reason
-    assert by_pool(p)["a"][0] <= 2
+    assert short and "the tier-2 share of 1/2 per pool and group, 1 groups with room" in short[0].reason
 
 
 def test_unavailable_pools_are_skipped_with_their_reason() -> None:
@@ -196,7 +196,7 @@ def plan_inputs(draw: st.DrawFn) -> PlanInput:
     )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plan_inputs())
 def test_caps_are_never_exceeded(inp: PlanInput) -> None:
     pools = {p.name: p for p in inp.pools}
@@ -207,7 +207,7 @@ def test_caps_are_never_exceeded(inp: PlanInput) -> None:
         assert x.target <= max(x.current, pools[x.pool].cap)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plan_inputs())
 def test_floors_are_met_whenever_feasible(inp: PlanInput) -> None:
     committed: dict[str, int] = {}
@@ -231,7 +231,7 @@ def pools_cap(inp: PlanInput, name: str) -> int:
     return next(p.cap for p in inp.pools if p.name == name)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plan_inputs(), st.randoms(use_true_random=False))
 def test_the_plan_does_not_depend_on_input_order(inp: PlanInput, rnd: random.Random) -> None:
     def shuffled(xs: tuple[object, ...]) -> tuple[object, ...]:
@@ -256,31 +256,7 @@ def test_the_plan_does_not_depend_on_input_order(inp: PlanInput, rnd: random.Ran
     assert plan(other).to_dict() == plan(inp).to_dict()
 
 
-@settings(max_examples=300, deadline=None)
-@given(plan_inputs())
-def test_no_tier_exceeds_its_share_of_new_units_in_a_pool_or_group(inp: PlanInput) -> None:
-    p = plan(inp)
-    pools = {x.name: x for x in inp.pools}
-    for tier in (1, 2, 3):
-        tier_cs = {c for c, info in inp.contracts.items() if info.tier == tier}
-        per_pool = {
-            x.pool: sum(m for c, m in x.placed_milli.items() if c in tier_cs)
-            for x in p.pools
-            if x.kind == "reclaimable"
-        }
-        placed = sum(per_pool.values())
-        total = placed + sum(m for c, m in p.shortfall_milli.items() if c in tier_cs)
-        share = inp.settings.shares[tier]
-        limit = total if share >= 1 else int(share * total)
-        per_group: dict[str, int] = {}
-        for name, m in per_pool.items():
-            assert m <= limit
-            g = pools[name].diversification_group
-            per_group[g] = per_group.get(g, 0) + m
-        assert all(m <= limit for m in per_group.values())
-        for c in tier_cs:  # nothing is planned twice, nothing invented
-            planned = sum(x.placed_milli.get(c, 0) for x in p.pools if x.kind == "reclaimable")
-            assert planned + p.shortfall_milli.get(c, 0) <= inp.demand.get(c, 0)
+# shares: tests/test_planner_objective.py::test_shares_hold_on_what_is_placed_and_requests_stay_whole
 
 
 @settings(max_examples=100, deadline=None)

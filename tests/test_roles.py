@@ -4,7 +4,6 @@ rootfs in its own network namespace. Check mode, for real, and again (idempotent
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,16 +16,10 @@ from tests.testhosts import REPO, TestHost
 
 
 @pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """sco and its run-time dependencies as wheels: what an air-gapped hall or an image build installs from."""
-    w = tmp_path_factory.mktemp("wheelhouse")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(w), str(REPO)],
-        check=True,
-        timeout=600,
-        capture_output=True,
-    )
-    return w
+def wheelhouse(node_wheelhouse: Path) -> Path:
+    """sco and its run-time dependencies as wheels at agent/constraints.txt's pins: what an air-gapped hall or an image
+    build installs from (built once per session, tests/node_install.py)."""
+    return node_wheelhouse
 
 
 @pytest.fixture(scope="module")

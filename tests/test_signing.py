@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -146,3 +147,34 @@ def test_key_files(tmp_path: Path) -> None:
     (tmp_path / "c.pub").write_text('{"type": "ed25519-public", "keyid": "x", "public": "zz"}')
     with pytest.raises(KeyFileError, match="public: expected 64 hex digits"):
         load_public(tmp_path / "c.pub")
+
+
+@pytest.mark.parametrize(
+    ("change", "kind", "why"),
+    [
+        (lambda s: {**s, "sig": s["sig"].upper()}, "forged", "expected 128 lowercase hex digits"),
+        (lambda s: {**s, "note": "x"}, "malformed", "expected exactly keyid and sig"),
+        (lambda s: {"keyid": s["keyid"], "sig": 7}, "malformed", "keyid and sig must be strings"),
+    ],
+)
+def test_bundles_and_notices_share_one_signature_check(change: Any, kind: str, why: str) -> None:
+    """Issue 20: the check was written twice and the copies differed (only bundles required lowercase hex and
+    exactly {keyid, sig}); now one function, the same refusal for both."""
+    import json
+
+    from sco.contract.notice import sign_notice, verify_notice
+    from sco.errors import NoticeAuthError
+
+    ring = Keyring([KEY_A.public])
+    head, body = sign({"hall": "h", "serial": 1}, [KEY_A]).split(b"\n", 1)
+    header = json.loads(head)
+    header["signatures"] = [change(header["signatures"][0])]
+    from sco.contract import canonical
+
+    with pytest.raises(BundleError, match=why):
+        verify(canonical.dumps(header) + b"\n" + body, ring)
+    notice = json.loads(sign_notice({"id": "n", "hall": "h", "node": "x", "terminateAt": 1.0}, [KEY_A]))
+    notice["signatures"] = [change(notice["signatures"][0])]
+    with pytest.raises(NoticeAuthError, match=why) as refused:
+        verify_notice(json.dumps(notice).encode(), ring)
+    assert refused.value.kind == kind

@@ -12,8 +12,8 @@ import pytest
 
 from sco.contract.bundle import Bundle
 from sco.contract.signing import Keyring, generate
-from sco.devcluster.slurm import SlurmCluster
 from sco.schedulers.slurm_admission import render_lua, write
+from sco_devkit.devcluster.slurm import SlurmCluster
 from tests.harness import AgentEnv, NatsServer, hall_bundle, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

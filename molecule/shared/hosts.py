@@ -1,7 +1,7 @@
 """Test hosts of a molecule scenario: the network-namespace SSH hosts of tests/testhosts.py (a Debian rootfs per host,
 sshd in a chroot, reached over real SSH through `ip netns exec NS socat`), under fixed names so each scenario's
 inventory can be static and testinfra can read it: netns `scom-<scenario>-<host>`, files under
-/var/tmp/sco-molecule/<scenario>/ (one run of a scenario per machine at a time).
+/var/tmp/sco-molecule/<scenario>/ (one run of a scenario per machine at a time: scripts/molecule.sh's lock).
 
     python molecule/shared/hosts.py create SCENARIO HOST...
     python molecule/shared/hosts.py destroy SCENARIO
@@ -14,9 +14,11 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -75,7 +77,8 @@ def wheelhouse() -> Path:
     changed."""
     h = hashlib.sha256()
     # this file too: it says what goes in
-    for p in sorted([REPO / "pyproject.toml", Path(__file__).resolve(), *(REPO / "src").rglob("*")]):
+    pinned = REPO / "agent" / "constraints.txt"  # what a node's wheelhouse holds
+    for p in sorted([REPO / "pyproject.toml", pinned, Path(__file__).resolve(), *(REPO / "src").rglob("*")]):
         if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p):
             h.update(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes())
     BASE.mkdir(parents=True, exist_ok=True)
@@ -83,20 +86,27 @@ def wheelhouse() -> Path:
     if not out.is_dir():
         tmp = out.with_suffix(".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        what = [str(REPO), *fleet_state_requirements()]
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(tmp), *what],
-            check=True,
-            timeout=900,
-        )
+        # the extras too: scenario local's controller installs the product from here, and its modules (the contract
+        # compiler, the planner) need them; the hosts' roles install the product without extras
+        # at the venv's pins (sco_devkit.wheels; agent/constraints.txt's for the node's part): unpinned, pip
+        # backtracks through the control extra's dependencies for minutes
+        from sco_devkit import wheels
+
+        wheels.build(tmp, f"{REPO}[contract,control]", *fleet_state_requirements())
+        # other checkouts on this machine (other branches) run scenarios with their own: only stale ones go
         for old in BASE.glob("wheelhouse-*"):
-            if old != tmp:
+            if old not in (tmp, out) and old.is_dir() and time.time() - old.stat().st_mtime > 12 * 3600:
                 shutil.rmtree(old, ignore_errors=True)
         tmp.rename(out)
-    link = BASE / "wheelhouse"
-    link.unlink(missing_ok=True)
-    link.symlink_to(out)
-    return link
+    out.touch()
+    # replaced in one step: scenarios running at once (scripts/molecule.sh MOLECULE_JOBS) all come here
+    new = BASE / f".wheelhouse-{os.getpid()}"
+    new.unlink(missing_ok=True)
+    new.symlink_to(out)
+    os.replace(new, BASE / "wheelhouse")
+    # the directory of these sources, not the link another checkout may point elsewhere mid-run
+    # (scripts/molecule.sh exports it as SCO_MOLECULE_WHEELHOUSE for the scenarios' inventories)
+    return out
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""A real Slurm cluster (sco.devcluster: slurmctld and one slurmd on the controller's loopback, auth/none) whose
+"""A real Slurm cluster (sco_devkit.devcluster: slurmctld and one slurmd on the controller's loopback, auth/none) whose
 slurm.conf, job_submit.lua and contract table are the files in the slurmctld test host's /etc/slurm, the ones the
 slurm_admission role wrote. slurmctld runs outside the host's namespace (the test hosts have no Slurm binaries);
 it reads the host's files by their path on the controller.
@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "src"))
+sys.path[:0] = [str(REPO / "src"), str(REPO / "devkit")]
 
-from sco.devcluster.slurm import SlurmCluster  # noqa: E402
+from sco_devkit.devcluster.slurm import SlurmCluster  # noqa: E402
 
 ROLE_FILES = REPO / "collections/ansible_collections/sco/orchestrator/roles/slurm_admission/files"
 

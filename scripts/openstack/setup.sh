@@ -28,10 +28,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.installed"
-if [ ! -f "$stamp" ] || [ "$REQS" -nt "$stamp" ]; then
+# The stamp holds the requirements' hash, not a time: worktrees share one venv (a symlink), and a fresh checkout's
+# requirements file is always newer than the stamp - pip then reinstalled keystoneauth1 & co. under the running
+# clouds of the other worktrees (nova-metadata: "No module named keystoneauth1.loading._plugins", HTTP 500).
+want=$(sha256sum "$REQS" | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: pip install OpenStack into $VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q -r "$REQS"
-  touch "$stamp"
+  echo "$want" >"$stamp"
 fi
 echo "setup: OpenStack ok ($("$VENV/bin/python" -m pip show nova 2>/dev/null | sed -n 's/^Version: /nova /p'))"

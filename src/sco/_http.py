@@ -1,4 +1,7 @@
-"""A small asyncio HTTP/1.1 client: keep-alive pool, JSON bodies, chunked responses, one timeout per call.
+"""A small asyncio HTTP/1.1 client: keep-alive pool, JSON bodies, chunked responses, one deadline per call for
+the whole exchange (connect to the last body byte: a peer sending a byte a second cannot stretch a call), and
+:func:`get` for one-off fetches from synchronous code. The agent's one HTTP client: the Kubernetes API, the
+instance metadata poll, the bundle fetch (and the ConfigMap publisher on the Kubernetes credentials code).
 
 Why not httpx or aiohttp: the node agent's memory budget is 40 MiB, and the official clients cost more than the
 few calls the agent makes (recipes: +kubernetes 79 MiB, +httpx 41.4 MiB, http.client 36.9 MiB). This stays
@@ -9,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import ssl
+import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +48,41 @@ class Response:
 
 
 _Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+REFUSED_RETRY_S = (0.02, 0.2)  # a refused connect is tried again within the exchange's deadline (first, cap)
+
+
+class Hearing:
+    """What a peer has said lately, for a caller's definition of silence (the node agent's: nothing received
+    for 800 ms while a request is outstanding, ARCHITECTURE.md). ``heard`` is called whenever anything arrives
+    from the peer (a response's status line, its last body byte, a watch event); ``asked``/``ended`` bracket
+    every request, so ``waiting`` says whether one went unanswered since the peer was last heard."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.heard_at: float | None = None
+        self.outstanding = 0
+        self.unanswered = False  # a request ended without an answer (timeout, refused to the end) since heard_at
+
+    def heard(self) -> None:
+        self.heard_at = self.clock()
+        self.unanswered = False
+
+    def asked(self) -> None:
+        self.outstanding += 1
+
+    def ended(self, answered: bool) -> None:
+        self.outstanding -= 1
+        if not answered:
+            self.unanswered = True
+
+    @property
+    def waiting(self) -> bool:
+        """A request is outstanding, or one ended unanswered and nothing has been heard since."""
+        return self.outstanding > 0 or self.unanswered
+
+    def quiet_for(self, since: float) -> float:
+        """Seconds with nothing heard, counted from the last answer or from ``since``, whichever is later."""
+        return self.clock() - max(since, self.heard_at if self.heard_at is not None else since)
 
 
 class AsyncHttpClient:
@@ -54,6 +95,8 @@ class AsyncHttpClient:
         headers: dict[str, str] | None = None,
         ssl_context: ssl.SSLContext | None = None,
         max_body: int = DEFAULT_MAX_BODY,
+        retry_refused: bool = False,
+        hearing: Hearing | None = None,
     ) -> None:
         u = urllib.parse.urlsplit(base_url)
         if u.scheme not in ("http", "https"):
@@ -64,6 +107,11 @@ class AsyncHttpClient:
         self.ssl = (ssl_context or ssl.create_default_context()) if u.scheme == "https" else None
         self.timeout = timeout  # the whole exchange, connect to last body byte: a 1 byte/s peer cannot stall a call
         self.max_body = max_body
+        # A peer restarting refuses connections for a moment: with retry_refused, connect again (capped backoff
+        # with jitter) until the exchange's deadline, so a refusal counts as silence only once that is spent.
+        self.retry_refused = retry_refused
+        self.hearing = hearing or Hearing()
+        self.refused = ""  # the last refusal, named when the deadline ends the retries
         self.headers = {"Host": f"{self.host}:{self.port}", "Accept": "application/json", **(headers or {})}
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(max_connections)
@@ -79,7 +127,17 @@ class AsyncHttpClient:
             if not w.is_closing() and not r.at_eof():
                 return r, w
             w.close()
-        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl)
+        delay = REFUSED_RETRY_S[0]
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl)
+                break
+            except ConnectionRefusedError as e:
+                self.refused = str(e.strerror or e)
+                if not self.retry_refused:
+                    raise
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # the exchange's timeout ends this loop
+                delay = min(REFUSED_RETRY_S[1], delay * 2)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -94,21 +152,34 @@ class AsyncHttpClient:
         content_type: str = "application/json",
         timeout: float | None = None,
         query: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Response:
         target = self.prefix + path + (("?" + urllib.parse.urlencode(query)) if query else "")
         data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
         head = [f"{method} {target} HTTP/1.1"]
-        head += [f"{k}: {v}" for k, v in self.headers.items()]
+        head += [f"{k}: {v}" for k, v in {**self.headers, **(headers or {})}.items()]
         if body is not None:
             head.append(f"Content-Type: {content_type}")
         head.append(f"Content-Length: {len(data)}")
         raw = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data
+        limit = self.timeout if timeout is None else timeout
         async with self._slots:
+            self.hearing.asked()
+            answered = False
+            self.refused = ""
             try:
-                async with asyncio.timeout(self.timeout if timeout is None else timeout):
-                    return await self._exchange(raw, method)
+                async with asyncio.timeout(limit):
+                    resp = await self._exchange(raw, method)
+                answered = True
+                return resp
             except TimeoutError:
-                raise HttpTimeout(f"{method} {target}: no answer within {timeout or self.timeout} s") from None
+                why = f" (connection refused: {self.refused})" if self.refused else ""
+                raise HttpTimeout(f"{method} {target}: no answer within {limit:g} s{why}") from None
+            except HttpError as e:
+                answered = isinstance(e, HttpTooLarge)  # it answered, too much
+                raise
+            finally:
+                self.hearing.ended(answered)
 
     async def _exchange(self, raw: bytes, method: str) -> Response:
         for attempt in (0, 1):
@@ -150,6 +221,7 @@ class AsyncHttpClient:
         line = await reader.readline()
         if not line:
             raise ValueError("connection closed before a response")
+        self.hearing.heard()
         parts = line.decode("latin-1").split(" ", 2)
         status = int(parts[1])
         headers: dict[str, str] = {}
@@ -185,6 +257,37 @@ class AsyncHttpClient:
                 total += len(chunk)
                 self._check_size(total)
                 pieces.append(chunk)
+            self.hearing.heard()
             return Response(status, headers, b"".join(pieces)), False
+        self.hearing.heard()
         keep = headers.get("connection", "").lower() != "close"
         return Response(status, headers, body), keep
+
+
+def get(
+    url: str,
+    *,
+    deadline_s: float,
+    max_body: int = DEFAULT_MAX_BODY,
+    headers: dict[str, str] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> Response:
+    """One GET of ``url`` (its query string kept) within ``deadline_s`` for the whole exchange, from synchronous
+    code (its own event loop: call it from a worker thread inside an asyncio program)."""
+    u = urllib.parse.urlsplit(url)
+
+    async def once() -> Response:
+        client = AsyncHttpClient(
+            f"{u.scheme}://{u.netloc}",
+            timeout=deadline_s,
+            max_connections=1,
+            max_body=max_body,
+            ssl_context=ssl_context,
+            headers={"Accept": "*/*", "Connection": "close"},
+        )
+        try:
+            return await client.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""), headers=headers)
+        finally:
+            await client.close()
+
+    return asyncio.run(once())

@@ -109,3 +109,25 @@ def test_control_loop_laid_out_with_its_timer_enabled() -> None:
 
 def _quote(s: str) -> str:
     return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def test_converged_from_the_collection_installed_offline_into_a_fresh_venv() -> None:
+    """prepare.yml's controller: a venv with ansible-core and the product only, and the collection with its
+    dependencies installed from `make collection`'s artifacts (converge ran this venv and these collections)."""
+    import subprocess
+
+    controller = SC.work.with_name("local-controller")
+    tree = controller / "collections" / "ansible_collections"
+    for ns, name in (("sco", "orchestrator"), ("community", "postgresql"), ("kubernetes", "core")):
+        assert (tree / ns / name / "MANIFEST.json").is_file(), (ns, name)
+    assert (tree / "sco" / "orchestrator" / "playbooks" / "site.yml").is_file()
+    venv = controller / "venv"
+    frozen = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "list", "--format=json"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    names = {p["name"].lower() for p in json.loads(frozen)}
+    assert {"ansible-core", "spot-capacity-orchestrator"} <= names
+    assert not names & {"ansible", "molecule", "ansible-lint", "pytest"}, names  # nothing of the checkout's venv
+    # the keys and the bundle went to the hall's state directory, not next to any inventory
+    assert (SC.work / "keys" / "hall.key").is_file() and (SC.work / "build").is_dir()

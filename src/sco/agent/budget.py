@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sco.contract.bundle import Budget, Bundle
+from sco.contract.selectors import contract_from_comment, kube_contract, kube_selectors
 
 
 @dataclass(frozen=True)
@@ -20,21 +21,15 @@ class KubeBudgets:
 
     def __init__(self, bundle: Bundle | None) -> None:
         self.bundle = bundle
-        self._by_ns: dict[str, list[tuple[dict[str, str], str]]] = {}
-        if bundle is not None:
-            for name, c in bundle.contracts.items():
-                if c["scheduler"] in ("kubernetes", "spark"):
-                    sel = c["selector"]
-                    self._by_ns.setdefault(sel["namespace"], []).append((sel.get("matchLabels") or {}, name))
+        self._by_ns = kube_selectors(bundle.contracts) if bundle is not None else {}
 
     def contract_for(self, pod: dict[str, Any]) -> Budget | None:
         md = pod["metadata"]
-        labels = md.get("labels") or {}
-        for match, name in self._by_ns.get(md.get("namespace", ""), []):
-            if all(labels.get(k) == v for k, v in match.items()):
-                assert self.bundle is not None
-                return self.bundle.budget(name)
-        return None
+        name = kube_contract(self._by_ns, md.get("namespace", ""), md.get("labels") or {})
+        if name is None:
+            return None
+        assert self.bundle is not None
+        return self.bundle.budget(name)
 
     def for_pod(self, pod: dict[str, Any]) -> PodBudget:
         b = self.contract_for(pod)
@@ -44,18 +39,6 @@ class KubeBudgets:
         # still capped by the deadline.
         own = pod.get("spec", {}).get("terminationGracePeriodSeconds", 30)
         return PodBudget(None, float(own), 0.0)
-
-
-CONTRACT_COMMENT_KEY = "sco-contract"
-
-
-def contract_from_comment(comment: str) -> str | None:
-    """The contract a Slurm job names in its comment: ``sco-contract=<name>`` (whitespace or ; separated)."""
-    for tok in comment.replace(";", " ").split():
-        key, _, value = tok.partition("=")
-        if key == CONTRACT_COMMENT_KEY and value:
-            return value
-    return None
 
 
 class SlurmBudgets:

@@ -4,18 +4,15 @@
 - A new bundle replaces it only if it verifies against the node's keyring and is not a rollback;
   otherwise the old one stays and the reason is recorded in ``state.json``.
 - Replacement is atomic (``sco._fs.atomic_write``): a crash mid-write leaves the old bundle.
-- The fetcher does a conditional GET (If-None-Match) every ``bundle_refresh_seconds`` (60 s) using only
-  ``http.client``, to stay inside the agent's memory budget.
+- The fetcher does a conditional GET (If-None-Match) every ``bundle_refresh_seconds`` (60 s) on the agent's one
+  HTTP client (``sco._http``, standard library only: the agent's memory budget), one deadline for the whole
+  exchange.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import http.client
 import json
-import socket
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -23,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sco import _http
 from sco._fs import atomic_write, remove_stale_temps
 from sco.contract.bundle import Bundle, Succession, successor
 from sco.contract.signing import Keyring
@@ -161,60 +159,26 @@ class ResponseRefused(FetchError):
 def http_get(
     url: str,
     etag: str | None,
-    timeout: float = 5.0,
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> tuple[int, bytes, str | None]:
-    """A conditional GET with ``http.client``: (status, body, etag).
-
-    ``timeout`` bounds each socket operation; ``deadline_s`` the whole request (a peer sending one byte a
-    second never trips a per-operation timeout); ``max_bytes`` the body, checked against Content-Length
-    before reading and while reading.
-    """
+    """A conditional GET on the agent's one HTTP client (``sco._http``): (status, body, etag). ``deadline_s``
+    bounds the whole exchange, connect to last byte (a peer sending one byte a second, with or without
+    ``Connection: close``, is cut off at it); ``max_bytes`` the body, checked against Content-Length before
+    reading and while reading; the URL's query string is sent as given."""
     u = urllib.parse.urlsplit(url)
     if u.scheme not in ("http", "https"):
         raise FetchError(f"{url}: only http and https URLs are supported")
-    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(u.hostname or "localhost", u.port, timeout=min(timeout, deadline_s))
-    expired = threading.Event()
-
-    def expire() -> None:
-        expired.set()
-        sock = conn.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read at once
-
-    timer = threading.Timer(deadline_s, expire)
-    timer.daemon = True
-    timer.start()
     try:
-        headers = {"If-None-Match": etag} if etag else {}
-        conn.request("GET", u.path or "/", headers=headers)
-        resp = conn.getresponse()
-        length = resp.getheader("Content-Length")
-        if length is not None and length.isdigit() and int(length) > max_bytes:
-            raise ResponseRefused(f"{url}: refused response: Content-Length {length} exceeds the {max_bytes} byte cap")
-        parts: list[bytes] = []
-        total = 0
-        while chunk := resp.read(65536):
-            total += len(chunk)
-            if total > max_bytes:
-                raise ResponseRefused(f"{url}: refused response: body exceeds the {max_bytes} byte cap")
-            parts.append(chunk)
-        if expired.is_set():
-            raise OSError("deadline")
-        return resp.status, b"".join(parts), resp.getheader("ETag")
-    except (OSError, http.client.HTTPException) as e:
-        if expired.is_set():
-            raise ResponseRefused(
-                f"{url}: refused response: not complete within the {deadline_s:g} s deadline"
-            ) from None
+        r = _http.get(url, deadline_s=deadline_s, max_body=max_bytes, headers={"If-None-Match": etag} if etag else None)
+    except _http.HttpTimeout:
+        raise ResponseRefused(f"{url}: refused response: not complete within the {deadline_s:g} s deadline") from None
+    except _http.HttpTooLarge:
+        raise ResponseRefused(f"{url}: refused response: body exceeds the {max_bytes} byte cap") from None
+    except _http.HttpError as e:
         raise FetchError(f"{url}: {e}") from None
-    finally:
-        timer.cancel()
-        conn.close()
+    return r.status, r.body, r.headers.get("etag")
 
 
 class BundleFetcher:
@@ -224,18 +188,17 @@ class BundleFetcher:
         self,
         cache: BundleCache,
         url: str,
-        timeout: float = 5.0,
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
         deadline_s: float = DEFAULT_DEADLINE_S,
     ) -> None:
-        self.cache, self.url, self.timeout = cache, url, timeout
+        self.cache, self.url = cache, url
         self.max_bytes, self.deadline_s = max_bytes, deadline_s
 
     def refresh(self) -> Offer:
         try:
             status, body, etag = http_get(
-                self.url, self.cache.state.etag, self.timeout, max_bytes=self.max_bytes, deadline_s=self.deadline_s
+                self.url, self.cache.state.etag, max_bytes=self.max_bytes, deadline_s=self.deadline_s
             )
         except FetchError as e:
             self.cache.state.last_check_at = self.cache.clock()

@@ -66,9 +66,37 @@ class Workload:
     granted_until: float = 0.0  # absolute time of the last "need" granted
     answered_at: float | None = None
     notified_at: float | None = None
+    report: dict[str, Any] = field(default_factory=dict)  # what the workload said its done cost (checked)
+    resume: dict[str, Any] = field(default_factory=dict)  # what it resumed from, said at registration
 
     def summary(self) -> dict[str, Any]:
         return {"id": self.id, "workload": self.name, "contract": self.contract, "state": self.state}
+
+    def lost_work(self) -> dict[str, Any]:
+        """Lost work as a figure: checkpointed or not, the save against the budget, steps redone on resume."""
+        granted = (self.budget_end - self.notified_at) if self.notified_at is not None else None
+        save_s = self.report.get("save_s")
+        out: dict[str, Any] = {
+            "workload": self.name,
+            "contract": self.contract,
+            "state": self.state,
+            "checkpointed": self.state == DONE and self.report.get("checkpointed", True) is True,
+            "save_s": save_s,
+            "budget_s": round(granted, 3) if granted is not None else self.budget_s,
+            "answered_after_s": (
+                round(self.answered_at - self.notified_at, 3)
+                if self.answered_at is not None and self.notified_at is not None
+                else None
+            ),
+        }
+        if save_s is not None and granted is not None:
+            out["save_within_budget"] = save_s <= granted
+        if "step" in self.report:
+            out["step"] = self.report["step"]
+        if self.resume:
+            out["resumed_from_step"] = self.resume.get("from_step")
+            out["steps_redone"] = self.resume.get("steps_redone")
+        return out
 
 
 @dataclass
@@ -113,6 +141,34 @@ def slurm_job_of(pid: int, proc: Path = Path("/proc")) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+# What a workload may say of its own work: small, typed, and only these keys (the spool records it).
+_REPORT_KEYS: dict[str, type] = {"checkpointed": bool, "save_s": float, "step": int, "steps_at_risk": int}
+_RESUME_KEYS: dict[str, type] = {"from_step": int, "steps_redone": int}
+
+
+def _figures(msg: dict[str, Any], key: str, allowed: dict[str, type]) -> dict[str, Any]:
+    v = msg.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ProtocolError(f"{key}: expected an object with {', '.join(allowed)}")
+    out: dict[str, Any] = {}
+    for k, val in v.items():
+        want = allowed.get(k)
+        if want is None:
+            raise ProtocolError(f"{key}.{k}: unknown field (expected {', '.join(allowed)})")
+        if want is bool:
+            ok = isinstance(val, bool)
+        elif want is int:
+            ok = isinstance(val, int) and not isinstance(val, bool) and 0 <= val < 2**53
+        else:
+            ok = isinstance(val, int | float) and not isinstance(val, bool) and math.isfinite(val) and val >= 0
+        if not ok:
+            raise ProtocolError(f"{key}.{k}: expected a {'boolean' if want is bool else 'non-negative number'}")
+        out[k] = round(float(val), 3) if want is float else val
+    return out
 
 
 def _name(msg: dict[str, Any], key: str, required: bool) -> str | None:
@@ -287,6 +343,12 @@ class CheckpointServer:
         ws = [w for w in self.workloads.values() if w.slurm_job == job]
         return any(w.state == DONE for w in ws) and all(w.state in SETTLED for w in ws)
 
+    def lost_work(self) -> list[dict[str, Any]]:
+        """Per workload told of the current notice: for every drain outcome (``workloads``)."""
+        if self.notice is None:
+            return []
+        return [w.lost_work() for w in self.workloads.values() if w.notified_at is not None]
+
     def _unsettled(self) -> list[Workload]:
         return [w for w in self.workloads.values() if w.state not in SETTLED]
 
@@ -352,7 +414,7 @@ class CheckpointServer:
         if w is None:
             raise ProtocolError(f"op {op!r}: register first")
         if op == "done":
-            self._done(w)
+            self._done(w, msg)
         elif op == "need":
             self._need(w, msg)
         elif op == "ping":
@@ -367,9 +429,10 @@ class CheckpointServer:
         name = _name(msg, "workload", True)
         contract = _name(msg, "contract", False)
         assert name is not None
+        resume = _figures(msg, "resume", _RESUME_KEYS)
         budget = self.budget_for(contract)
         self._seq += 1
-        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer, slurm_job_of(pid))
+        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer, slurm_job_of(pid), resume=resume)
         self.workloads[w.id] = w
         self._send(
             w,
@@ -382,18 +445,26 @@ class CheckpointServer:
             },
         )
         self.on_event(
-            "checkpoint.registered", id=w.id, workload=name, contract=contract, pid=pid, uid=uid, job=w.slurm_job
+            "checkpoint.registered",
+            id=w.id,
+            workload=name,
+            contract=contract,
+            pid=pid,
+            uid=uid,
+            job=w.slurm_job,
+            **({"resume": resume} if resume else {}),
         )
         if self.notice is not None:  # registered after the notice: told at once
             self._notify(w)
         return w
 
-    def _done(self, w: Workload) -> None:
+    def _done(self, w: Workload, msg: dict[str, Any]) -> None:
         if w.state in SETTLED:
             self._send(w, {"op": "ack", "state": w.state})
             return
         if self.notice is None:
             raise ProtocolError("done: there is no notice to answer")
+        w.report = _figures(msg, "report", _REPORT_KEYS)
         w.state, w.answered_at = DONE, self.clock()
         self._send(w, {"op": "ack", "state": DONE})
         self.on_event(
@@ -402,6 +473,7 @@ class CheckpointServer:
             workload=w.name,
             contract=w.contract,
             after_s=round(w.answered_at - (w.notified_at or w.answered_at), 3),
+            **({"report": w.report} if w.report else {}),
         )
         self._changed.set()
 

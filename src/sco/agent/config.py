@@ -113,6 +113,11 @@ class AgentConfig:
     shutdown; off = keep retrying the API (no fallback)."""
     logind_bus: str = "unix:path=/run/dbus/system_bus_socket"
     """D-Bus address of the system bus logind is on."""
+    metrics_listen: str = "127.0.0.1:9469"
+    """host:port of the Prometheus /metrics endpoint (docs/METRICS.md); empty: off. Loopback by default (a
+    node-local scraper or a proxy); the node's own address to let a hall Prometheus scrape it directly."""
+    metrics_probe_seconds: float = 60.0
+    """How often the agent reads its node from the scheduler API for sco_agent_scheduler_api_up."""
     checkpoint_socket: str = "/run/sco/checkpoint.sock"
     """Unix socket workloads register on to be told of a notice (agent/CHECKPOINT-PROTOCOL.md); empty: none.
     Pods reach it by mounting its directory as a hostPath."""
@@ -274,6 +279,13 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.kube_fallback", f"expected poweroff, wait or off, got {cfg.kube_fallback!r}"))
     if not cfg.logind_bus.startswith(("unix:path=", "unix:abstract=")):
         p.append(Problem(where, "agent.logind_bus", f"expected a unix:path=... D-Bus address, got {cfg.logind_bus!r}"))
+    if cfg.metrics_listen:
+        from sco.agent.metrics import parse_listen
+
+        try:
+            parse_listen(cfg.metrics_listen)
+        except ValueError as e:
+            p.append(Problem(where, "agent.metrics_listen", f"{e} (empty turns the endpoint off)"))
     if cfg.checkpoint_socket and len(cfg.checkpoint_socket.encode()) > 107:
         p.append(Problem(where, "agent.checkpoint_socket", "a Unix socket path must be at most 107 bytes"))
     # Intervals: 0 means "from the bundle"; anything else near 0 (or negative) would be a busy loop.
@@ -290,6 +302,8 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.safety_margin_seconds", "expected -1 (from the bundle) or 0 to 600"))
     if not 0.05 <= cfg.rearm_check_seconds <= 300:
         p.append(Problem(where, "agent.rearm_check_seconds", "expected 0.05 to 300 seconds"))
+    if not 1 <= cfg.metrics_probe_seconds <= 3600:
+        p.append(Problem(where, "agent.metrics_probe_seconds", "expected 1 to 3600 seconds"))
     if not 0.01 <= cfg.spool_sync_interval <= 60:
         p.append(Problem(where, "agent.spool_sync_interval", "expected 0.01 to 60 seconds"))
     if not 1.0 <= cfg.bundle_fetch_deadline_seconds <= 600:
@@ -355,6 +369,22 @@ def _check_state_dir(cfg: AgentConfig, where: str) -> list[Problem]:
     for sub in (d, d / "spool", d / "bundle"):
         if sub.exists() and not sub.is_dir():
             return [Problem(where, "agent.state_dir", f"{sub} is not a directory")]
+    # Everything already there must be this user's to read and write (a state dir left by another user, or by
+    # root, is found now: run would stop with the same line)
+    for sub in (d / "spool", d / "bundle"):
+        if not sub.is_dir():
+            continue
+        if not os.access(sub, os.R_OK | os.W_OK | os.X_OK):
+            return [Problem(where, "agent.state_dir", f"{sub}: this user (uid {os.geteuid()}) may not use it")]
+        try:
+            entries = sorted(sub.iterdir())
+        except OSError as e:
+            return [Problem(where, "agent.state_dir", f"{sub}: cannot list: {e.strerror or e}")]
+        for f in entries:
+            if f.is_file() and not os.access(f, os.R_OK | os.W_OK):
+                return [
+                    Problem(where, "agent.state_dir", f"{f}: this user (uid {os.geteuid()}) may not read and write it")
+                ]
     probe_dir = next((x for x in (d / "spool", d, existing) if x.is_dir()), existing)
     try:
         with tempfile.TemporaryFile(dir=probe_dir):
@@ -399,6 +429,7 @@ taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
 kube_fallback = "poweroff"          # API silent 800 ms: logind inhibitor + kubelet graceful node shutdown
 checkpoint_socket = "/run/sco/checkpoint.sock"  # workloads register here (pods: hostPath /run/sco); "" disables
+metrics_listen = "127.0.0.1:9469"  # Prometheus /metrics (docs/METRICS.md); "" turns it off
 bundle_max_bytes = 33554432         # larger bundle responses are refused (the last good bundle stays)
 bundle_fetch_deadline_seconds = 30  # one bundle request, connect to last byte
 """

@@ -23,6 +23,7 @@ from typing import Any
 
 from sco import __version__
 from sco._redact import strip_userinfo_in_text
+from sco.agent import metrics as agent_metrics
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.config import AgentConfig
@@ -71,6 +72,12 @@ class Agent:
             base={"hall": cfg.hall, "node": cfg.node},
         )
         self.book = NoticeBook()
+        self.metrics = agent_metrics.AgentMetrics(clock)
+        self.metrics.gauges = self._gauges
+        agent_metrics.CURRENT = self.metrics
+        self.spool.observer = self.metrics.observe
+        self.metrics_server: agent_metrics.MetricsServer | None = None
+        self.api_up: bool | None = None  # the scheduler API answered the last probe (None: not probed yet)
         self.refused: Counter[str] = Counter()
         self._refused_seen: set[str] = set()
         self._record_budget = (0.0, 0)  # (second, records) for refusal / absorbed records: floods cost no disk
@@ -98,6 +105,7 @@ class Agent:
         self._publish_failing: tuple[float, str] | None = None
         self.path: DrainPath | None = None
         self.drain: Drain | None = None
+        self._status_said = ""  # the drain state last sent as sd_notify STATUS
         self.drain_task: asyncio.Task[None] | None = None
         self.outcomes: list[dict[str, Any]] = []
         self.nc: Any = None
@@ -153,6 +161,8 @@ class Agent:
 
     def _refuse(self, source: str, e: NoticeRefused, raw: bytes) -> None:
         self.refused[e.kind] += 1
+        self.metrics.notice(source, "refused")
+        self.metrics.refusals.inc(e.kind)
         digest = hashlib.sha256(raw).hexdigest()
         if digest in self._refused_seen:
             return
@@ -194,9 +204,11 @@ class Agent:
     def accept(self, n: Notice) -> None:
         verdict = self.book.offer(n)
         if verdict == "duplicate":
+            self.metrics.notice(n.source, "duplicate")
             return
         drain = self.drain
         if verdict == "start" and drain is None:
+            self.metrics.notice(n.source, "accepted")
             self.spool.append("notice.accepted", CRITICAL, **n.as_event())
             self._start_drain(n, None)
             return
@@ -210,11 +222,13 @@ class Agent:
                 source=n.source,
             )
             drain.update_deadline(n.terminate_at)
+            self.metrics.notice(n.source, "deadline")
             if self.checkpoint is not None:  # workloads are told the shorter budget at once
                 self.checkpoint.update_deadline()
             return
         # Another notice while the node drains or after it drained: counted, never a second drain.
         self.absorbed += 1
+        self.metrics.notice(n.source, "absorbed")
         if self._may_record():
             self.spool.append(
                 "notice.absorbed",
@@ -294,7 +308,10 @@ class Agent:
             )
         assert self.path is not None
         received = (record.received_at if record else None) or n.received_at
-        deadline = Deadline(n.terminate_at, self.margin, received, self.clock)
+        deadline = Deadline.for_notice(n.terminate_at, self.margin, received, self.clock)
+        if deadline.late is not None:
+            log.warning("notice %s is past its time (%s): draining best effort", n.id, deadline.late)
+            self.spool.append("notice.late", CRITICAL, notice=n.id, **deadline.late)
         drain = self.path.drain(n, deadline, record)
         self.drain = drain
         if self.checkpoint is not None:  # workloads on the checkpoint socket are told at once
@@ -363,6 +380,83 @@ class Agent:
         assert self.path is not None
         for name, coro in self.path.follow_ups(self._stop):
             self._spawn(coro, name)
+
+    # --- metrics ----------------------------------------------------------------------------------
+
+    def _gauges(self) -> list[tuple[str, str, float | None]]:
+        """Read at scrape time (docs/METRICS.md); None: unknown, left out."""
+        b, st, now = self.cache.bundle, self.cache.state, self.clock()
+        checked = st.last_check_at if st.last_outcome in ("accepted", "unchanged") else None
+        checked = checked or st.accepted_at
+        creds = getattr(self.kube, "creds", None)
+        expiry = agent_metrics.token_expiry(getattr(creds, "token_file", None))
+        nc = self.nc
+        return [
+            (
+                "sco_agent_spool_backlog_records",
+                "Spooled records not yet published to JetStream.",
+                self.spool.last_seq - self.spool.published_seq,
+            ),
+            (
+                "sco_agent_spool_backlog_bytes",
+                "Bytes of spooled records not yet published (an upper bound).",
+                self.spool.backlog_bytes,
+            ),
+            ("sco_agent_bundle_serial", "Serial of the verified bundle in use.", b.serial if b else None),
+            (
+                "sco_agent_bundle_checked_timestamp_seconds",
+                "When the distributor last confirmed the bundle in use (fetched or unchanged).",
+                checked,
+            ),
+            (
+                "sco_agent_bundle_age_seconds",
+                "Seconds since the distributor last confirmed the bundle in use.",
+                now - checked if checked else None,
+            ),
+            (
+                "sco_agent_relay_up",
+                "1 if the NATS relay link is connected.",
+                1.0 if nc is not None and nc.is_connected else 0.0,
+            ),
+            (
+                "sco_agent_scheduler_api_up",
+                "1 if the scheduler API (Kubernetes or slurmctld) answered the last probe.",
+                None if self.api_up is None else float(self.api_up),
+            ),
+            (
+                "sco_agent_credential_expiry_timestamp_seconds",
+                "Expiry (exp) of the scheduler API bearer token.",
+                expiry,
+            ),
+            ("sco_agent_draining", "1 while a drain runs.", 1.0 if self.drain is not None else 0.0),
+        ]
+
+    async def _api_probe(self) -> None:
+        """The scheduler API's reachability for sco_agent_scheduler_api_up: one cheap read a minute."""
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._node_back_in_service(), max(2.0, self.api_timeout * 4))
+                self.api_up = True
+            except Exception as e:
+                log.debug("scheduler API probe: %s", e)
+                self.api_up = False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.cfg.metrics_probe_seconds)
+
+    async def _start_metrics(self) -> None:
+        """The /metrics endpoint; a failure to listen is logged and recorded, never a reason not to drain."""
+        if not self.cfg.metrics_listen:
+            return
+        srv = agent_metrics.MetricsServer(self.metrics, self.cfg.metrics_listen)
+        try:
+            await srv.start()
+        except OSError as e:
+            log.error("metrics endpoint %s: %s", self.cfg.metrics_listen, e)
+            self.spool.append("metrics.unavailable", ROUTINE, listen=self.cfg.metrics_listen, error=str(e))
+            return
+        self.metrics_server = srv
+        log.info("metrics on http://%s:%d/metrics", srv.host, srv.port)
+        self._spawn(self._api_probe(), "api-probe")
 
     # --- root tasks --------------------------------------------------------------------------------
 
@@ -500,8 +594,31 @@ class Agent:
             if wd and time.monotonic() - last_ping >= wd:
                 notify("WATCHDOG=1")
                 last_ping = time.monotonic()
+            self._notify_status()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), tick)
+
+    def drain_state(self) -> str:
+        """idle / draining n/m (pods or jobs gone of those seen) / drained / overrun: for systemctl status."""
+        drain = self.drain
+        if drain is not None:
+            progress = getattr(drain, "progress", None)
+            done, total = progress() if progress is not None else (0, 0)
+            return f"draining {done}/{total} for notice {drain.notice.id}"
+        if self.outcomes:
+            last = self.outcomes[-1]
+            return f"{last.get('outcome', 'finished')} for notice {last.get('notice')}"
+        return "idle"
+
+    def _notify_status(self) -> None:
+        """STATUS= follows the drain (a datagram only when it changed: the housekeeping tick is 0.5 s)."""
+        state = self.drain_state()
+        if state == self._status_said:
+            return
+        self._status_said = state
+        b = self.cache.bundle
+        where = f"hall {b.hall}, bundle serial {b.serial}" if b is not None else "no verified bundle yet: waiting"
+        notify(f"STATUS={state}; {where}")
 
     def _ready(self) -> None:
         b = self.cache.bundle
@@ -587,10 +704,13 @@ class Agent:
         b = self.cache.bundle
         if b is None:
             # said once, loudly: otherwise the first sign is a refused notice during a reclaim
+            refused = self.cache.bundle_path.exists() and self.cache.state.last_error
             log.warning(
-                "no bundle cached in %s: every NATS notice is refused (the bundle names the notice keys) and a "
+                "%s: every NATS notice is refused (the bundle names the notice keys) and a "
                 "drain has no contract budgets until one is fetched%s",
-                self.cfg.bundle_dir,
+                f"the bundle cached in {self.cfg.bundle_dir} is refused ({self.cache.state.last_error})"
+                if refused
+                else f"no bundle cached in {self.cfg.bundle_dir}",
                 f" from {self.cfg.bundle_url}" if self.cfg.bundle_url else " (bundle_url is not set)",
             )
         self._restore_book()
@@ -616,6 +736,7 @@ class Agent:
         self._spawn(self._publisher(), "publisher")
         self._spawn(self._housekeeping(), "housekeeping")
         self._spawn(self._preflight(), "preflight")  # says what would stop a drain, once
+        await self._start_metrics()
         self._ready()
         await self._stop.wait()
         await self._shutdown()
@@ -658,5 +779,7 @@ class Agent:
             await self.path.close()
         if self.checkpoint is not None:
             await self.checkpoint.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
         self._record_foreign()  # the total as of the stop, for `sco-agent status`
         self.spool.close()

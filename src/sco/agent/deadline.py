@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 REPORT_LEAD_S = 1.0  # the outcome is spooled at least this long before the instance is gone
 MIN_GRACE_S = 1  # never 0: a real API server removes a grace-0 pod at once while its containers still run
+LATE_WINDOW_S = 4.0  # a notice past its time still gets this long: taint, evict with the floor grace, verify
 
 
 @dataclass
@@ -30,6 +31,23 @@ class Deadline:
     margin: float
     started_at: float
     clock: Callable[[], float] = field(default=time.time, repr=False)
+    late: dict[str, float] | None = None  # set by ``for_notice`` when the notice left no time (best effort)
+
+    @classmethod
+    def for_notice(
+        cls, terminate_at: float, margin: float, started_at: float, clock: Callable[[], float] = time.time
+    ) -> Deadline:
+        """The drain's deadline. A notice already past its time, or too close to it for even the floor grace
+        before the kill time (clock skew, a late delete, a restart past T), is drained best effort: the
+        instance may still be there, so the node is tainted and its pods evicted with the floor grace (kill time
+        now + 1 s), the verifier runs until ``max(T, now + LATE_WINDOW_S)`` less the report lead, and the outcome
+        says how late the notice was (``late``)."""
+        now = clock()
+        if terminate_at - margin >= now + MIN_GRACE_S:
+            return cls(terminate_at, margin, started_at, clock)
+        end = max(terminate_at, now + LATE_WINDOW_S)
+        late = {"terminate_at": terminate_at, "past_by_s": round(now - terminate_at, 3)}
+        return cls(end, end - (now + MIN_GRACE_S), started_at, clock, late)
 
     def now(self) -> float:
         return self.clock()

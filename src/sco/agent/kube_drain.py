@@ -32,8 +32,11 @@ from typing import Any
 from sco.agent.budget import KubeBudgets, PodBudget
 from sco.agent.config import AgentConfig
 from sco.agent.deadline import Deadline
+from sco.agent.kube_events import KubeEvents
+from sco.agent.metrics import count_eviction
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
+from sco.agent.retry import Backoff
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.bundle import Bundle
 from sco.schedulers.kube import (
@@ -49,7 +52,12 @@ log = logging.getLogger("sco.agent.kube")
 
 Obj = dict[str, Any]
 BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
-HEARTBEAT_S = 1.0  # with nothing heard for this long, ask the API whether it still answers
+# Silence (ARCHITECTURE.md, "What counts as silence"): nothing received from the API server for the API timeout
+# (800 ms) while a request is outstanding. During a drain a probe keeps one outstanding: one at a time, sent at
+# most every PROBE_PERIOD_S, so silence is found 800 ms after the last answer, and an API answering up to
+# 800 ms - PROBE_PERIOD_S late is never taken for silent. Cost: at most 10 one-item lists a second per
+# draining node, each served from the API server's watch cache (resourceVersion=0).
+PROBE_PERIOD_S = 0.1
 NOTICE_ANNOTATION = "sco.dev/reclaim-notice"
 TERMINAL = ("Succeeded", "Failed")
 
@@ -121,6 +129,7 @@ class PodState:
     pod: Obj = field(default_factory=dict)
     grace_ends: float | None = None  # when the grace granted (by us or someone else) runs out
     held: bool = False  # terminal but kept by finalizers: its containers have stopped
+    refusals: int = 0  # the PodDisruptionBudget's 429s before the eviction (or the delete) went through
 
     @property
     def gone(self) -> bool:
@@ -154,9 +163,12 @@ class KubernetesDrain:
         self.tainted = self.resume.tainted
         self.taint_error = ""
         self.inventoried = False  # the first full list has been seen
-        self.heard_at = self.deadline.now()  # last time the API answered anything
+        self.began = self.deadline.now()  # the API is judged from here (a resumed drain: from the restart)
+        self.silent_since: float | None = None  # set once silence is found (the last answer, or began)
         self._changed = asyncio.Event()
         self._logged: set[str] = set()
+        # Kubernetes Events for kubectl describe: fire-and-forget, bounded, never awaited by the drain
+        self.kevents = KubeEvents(kube, spool, node, notice.id)
 
     # --- helpers -----------------------------------------------------------------------------------
 
@@ -176,8 +188,15 @@ class KubernetesDrain:
     def summary(self) -> Obj:
         return self.resume.summary()
 
-    def _heard(self) -> None:
-        self.heard_at = self.deadline.now()
+    def progress(self) -> tuple[int, int]:
+        """(pods verifiably gone, pods seen): the "draining n/m" of the agent's sd_notify STATUS."""
+        return sum(1 for st in self.pods.values() if st.gone), len(self.pods)
+
+    @property
+    def heard_at(self) -> float:
+        """When the API server last said anything (a response, a watch event), or when this drain began."""
+        h = self.kube.hearing.heard_at
+        return self.began if h is None else max(h, self.began)
 
     def _api_problem(self, what: str, err: Exception) -> None:
         """Recorded once per kind: silence (unreachable), a credential refused (401/403, TLS), or an answer that
@@ -210,7 +229,7 @@ class KubernetesDrain:
     async def _taint(self) -> None:
         if self.tainted:
             return
-        delay = BACKOFF_START_S
+        backoff = Backoff(BACKOFF_START_S, BACKOFF_MAX_S)
         while not self.deadline.overrun():
             try:
                 await self.kube.taint_node(
@@ -222,7 +241,6 @@ class KubernetesDrain:
                 )
             except (KubeUnreachable, KubeError) as e:
                 if isinstance(e, KubeError):
-                    self._heard()
                     if e.status == 404:
                         self.taint_error = f'node "{self.node}" not found (404): {e.message}'
                     elif isinstance(e, KubeCredentialError):
@@ -232,11 +250,12 @@ class KubernetesDrain:
                 else:
                     self.taint_error = f"API server did not answer: {e}"
                 self._api_problem("taint", e)
-                await self._pause(delay)
-                delay = min(BACKOFF_MAX_S, delay * 2)
+                await self._pause(backoff.next())
                 continue
-            self._heard()
             self.tainted = True
+            self.kevents.node_event(
+                "SpotReclaimTainted", f"tainted {self.taint_key}=NoSchedule for notice {self.notice.id}"
+            )
             first_action_ms = round(self.deadline.elapsed() * 1000, 1)
             self._event(
                 "node.tainted",
@@ -252,16 +271,14 @@ class KubernetesDrain:
 
     async def _observe(self) -> None:
         rv: str | None = None
-        delay = BACKOFF_START_S
+        backoff = Backoff(BACKOFF_START_S, BACKOFF_MAX_S)
         while not self.deadline.overrun():
             try:
                 if rv is None:
                     items, rv = await self.kube.pods_on_node(self.node, timeout=self._timeout())
-                    self._heard()
                     self._sync(items)
-                    delay = BACKOFF_START_S
+                    backoff.reset()
                 async for ev in self.kube.watch_pods(self.node, rv, timeout_s=300):
-                    self._heard()
                     obj = ev.get("object") or {}
                     rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
                     if ev.get("type") in ("ADDED", "MODIFIED"):
@@ -273,8 +290,7 @@ class KubernetesDrain:
                 continue
             except (KubeUnreachable, KubeError) as e:
                 self._api_problem("list/watch pods", e)
-            await self._pause(delay)
-            delay = min(BACKOFF_MAX_S, delay * 2)
+            await self._pause(backoff.next())
 
     def _sync(self, items: list[Obj]) -> None:
         present = set()
@@ -284,6 +300,8 @@ class KubernetesDrain:
         for st in self.pods.values():
             if st.uid not in present and not st.gone:
                 self._mark_gone(st, "left the API")
+        if not self.inventoried:  # how many pods the drain has to see go (a drill's "evicting n/m")
+            self._event("pods.listed", pods=len(self.pods))
         self.inventoried = True
         self._changed.set()
 
@@ -338,7 +356,7 @@ class KubernetesDrain:
 
     async def _evict(self, st: PodState) -> None:
         ns, name = st.key.split("/", 1)
-        delay = BACKOFF_START_S
+        backoff = Backoff(BACKOFF_START_S, BACKOFF_MAX_S)
         while True:
             # The pod's budget runs from the notice; read live, so an earlier deadline shortens it.
             budget_end = self.deadline.budget_end(st.budget.drain_seconds)
@@ -346,26 +364,42 @@ class KubernetesDrain:
                 await self._force(st, ns, name)
                 return
             grace = self.deadline.grace(st.budget.drain_seconds)
-            wait = delay
+            wait = backoff.next()
             try:
                 r = await self.kube.evict(ns, name, grace, uid=st.uid, timeout=self._timeout())
             except (KubeUnreachable, KubeCredentialError) as e:
+                count_eviction("error")
                 self._api_problem("evict", e)
                 st.last_error = str(e)
             else:
-                self._heard()
+                count_eviction(r.status)
                 if r.accepted:
                     st.state = "requested"
                     st.grace_ends = self.deadline.now() + grace
+                    self.kevents.pod_event(
+                        ns,
+                        name,
+                        st.uid,
+                        "SpotReclaimEvicting",
+                        f"eviction requested with a {grace} s grace: node {self.node} is reclaimed"
+                        f" (notice {self.notice.id}, instance gone at {_iso(self.notice.terminate_at)})",
+                    )
                     self._event(
-                        "eviction.requested", CRITICAL, pod=st.key, uid=st.uid, grace=grace, contract=st.budget.contract
+                        "eviction.requested",
+                        CRITICAL,
+                        pod=st.key,
+                        uid=st.uid,
+                        grace=grace,
+                        contract=st.budget.contract,
+                        refusals=st.refusals,
                     )
                     return
                 if r.status in (404, 409):
                     self._replaced(st, r.status)
                     return
                 st.last_error = f"HTTP {r.status}: {r.message}"
-                wait = max(delay, r.retry_after)
+                wait = max(wait, r.retry_after)
+                st.refusals += r.status == 429
                 if r.status == 429 and st.state != "blocked":
                     st.state = "blocked"
                     self._event(
@@ -376,7 +410,6 @@ class KubernetesDrain:
                         budget_left_s=round(budget_end - self.deadline.now(), 2),
                     )
             await asyncio.sleep(max(0.0, min(wait, budget_end - self.deadline.now())))
-            delay = min(BACKOFF_MAX_S, delay * 2)
 
     def _replaced(self, st: PodState, status: int) -> None:
         """404: gone; 409 on the uid precondition: the name now belongs to another pod. Stop either way."""
@@ -387,6 +420,7 @@ class KubernetesDrain:
 
     async def _force(self, st: PodState, ns: str, name: str) -> None:
         """Budget spent (a PDB never allowed): delete with the final-write grace that remains, at least 1 s."""
+        backoff = Backoff(BACKOFF_START_S, BACKOFF_MAX_S / 2)  # the budget is spent: retry sooner
         while not self.deadline.overrun():
             grace = self.deadline.grace(st.budget.final_write_seconds)
             try:
@@ -394,15 +428,23 @@ class KubernetesDrain:
             except (KubeUnreachable, KubeCredentialError) as e:
                 self._api_problem("delete", e)
                 st.last_error = str(e)
-                await self._pause(BACKOFF_START_S)
+                await self._pause(backoff.next())
                 continue
-            self._heard()
             if r.status in (404, 409):
                 self._replaced(st, r.status)
                 return
             if r.status < 300:
                 st.state, st.forced = "forced", True
                 st.grace_ends = self.deadline.now() + grace
+                self.kevents.pod_event(
+                    ns,
+                    name,
+                    st.uid,
+                    "SpotReclaimForcedDelete",
+                    f"deleted with a {grace} s grace, its drain budget spent"
+                    f" ({st.last_error or 'drain budget spent'}; notice {self.notice.id})",
+                    warning=True,
+                )
                 self._event(
                     "eviction.forced",
                     CRITICAL,
@@ -411,10 +453,11 @@ class KubernetesDrain:
                     grace=grace,
                     reason=st.last_error or "drain budget spent",
                     contract=st.budget.contract,
+                    refusals=st.refusals,
                 )
                 return
             st.last_error = f"HTTP {r.status}: {r.message}"
-            await self._pause(BACKOFF_START_S)
+            await self._pause(backoff.next())
 
     async def _shorten(self, st: PodState) -> None:
         """The deadline moved earlier: a grace that now ends past the kill time is cut by a second delete
@@ -426,7 +469,6 @@ class KubernetesDrain:
         except (KubeUnreachable, KubeCredentialError) as e:
             self._api_problem("delete (shorten grace)", e)
             return
-        self._heard()
         if r.status in (404, 409):
             self._replaced(st, r.status)
             return
@@ -446,8 +488,15 @@ class KubernetesDrain:
 
     async def run(self) -> Obj:
         """Drain, verify, and return the outcome, spooled at the overrun time at the latest."""
+        self.kevents.node_event(
+            "SpotReclaimDrainStarted",
+            f"draining for notice {self.notice.id}: instance gone at {_iso(self.notice.terminate_at)}"
+            f" (overrun at {_iso(self.deadline.overrun_at)})",
+        )
         self._spawn(self._taint(), "taint")
         self._spawn(self._observe(), "observe")
+        self._spawn(self._probe(), "probe")
+        self._spawn(self._find_silence(), "silence")
         try:
             while True:
                 self._changed.clear()
@@ -465,9 +514,6 @@ class KubernetesDrain:
                         and self.deadline.ends_too_late(st.grace_ends)
                     ):
                         self._spawn(self._shorten(st), name)
-                beat = self._tasks.get("heartbeat")
-                if self.deadline.now() - self.heard_at > HEARTBEAT_S and (beat is None or beat.done()):
-                    self._spawn(self._heartbeat(), "heartbeat")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), max(0.0, min(0.25, self.deadline.until_overrun())))
         finally:
@@ -475,20 +521,55 @@ class KubernetesDrain:
                 t.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    async def _heartbeat(self) -> None:
-        """A quiet watch is not a silent API: a one-item list served from the API server's watch cache
-        (resourceVersion=0, cheap) says whether it still answers."""
-        try:
-            await self.kube.list_pods(self.node, resource_version="0", limit=1, timeout=self._timeout())
-            self._heard()
-        except KubeError as e:
-            self._heard()  # it answered, if only to refuse
-            self._api_problem("heartbeat", e)
-        except KubeUnreachable as e:
-            self._api_problem("heartbeat", e)
+    async def _probe(self) -> None:
+        """Keep a request outstanding while the drain runs, so silence is found 800 ms after the last answer
+        even when nothing else is in flight: a one-item list served from the API server's watch cache
+        (resourceVersion=0, cheap), one at a time, at most every PROBE_PERIOD_S."""
+        while not self.deadline.overrun():
+            sent = self.deadline.now()
+            try:
+                await self.kube.list_pods(self.node, resource_version="0", limit=1, timeout=self._timeout())
+            except (KubeError, KubeUnreachable) as e:
+                self._api_problem("probe", e)
+            await asyncio.sleep(max(0.0, sent + PROBE_PERIOD_S - self.deadline.now()))
+
+    async def _find_silence(self) -> None:
+        """Silent: nothing received for the API timeout while a request is outstanding (or went unanswered)."""
+        hearing = self.kube.hearing
+        while not self.deadline.overrun():
+            quiet = hearing.quiet_for(self.began)
+            if quiet >= self.api_timeout and hearing.waiting:
+                # Silence of the API, not of this process: if the agent itself stood still (a disk stalling an
+                # fdatasync, a starved CPU), answers may be waiting unread in the sockets. Let the loop read what
+                # has arrived (a few iterations), then look again.
+                for _ in range(6):  # 3 iterations carry an answer from the socket to the client (measured)
+                    await asyncio.sleep(0)
+                quiet = hearing.quiet_for(self.began)
+                if quiet < self.api_timeout or not hearing.waiting:
+                    continue
+                self.silent_since = self.heard_at
+                what = (
+                    f"nothing heard from the API server for {quiet:.3f} s with {hearing.outstanding} request(s)"
+                    f" outstanding (last answer {_iso(self.silent_since)})"
+                )
+                self._event(
+                    "scheduler.silent",
+                    ROUTINE,  # not fdatasync'ed here: the switch must not wait for the disk
+                    last_answer_at=self.silent_since,
+                    found_after_ms=round(quiet * 1000, 1),
+                    outstanding=hearing.outstanding,
+                )
+                self._on_silent(what)
+                return
+            await asyncio.sleep(max(0.005, self.api_timeout - quiet) if quiet < self.api_timeout else 0.02)
+
+    def _on_silent(self, what: str) -> None:
+        """The API path carries on (its calls retry until the overrun time); a subclass may drain around it."""
+        log.warning("API server silent: %s", what)
 
     def _silent(self) -> bool:
-        return self.deadline.now() - self.heard_at > max(2.0, 2 * self.api_timeout)
+        hearing = self.kube.hearing
+        return hearing.waiting and hearing.quiet_for(self.began) >= self.api_timeout
 
     def _why(self, st: PodState) -> str:
         if self._silent():
@@ -508,23 +589,47 @@ class KubernetesDrain:
             "pods": len(self.pods),
             "forced": sum(1 for s in self.pods.values() if s.forced),
         }
+        if self.deadline.late is not None:
+            fields["late_notice"] = self.deadline.late  # drained best effort: the notice left no time
         held = [s.key for s in self.pods.values() if s.held]
         if held:
             fields["held_by_finalizers"] = held  # containers stopped; only the API object remains
+        ck = getattr(self, "checkpoint", None)  # KubeNodeDrain's checkpoint socket
+        if ck is not None:
+            fields["workloads"] = ck.lost_work()  # lost work, per workload on the socket
         if outcome == "overrun":
             reasons = []
             if not self.tainted:
                 reasons.append(f"node not tainted: {self.taint_error or 'no answer from the API server'}")
             if not self.inventoried:
                 reasons.append(f"the node's pods could not be listed (API silent since {_iso(self.heard_at)})")
+            if self.deadline.late is not None:
+                reasons.append(
+                    f"the notice left no time (terminateAt {_iso(self.deadline.late['terminate_at'])}): drained best"
+                    " effort with the floor grace"
+                )
             remaining = [s for s in self.pods.values() if not s.gone]
             if remaining:
                 reasons.append(f"{len(remaining)} pod(s) not verifiably gone")
             fields["reasons"] = reasons
             fields["remaining"] = [{"pod": s.key, "uid": s.uid, "why": self._why(s)} for s in remaining]
+            self.kevents.node_event(
+                "SpotReclaimOverrun", f"drain overrun for notice {self.notice.id}: " + "; ".join(reasons), warning=True
+            )
+        else:
+            self.kevents.node_event(
+                "SpotReclaimDrained", f"drained for notice {self.notice.id}: {len(self.pods)} pod(s) gone"
+            )
+        fields["kube_events"] = self.kevents.counts()  # those still in flight are not counted yet
         self._event(f"drain.{outcome}", CRITICAL, **fields)
         self.outcome = {"outcome": outcome, **fields}
-        log.info("drain %s for notice %s: %s", outcome, self.notice.id, fields)
+        log.log(
+            logging.WARNING if outcome == "overrun" else logging.INFO,
+            "drain %s for notice %s: %s",
+            outcome,
+            self.notice.id,
+            fields,
+        )
         return self.outcome
 
 

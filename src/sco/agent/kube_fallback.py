@@ -1,6 +1,7 @@
 """Around an API server that does not answer (seed view 19, fourth row).
 
-When the Kubernetes API does not answer within the scheduler timeout (800 ms), the agent stops asking. It takes
+When the Kubernetes API is silent (nothing received from it for the scheduler timeout, 800 ms, while a request
+is outstanding: ARCHITECTURE.md), the agent stops asking. It takes
 a systemd shutdown inhibitor (logind ``Inhibit``, mode ``delay``) so that the node's shutdown waits for the
 final write, asks logind to power off (so kubelet's graceful node shutdown terminates the pods by priority,
 locally, while the deadline still leaves time), waits for the workloads on the checkpoint socket and for
@@ -23,6 +24,7 @@ from sco.agent.checkpoint import CheckpointServer
 from sco.agent.deadline import Deadline
 from sco.agent.inhibit import InhibitError, Lock, Logind
 from sco.agent.notices import Notice
+from sco.agent.retry import Backoff
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
 
@@ -47,6 +49,7 @@ class KubeFallback:
         shutdown: str = "poweroff",
         pods_left: Callable[[], list[str]] | None = None,
         inventoried: Callable[[], bool] | None = None,
+        found_at: float | None = None,
     ) -> None:
         if shutdown not in SHUTDOWN_MODES:
             raise ValueError(f"shutdown: expected one of {SHUTDOWN_MODES}, got {shutdown!r}")
@@ -58,6 +61,7 @@ class KubeFallback:
         self.pods_left = pods_left or (lambda: [])  # pods the API path saw and could not see go
         self.inventoried = inventoried or (lambda: True)  # whether the API path ever listed the node's pods
         self.lock: Lock | None = None
+        self.found_at = found_at  # when the silence was found (api_silent_since + the timeout, give or take)
 
     def _event(self, type_: str, priority: int = ROUTINE, **fields: Any) -> None:
         self.spool.append(type_, priority, notice=self.notice.id, **fields)
@@ -70,6 +74,8 @@ class KubeFallback:
             reason=self.reason,
             api_silent_since=self.api_silent_since,
             notice_to_fallback_ms=round((now - self.started_at) * 1000, 1),
+            last_answer_to_fallback_ms=round((now - self.api_silent_since) * 1000, 1),
+            switch_ms=round((now - self.found_at) * 1000, 1) if self.found_at is not None else None,
             how="kubelet graceful node shutdown",
         )
         log.warning("API server silent (%s): draining around it through kubelet's graceful node shutdown", self.reason)
@@ -163,8 +169,11 @@ class KubeFallback:
             "kubelet_shutdown": kubelet_done,
             "api_silent_since": self.api_silent_since,
         }
+        if self.deadline.late is not None:
+            body["late_notice"] = self.deadline.late
         if self.checkpoint is not None:
             body["checkpoint"] = self.checkpoint.settled().counts
+            body["workloads"] = self.checkpoint.lost_work()  # lost work, per workload on the socket
         if outcome == "drained":
             body["terminated_by_kubelet"] = left  # kubelet let go of its lock: it has stopped their containers
         else:
@@ -173,7 +182,13 @@ class KubeFallback:
         # The outcome is on disk (critical records are fdatasync'ed) before the lock is let go.
         self._event(f"drain.{outcome}", CRITICAL, **body)
         self._event("scheduler.report_pending", CRITICAL, reason=self.reason, scheduler="kubernetes")
-        log.info("drain %s around the API server for notice %s: %s", outcome, self.notice.id, body)
+        log.log(
+            logging.WARNING if outcome == "overrun" else logging.INFO,
+            "drain %s around the API server for notice %s: %s",
+            outcome,
+            self.notice.id,
+            body,
+        )
         return {"outcome": outcome, **body}
 
     def release(self) -> None:
@@ -195,7 +210,7 @@ async def report_late(
     """Tell the API server once it answers: the node tainted for the notice (nothing is evicted: kubelet did it)."""
     from sco.agent.kube_drain import NOTICE_ANNOTATION, taint_value
 
-    delay = 0.5
+    backoff = Backoff(0.5, interval)
     while not stop.is_set():
         try:
             await kube.taint_node(
@@ -209,5 +224,4 @@ async def report_late(
         except KubeError as e:
             log.warning("telling the API server: %s", e)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        delay = min(interval, delay * 2)
+            await asyncio.wait_for(stop.wait(), backoff.next())

@@ -2,9 +2,9 @@
 
 - Spark (``sco.agent.spark_order``): executor pods are evicted first, a driver only once this node's executors
   are gone (or out of budget), so decommissioning can migrate their blocks while the driver still coordinates.
-- Around a silent API server (``sco.agent.kube_fallback``): the first call not answered within the timeout
-  (800 ms) ends the API path; kubelet's graceful node shutdown does the rest under a logind delay lock, and the
-  API server is told once it answers again (a follow-up task).
+- Around a silent API server (``sco.agent.kube_fallback``): nothing heard from it for the timeout (800 ms)
+  while a request is outstanding ends the API path; kubelet's graceful node shutdown does the rest under a
+  logind delay lock, and the API server is told once it answers again (a follow-up task).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
 from sco.agent.spark_order import DRIVER, EXECUTOR, driver_may_go, in_eviction_order, spark_role
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
-from sco.schedulers.kube import KubeClient, KubeUnreachable
+from sco.schedulers.kube import KubeClient
 
 DRIVER_POLL_S = 0.1
 MIN_INHIBIT_DELAY_S = 10.0  # logind's default is 5 s; anything this short cannot hold a graceful shutdown
@@ -32,8 +32,9 @@ log = logging.getLogger("sco.agent.kube_node")
 
 
 class KubeNodeDrain(KubernetesDrain):
-    """The Kubernetes drain with Spark ordering, switching to :class:`KubeFallback` the first time the API server
-    does not answer within the timeout (a refused or timed-out call; an HTTP error is an answer: API path)."""
+    """The Kubernetes drain with Spark ordering, switching to :class:`KubeFallback` once the API server is silent:
+    nothing received from it for the timeout (800 ms) while a request is outstanding (the probe keeps one
+    outstanding; a refused connection is retried within the timeout; an HTTP error is an answer)."""
 
     def __init__(
         self,
@@ -48,12 +49,14 @@ class KubeNodeDrain(KubernetesDrain):
         self._api_silent = asyncio.Event()
         self._api_silent_since: float | None = None
         self._api_silent_what = ""
+        self._api_silent_found: float | None = None
         self.fallback: KubeFallback | None = None
 
-    def _api_problem(self, what: str, err: Exception) -> None:
-        super()._api_problem(what, err)
-        if self.shutdown != "off" and isinstance(err, KubeUnreachable) and not self._api_silent.is_set():
-            self._api_silent_since, self._api_silent_what = self.deadline.now(), f"{what}: {err}"
+    def _on_silent(self, what: str) -> None:
+        super()._on_silent(what)
+        if self.shutdown != "off" and not self._api_silent.is_set():
+            self._api_silent_since, self._api_silent_what = self.silent_since, what
+            self._api_silent_found = self.deadline.now()
             self._api_silent.set()
 
     async def run(self) -> dict[str, Any]:
@@ -79,6 +82,15 @@ class KubeNodeDrain(KubernetesDrain):
             shutdown=self.shutdown,
             pods_left=lambda: sorted(st.key for st in self.pods.values() if not st.gone),
             inventoried=lambda: self.inventoried,
+            found_at=self._api_silent_found,
+        )
+        # The API server is silent: this event most likely fails (counted, never retried); report_late taints
+        # the node once it answers again.
+        self.kevents.node_event(
+            "SpotReclaimFallback",
+            f"API server silent ({self._api_silent_what}): draining around it for notice {self.notice.id}"
+            " (logind inhibitor, kubelet graceful node shutdown)",
+            warning=True,
         )
         self.outcome = await self.fallback.run()
         return self.outcome

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sco import _logging as sco_logging
 from sco.agent import config
 from sco.errors import ConfigError, ScoError
 
@@ -102,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("run", help="run the agent")
     r.add_argument("--config", help="agent.toml [$SCO_AGENT_CONFIG]")
     r.add_argument("--check-config", action="store_true", help="check the configuration and exit")
+    r.add_argument(
+        "--log-format", choices=sco_logging.FORMATS, help="text or json (one object a line) [$SCO_LOG_FORMAT]"
+    )
     c = sub.add_parser("check-config", help="check the configuration and exit")
     c.add_argument("--config", help="agent.toml [$SCO_AGENT_CONFIG]")
     c.add_argument(
@@ -131,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in unknown:  # before the configuration's own errors: a typo may be their cause
             print(f"sco-agent: warning: environment: {name}: unknown setting, ignored", file=sys.stderr)
         cfg = config.load(_config_path(args))
+        # the trusted keys as run reads them: a corrupt one is exit 4 here as there, one line
+        from sco.contract.signing import Keyring
+
+        Keyring.from_dir(cfg.trust_dir)
         if args.cmd == "check-config" or args.check_config:
             print(f"{_config_path(args) or 'environment'}: ok (node {cfg.node}, hall {cfg.hall}, {cfg.scheduler})")
             if cfg.scheduler != "kubernetes":
@@ -142,11 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not problems:
                 print(f"kubernetes: ok (the API server knows node {cfg.node}; the credential may patch it)")
             return 5 if problems and strict else 0
-        logging.basicConfig(
-            level=getattr(logging, cfg.log_level.upper()),
-            format="%(levelname)s %(name)s: %(message)s",
-            stream=sys.stderr,
-        )
+        try:  # SCO_LOG_FORMAT=json or --log-format json: one JSON object per line
+            sco_logging.setup(cfg.log_level, getattr(args, "log_format", None))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         from sco.agent.daemon import Agent
 
         try:

@@ -30,6 +30,7 @@ from sco.agent.deadline import Deadline
 from sco.agent.jobprocs import alive, job_environment, job_processes
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
+from sco.agent.retry import Backoff
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.bundle import Bundle
 from sco.schedulers.slurm import Job, SlurmClient, SlurmCommandError, SlurmUnreachable
@@ -127,6 +128,10 @@ class SlurmDrain:
 
     def summary(self) -> dict[str, Any]:
         return self.resume.summary()
+
+    def progress(self) -> tuple[int, int]:
+        """(jobs that left or were requeued, jobs seen): the "draining n/m" of the agent's sd_notify STATUS."""
+        return sum(1 for j in self.jobs.values() if j.state in ("left", "requeued")), len(self.jobs)
 
     @property
     def reason(self) -> str:
@@ -310,9 +315,19 @@ class SlurmDrain:
             "jobs": sorted(self.jobs),
             **fields,
         }
+        if self.checkpoint is not None:  # lost work, per workload on the socket
+            body["workloads"] = self.checkpoint.lost_work()
+        if self.deadline.late is not None:
+            body["late_notice"] = self.deadline.late  # drained best effort: the notice left no time
         self._event(f"drain.{outcome}", CRITICAL, **body)
         self.outcome = {"outcome": outcome, **body}
-        log.info("drain %s for notice %s: %s", outcome, self.notice.id, body)
+        log.log(
+            logging.WARNING if outcome == "overrun" else logging.INFO,
+            "drain %s for notice %s: %s",
+            outcome,
+            self.notice.id,
+            body,
+        )
         return self.outcome
 
 
@@ -379,7 +394,7 @@ async def report_late(
     slurm: SlurmClient, spool: Spool, node: str, notice_id: str, jobs: list[int], reason: str, stop: asyncio.Event
 ) -> None:
     """Tell slurmctld what happened around it, once it answers: DRAIN the node, requeue the jobs."""
-    delay = 0.5
+    backoff = Backoff(0.5, 5.0)
     while not stop.is_set():
         try:
             await slurm.drain(node, reason)
@@ -398,5 +413,4 @@ async def report_late(
         except SlurmCommandError as e:
             log.warning("telling slurmctld: %s", e)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        delay = min(5.0, delay * 2)
+            await asyncio.wait_for(stop.wait(), backoff.next())

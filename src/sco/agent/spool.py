@@ -30,6 +30,7 @@ Publication progress (the last seq acknowledged by JetStream) is kept in ``curso
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -202,6 +203,7 @@ class Spool:
         self._dirty_since: float | None = None
         self._pub_offset = 0  # file offset from which unpublished events are searched
         self._batch_end: dict[int, int] = {}
+        self.observer: Callable[[Event], None] | None = None  # the agent's metrics (sco.agent.metrics)
 
     def _spool_id(self) -> str:
         """A random id for this spool, kept beside it: event ids (JetStream's Nats-Msg-Id) carry it, so no
@@ -219,6 +221,14 @@ class Spool:
         except OSError as e:  # replays after a restart may then be duplicated in JetStream, never lost
             log.error("cannot keep the spool id in %s: %s", path, e)
         return value
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes not yet published, at most: from where the publisher looks next to the end, plus what waits
+        in memory (an upper bound: the publisher's offset moves a batch at a time)."""
+        if self.last_seq <= self.published_seq:
+            return 0
+        return max(0, self.size - self._pub_offset) + self._pending_bytes
 
     @property
     def pending(self) -> int:
@@ -311,6 +321,9 @@ class Spool:
                 self._failed(e)
             event, frame = self._encode(type_, priority, fields)
         self.last_seq = event["seq"]
+        if self.observer is not None:
+            with contextlib.suppress(Exception):  # metrics never cost a record
+                self.observer(event)
         self._pending.append((frame, priority))
         self._pending_bytes += len(frame)
         self._flush_pending()

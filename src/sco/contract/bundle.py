@@ -38,6 +38,10 @@ class Budget:
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+# The largest serial: the largest integer every JSON reader holds exactly (2^53 - 1). A serial past it (10^40,
+# say) would lock out every later bundle on every node that accepted it, so it is refused, signed or not; a
+# bundle a second would take 285 million years to reach it.
+MAX_SERIAL = 2**53 - 1
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 # What the node reads from the policy, with the ranges it accepts (the compiler enforces the same).
 _POLICY_INTS = {
@@ -60,8 +64,8 @@ def payload_problems(p: dict[str, Any]) -> list[str]:
     out: list[str] = []
     if not isinstance(p.get("hall"), str) or not _NAME.match(p["hall"]):
         out.append("hall: expected a DNS-style name")
-    if not _int(p.get("serial")) or p["serial"] < 1:
-        out.append("serial: expected an integer >= 1")
+    if not _int(p.get("serial")) or not 1 <= p["serial"] <= MAX_SERIAL:
+        out.append(f"serial: expected an integer from 1 to {MAX_SERIAL} (2^53 - 1)")
     if not isinstance(p.get("contentDigest"), str) or not _HEX64.match(p["contentDigest"]):
         out.append("contentDigest: expected 64 hex digits")
     if "issuedAt" in p and not _int(p["issuedAt"]):

@@ -11,6 +11,7 @@ decommissioning. Every problem in every file is reported at once, each with its 
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import time
@@ -23,7 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from sco.contract.bundle import content_digest
+from sco.contract.bundle import MAX_SERIAL, content_digest
 from sco.contract.model import API_VERSION, SELECTOR_TAGS, Contract, HallPolicy
 from sco.errors import ConfigError, ContractError, Problem
 
@@ -43,10 +44,85 @@ def issued_at_problem(value: int, now: float | None = None) -> str | None:
     return None
 
 
+_STR, _INT, _MAP, _SEQ, _MERGE = (f"tag:yaml.org,2002:{t}" for t in ("str", "int", "map", "seq", "merge"))
+
+
 class _Loader(_Base):  # type: ignore[misc]
-    """Safe loading that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
+    """Safe loading that refuses duplicate mapping keys (PyYAML silently keeps the last one).
+
+    The hot path of a compile (10,000 contracts): PyYAML's constructor walks every node through
+    ``construct_object`` (bookkeeping and generators per node), and the duplicate check once built every key a
+    second time on top. Here the plain nodes a contract is made of (str, decimal int, bool, null, mappings and
+    sequences without merge keys) are built in one recursive pass, with the duplicate check as the dict is
+    filled; anything else (anchors shared by aliases, other tags, ``<<``) goes through PyYAML's own
+    constructor, so the result is exactly SafeLoader's."""
+
+    # The composer asks the resolver about every node. A plain scalar whose first character starts no implicit
+    # type (bool, int, float, null, timestamp, merge, value) is a string: most of a contract ("wl-00042",
+    # "team-7", "spot"); and SafeLoader has no path resolvers, so descending and ascending cost nothing.
+    _TYPED_FIRST = frozenset(k for k in _Base.yaml_implicit_resolvers if k)
+    assert None not in _Base.yaml_implicit_resolvers and not _Base.yaml_path_resolvers
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+        if kind is yaml.ScalarNode and implicit[0] and value and value[0] not in self._TYPED_FIRST:
+            return _STR
+        return super().resolve(kind, value, implicit)
+
+    def descend_resolver(self, current_node: Any, current_index: Any) -> None:
+        return None
+
+    def ascend_resolver(self) -> None:
+        return None
+
+    def construct_document(self, node: Any) -> Any:
+        self._built: dict[int, Any] = {}  # id(node) -> its dict or list: an alias gets the same object
+        try:
+            return self._build(node)
+        finally:
+            # what PyYAML's construct_document resets (its constructor is only ever called with deep=True
+            # here, so no state generators are left to run)
+            self._built = {}
+            self.constructed_objects: dict[Any, Any] = {}
+            self.recursive_objects: dict[Any, Any] = {}
+
+    def _build(self, node: Any) -> Any:
+        tag = node.tag
+        if tag == _STR:
+            return node.value
+        if tag in (_MAP, _SEQ):
+            hit = self._built.get(id(node))
+            if hit is not None:
+                return hit
+            if tag == _SEQ:
+                seq: list[Any] = []
+                self._built[id(node)] = seq
+                seq.extend(self._build(v) for v in node.value)
+                return seq
+            out: dict[Any, Any] = {}
+            self._built[id(node)] = out
+            for k, v in node.value:
+                if k.tag == _MERGE:
+                    del self._built[id(node)]
+                    return self.construct_object(node, deep=True)
+                key = self._build(k)
+                try:
+                    dup = key in out
+                except TypeError:
+                    del self._built[id(node)]
+                    return self.construct_object(node, deep=True)  # unhashable: PyYAML's own error
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", k.start_mark
+                    )
+                out[key] = self._build(v)
+            return out
+        value = node.value
+        if tag == _INT and value.isdigit() and (value[0] != "0" or value == "0"):
+            return int(value)  # plain decimal (a leading 0 is octal in YAML 1.1: PyYAML's path)
+        return self.construct_object(node, deep=True)
 
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        """PyYAML's path (merge keys): the same duplicate check, on the keys as written."""
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
@@ -121,7 +197,9 @@ def _problems(where: str, err: ValidationError) -> list[Problem]:
 
 def _resolve(where: str, model: BaseModel) -> Resolved:
     if isinstance(model, HallPolicy):
-        return Resolved("HallPolicy", where, model.metadata.name, model.spec.model_dump(by_alias=True, mode="json"))
+        # exclude_none: an unset checkpointStore leaves the payload (and older halls' bundles) as they were
+        spec = model.spec.model_dump(by_alias=True, mode="json", exclude_none=True)
+        return Resolved("HallPolicy", where, model.metadata.name, spec)
     assert isinstance(model, Contract)
     body: dict[str, Any] = model.spec.model_dump(by_alias=True, mode="json", exclude_none=True)
     body.update(name=model.metadata.name, owner=model.metadata.owner, source=where)
@@ -219,6 +297,37 @@ def _slurm_overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return not pa or not pb or bool(set(pa) & set(pb))
 
 
+def _checkpoint_fits(c: Resolved, hall: dict[str, Any]) -> list[Problem]:
+    """A declared checkpoint must fit the drain budget at the hall's measured store throughput."""
+    store = c.body["checkpoint"].get("store")
+    if not store:
+        return []
+    where = "spec.checkpoint.store.sizeMiB"
+    hs = hall.get("checkpointStore")
+    if not hs:
+        return [
+            Problem(
+                c.where,
+                where,
+                f"a {store['sizeMiB']} MiB checkpoint cannot be checked: the hall policy has no checkpointStore"
+                " (endpoint, throughputMiBPerSecond)",
+            )
+        ]
+    size, rate, budget = store["sizeMiB"], hs["throughputMiBPerSecond"], c.body["drainBudgetSeconds"]
+    save_s = size / rate
+    if save_s > budget:
+        return [
+            Problem(
+                c.where,
+                where,
+                f"a {size} MiB checkpoint takes {save_s:.1f} s at the hall's measured store throughput of {rate}"
+                f" MiB/s, more than the drain budget of {budget} s (drainBudgetSeconds): raise the budget to at"
+                f" least {math.ceil(save_s)} s or make the checkpoint smaller than {rate * budget} MiB",
+            )
+        ]
+    return []
+
+
 def feasibility(policy: Resolved, contracts: list[Resolved]) -> list[Problem]:
     problems: list[Problem] = []
     spec = policy.body
@@ -240,6 +349,7 @@ def feasibility(policy: Resolved, contracts: list[Resolved]) -> list[Problem]:
                     f"notice window {window} s less the safety margin {margin} s ({usable} s)",
                 )
             )
+        problems.extend(_checkpoint_fits(c, spec))
         if s["scheduler"] == "slurm" and s["requeue"]["policy"] == "never":
             problems.append(
                 Problem(c.where, "spec.requeue.policy", "slurm contracts must be requeueable (not 'never')")
@@ -322,6 +432,8 @@ def compile_repo(
     prev_serial = int(previous.get("serial", 0)) if previous else 0
     unchanged = bool(previous and previous.get("contentDigest") == digest and previous.get("hall") == hall)
     if serial is not None:
+        if not 1 <= serial <= MAX_SERIAL:
+            raise ContractError(f"--serial {serial}: expected 1 to {MAX_SERIAL} (2^53 - 1, the bound nodes keep)")
         if serial <= prev_serial and not unchanged:
             raise ContractError(f"--serial {serial} must be above the previous bundle's serial {prev_serial}")
         new_serial = serial

@@ -7,14 +7,18 @@ side needs only ``http.client`` (no aiohttp in the agent's memory budget). Integ
 signature, not the transport, so caches and mirrors in between cannot forge a bundle.
 
 Layout under the publish root: ``<root>/<hall>/bundle.json``, served at ``/v1/halls/<hall>/bundle.json``.
+``/metrics``: Prometheus text format (docs/METRICS.md): requests by code, refused connections, serial per hall.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import socket
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -87,12 +91,35 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def setup(self) -> None:
-        # An idle keep-alive connection (or one sending a byte a minute) is closed after this long, so it
-        # cannot hold its thread forever.
+        # No single read or write waits longer than this (a peer that stops reading the bundle).
         super().setup()
         self.connection.settimeout(self.server.idle_timeout)
 
+    def handle_one_request(self) -> None:
+        # The request line and every header must be in within header_timeout of the connection being ready for
+        # a request, however slowly they trickle in (a slowloris resets a per-read timeout with each byte); an
+        # idle keep-alive connection is closed by the same deadline. No body is ever read (GET and HEAD only).
+        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.header_timeout)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.deadlines.disarm(self.connection)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.server.deadlines.disarm(self.connection)  # headers complete: the answer is not held to it
+        if ok and self.headers.get("Content-Length", "0") not in ("", "0"):
+            self.close_connection = True  # a body announced is never read: it must not be parsed as a request
+        return ok
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.server.count(int(code))
+        super().send_response(code, message)
+
     def _serve(self, head: bool) -> None:
+        if self.path.split("?", 1)[0] == "/metrics":
+            self._send(HTTPStatus.OK, self.server.metrics(), "text/plain; version=0.0.4; charset=utf-8", head=head)
+            return
         if self.path == "/healthz":
             self._send(HTTPStatus.OK, b"ok\n", "text/plain", head=head)
             return
@@ -132,9 +159,46 @@ class _Handler(BaseHTTPRequestHandler):
             super().log_message(format, *args)
 
 
+class _Deadlines:
+    """Connections with a deadline for their request's headers; one reaper thread shuts the overdue ones
+    (their blocked read returns at once, the handler thread ends)."""
+
+    def __init__(self, period: float = 0.25) -> None:
+        self._lock = threading.Lock()
+        self._by_conn: dict[socket.socket, float] = {}
+        self._stop = threading.Event()
+        self.reaped = 0
+        threading.Thread(target=self._reap, args=(period,), name="distributor-deadlines", daemon=True).start()
+
+    def arm(self, conn: socket.socket, at: float) -> None:
+        with self._lock:
+            self._by_conn[conn] = at
+
+    def disarm(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._by_conn.pop(conn, None)
+
+    def _reap(self, period: float) -> None:
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, at in self._by_conn.items() if at <= now]
+                for c in late:
+                    del self._by_conn[c]
+            for c in late:
+                self.reaped += 1
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 class DistributorServer(ThreadingHTTPServer):
-    """One thread per connection, at most ``max_connections`` at once (more are closed at once: a node
-    retries at its next refresh), each closed after ``idle_timeout`` seconds without a request."""
+    """One thread per connection: at most ``max_connections`` at once and ``max_per_client`` from one address
+    (more are closed at once: a node retries at its next refresh, and one client cannot take every slot); a
+    request's line and headers must arrive within ``header_timeout`` seconds in all (a slowloris trickling a
+    byte at a time is cut off), and no read or write waits more than ``idle_timeout``."""
 
     daemon_threads = True
     request_queue_size = 128
@@ -146,32 +210,96 @@ class DistributorServer(ThreadingHTTPServer):
         verbose: bool = False,
         *,
         max_connections: int = 256,
+        max_per_client: int = 16,
+        header_timeout: float = 10.0,
         idle_timeout: float = 15.0,
     ):
         self.files = _Files(root)
         self.verbose = verbose
-        self.max_connections = max_connections
-        self.idle_timeout = idle_timeout
+        self.max_connections, self.max_per_client = max_connections, max_per_client
+        self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._per_client: dict[str, int] = {}
+        self._per_client_lock = threading.Lock()
         self.refused_connections = 0
+        self.requests: dict[int, int] = {}  # by HTTP status code (a small fixed set)
+        self._requests_lock = threading.Lock()
+        self._serials: dict[str, tuple[str, Any]] = {}  # hall: (etag, serial)
+        self.deadlines = _Deadlines()
         super().__init__(address, _Handler)
 
+    def count(self, code: int) -> None:
+        with self._requests_lock:
+            self.requests[code] = self.requests.get(code, 0) + 1
+
+    def metrics(self) -> bytes:
+        """No client or node labels: hall and status code only."""
+        with self._requests_lock:
+            requests = sorted(self.requests.items())
+        lines = [
+            "# HELP sco_distributor_requests_total HTTP requests answered, by status code.",
+            "# TYPE sco_distributor_requests_total counter",
+            *(f'sco_distributor_requests_total{{code="{c}"}} {n}' for c, n in requests),
+            "# HELP sco_distributor_refused_connections_total Connections closed at once (connection limits).",
+            "# TYPE sco_distributor_refused_connections_total counter",
+            f"sco_distributor_refused_connections_total {self.refused_connections}",
+            "# HELP sco_distributor_bundle_serial Serial of the bundle published for the hall.",
+            "# TYPE sco_distributor_bundle_serial gauge",
+        ]
+        for d in sorted(self.files.root.iterdir()) if self.files.root.is_dir() else []:
+            if not _PATH.match(f"/v1/halls/{d.name}/bundle.json"):
+                continue
+            found = self.files.get(d.name)
+            if found is None:
+                continue
+            cached = self._serials.get(d.name)
+            if cached is None or cached[0] != found[1]:  # parsed once per published bundle, not per scrape
+                payload = peek_payload(found[0])
+                cached = (found[1], payload.get("serial") if payload else None)
+                self._serials[d.name] = cached
+            serial = cached[1]
+            if isinstance(serial, int) and not isinstance(serial, bool):
+                lines.append(f'sco_distributor_bundle_serial{{hall="{d.name}"}} {serial}')
+        return ("\n".join(lines) + "\n").encode()
+
+    def _take(self, client: str) -> bool:
+        with self._per_client_lock:
+            n = self._per_client.get(client, 0)
+            if n >= self.max_per_client:
+                return False
+            if not self._slots.acquire(blocking=False):
+                return False
+            self._per_client[client] = n + 1
+            return True
+
+    def _give(self, client: str) -> None:
+        with self._per_client_lock:
+            n = self._per_client.pop(client, 1) - 1
+            if n > 0:
+                self._per_client[client] = n
+            self._slots.release()
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        client = str(client_address[0])
+        if not self._take(client):
             self.refused_connections += 1
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._give(client)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._give(str(client_address[0]))
+
+    def server_close(self) -> None:
+        self.deadlines.close()
+        super().server_close()
 
     @property
     def url(self) -> str:

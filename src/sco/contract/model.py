@@ -59,12 +59,35 @@ class SlurmSelector(Strict):
     """Partitions the account's jobs may run in under this contract; empty means all."""
 
 
+# A key prefix in the contract's own bucket: no leading slash, ends with "/" (no "..": a validator).
+_PREFIX = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}/$"
+
+
+class CheckpointStore(Strict):
+    """Where the workload's checkpoints go: its own bucket and S3 user on the hall's store (role
+    ``checkpoint_store``), the user's access scoped to this prefix."""
+
+    prefix: Annotated[str, Field(pattern=_PREFIX)]
+    size_mib: Annotated[PositiveInt, Field(le=10_000_000)] = Field(alias="sizeMiB")
+    """The size of one checkpoint: with the hall's measured store throughput, what a save takes."""
+    keep: Annotated[PositiveInt, Field(le=1000)] = 3
+    """Complete checkpoints kept (older ones are deleted after each save)."""
+
+    @field_validator("prefix")
+    @classmethod
+    def _no_dotdot(cls, v: str) -> str:
+        if ".." in v or "//" in v:
+            raise ValueError(f"{v!r}: a prefix has no '..' and no empty segment")
+        return v
+
+
 class Checkpoint(Strict):
     mode: Literal["signal", "none"]
     """signal: the agent signals the workload and waits for its acknowledgement on the agent socket."""
     signal: str = "USR1"
     ack_socket: bool = True
     """Wait for the workload's acknowledgement on the checkpoint socket, not only for its exit."""
+    store: CheckpointStore | None = None
 
     @field_validator("signal")
     @classmethod
@@ -182,6 +205,13 @@ class NoticeKey(Strict):
         return self
 
 
+class HallCheckpointStore(Strict):
+    endpoint: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$")]
+    """The S3 endpoint workloads write checkpoints to (the RGW)."""
+    throughput_mib_per_second: Annotated[PositiveInt, Field(le=1_000_000)] = Field(alias="throughputMiBPerSecond")
+    """Measured save throughput of one workload to the store (``make bench BENCH=workload_dcp``: DCP save MiB/s)."""
+
+
 class HallPolicySpec(Strict):
     # Ranges: values outside them are typos or would make the agent busy-loop (a 0 s poll) or wait forever.
     notice_window_seconds: Annotated[PositiveInt, Field(ge=10, le=HOUR)] = 120
@@ -196,6 +226,8 @@ class HallPolicySpec(Strict):
     bundle_refresh_seconds: Annotated[PositiveInt, Field(ge=5, le=86_400)] = 60
     reserved_capacity: Capacity = Field(default_factory=Capacity)
     """Committed/reserved capacity behind the tier-1 floors."""
+    checkpoint_store: HallCheckpointStore | None = None
+    """The hall's checkpoint store (Ceph RGW), with its measured throughput."""
     notice_keys: list[NoticeKey] = Field(default_factory=list, max_length=16)
     """Keys whose signature a node accepts on a NATS notice (the metadata channel is the cloud's own path)."""
 

@@ -21,9 +21,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from nacl.exceptions import BadSignatureError
-
-from sco.contract.signing import Keyring, PrivateKey
+from sco.contract.signing import Keyring, PrivateKey, SignatureCheckError, check_signatures
 from sco.errors import NoticeAuthError
 
 _DOMAIN = b"sco-notice-v1\x00"
@@ -84,35 +82,13 @@ def verify_notice(raw: bytes, trusted_keys: Keyring, *, max_bytes: int = MAX_NOT
     sigs = doc.pop("signatures", None)
     if sigs is None or sigs == []:
         raise NoticeAuthError("unsigned", "notice carries no signature")
-    if not isinstance(sigs, list) or len(sigs) > 8:
-        raise NoticeAuthError("malformed", "signatures: expected a list of up to 8 {keyid, sig}")
     if len(trusted_keys) == 0:
         raise NoticeAuthError("untrusted", "no notice key is trusted (the bundle's hall policy names none)")
-    message = _message(doc)
-    seen: list[str] = []
-    for i, s in enumerate(sigs):
-        if not isinstance(s, dict) or not isinstance(s.get("keyid"), str) or not isinstance(s.get("sig"), str):
-            raise NoticeAuthError("malformed", f"signatures[{i}]: expected keyid and sig strings")
-        keyid, sig_hex = s["keyid"], s["sig"]
-        seen.append(keyid[:16])
-        vk = trusted_keys.get(keyid)
-        if vk is None:
-            continue
-        try:
-            sig = bytes.fromhex(sig_hex)
-        except ValueError:
-            sig = b""
-        if len(sig) != 64:
-            raise NoticeAuthError("forged", f"signatures[{i}].sig: expected 128 hex digits")
-        try:
-            vk.verify(message, sig)
-        except BadSignatureError:
-            raise NoticeAuthError("forged", f"signature by key {keyid} does not match the notice") from None
-        return doc
-    raise NoticeAuthError(
-        "untrusted",
-        f"signed by {', '.join(seen)}, none of which is a trusted notice key ({', '.join(trusted_keys.keyids)})",
-    )
+    try:
+        check_signatures(sigs, trusted_keys, _message(doc), "notice", max_signatures=8)
+    except SignatureCheckError as e:
+        raise NoticeAuthError(e.kind, e.detail) from None
+    return doc
 
 
 def notice_keyring(policy: dict[str, Any]) -> Keyring:

@@ -233,17 +233,39 @@ def verify(raw: bytes, keyring: Keyring, where: str = "bundle") -> Verified:
     digest = hashlib.sha256(body).digest()
     if digest.hex() != digest_hex:
         raise BundleError(f"{where}: payloadSha256: does not match the payload (the bytes were altered)")
+    try:
+        keyid = check_signatures(sigs, keyring, _message(digest), "bundle")
+    except SignatureCheckError as e:
+        cls = {"forged": SignatureError, "untrusted": UntrustedKeyError}.get(e.kind, BundleError)
+        raise cls(f"{where}: {e.detail}") from None
+    return Verified(raw, body, keyid, where)
+
+
+class SignatureCheckError(Exception):
+    """Why a signature list does not vouch for a message: ``kind`` is "malformed", "forged" or "untrusted"."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind, self.detail = kind, detail
+
+
+def check_signatures(sigs: object, keyring: Keyring, message: bytes, what: str, max_signatures: int = 16) -> str:
+    """The one signature check of bundles and notices: ``sigs`` is a list of objects of exactly ``keyid`` and
+    ``sig`` (strings; ``sig`` 128 lowercase hex digits), and the first one by a key in ``keyring`` must verify
+    ``message``. Returns that key id; raises :class:`SignatureCheckError`. Signatures by keys not trusted are
+    skipped (key rotation), but only well-formed ones."""
     if not isinstance(sigs, list) or not sigs:
-        raise BundleError(f"{where}: signatures: expected a non-empty list")
-    message = _message(digest)
+        raise SignatureCheckError("malformed", "signatures: expected a non-empty list")
+    if len(sigs) > max_signatures:
+        raise SignatureCheckError("malformed", f"signatures: {len(sigs)}, more than {max_signatures}")
     seen_ids: list[str] = []
     for i, s in enumerate(sigs):
         if not isinstance(s, dict) or set(s) != {"keyid", "sig"}:
-            raise BundleError(f"{where}: signatures[{i}]: expected keyid and sig")
+            raise SignatureCheckError("malformed", f"signatures[{i}]: expected exactly keyid and sig")
         keyid, sig_hex = s["keyid"], s["sig"]
         if not isinstance(keyid, str) or not isinstance(sig_hex, str):
-            raise BundleError(f"{where}: signatures[{i}]: keyid and sig must be strings")
-        seen_ids.append(keyid)
+            raise SignatureCheckError("malformed", f"signatures[{i}]: keyid and sig must be strings")
+        seen_ids.append(keyid[:16])
         vk = keyring.get(keyid)
         if vk is None:
             continue
@@ -252,15 +274,16 @@ def verify(raw: bytes, keyring: Keyring, where: str = "bundle") -> Verified:
         except ValueError:
             sig = b""
         if len(sig) != 64 or sig.hex() != sig_hex:
-            raise SignatureError(f"{where}: signatures[{i}].sig: expected 128 lowercase hex digits")
+            raise SignatureCheckError("forged", f"signatures[{i}].sig: expected 128 lowercase hex digits")
         try:
             vk.verify(message, sig)
         except BadSignatureError:
-            raise SignatureError(
-                f"{where}: signatures[{i}]: signature by key {keyid} does not match the bundle (tampered?)"
+            raise SignatureCheckError(
+                "forged", f"signatures[{i}]: signature by key {keyid} does not match the {what} (tampered?)"
             ) from None
-        return Verified(raw, body, keyid, where)
-    raise UntrustedKeyError(
-        f"{where}: signed by {', '.join(seen_ids)}, none of which is trusted "
-        f"(trusted: {', '.join(keyring.keyids) or 'none'})"
+        return keyid
+    raise SignatureCheckError(
+        "untrusted",
+        f"signed by {', '.join(seen_ids)}, none of which is trusted "
+        f"(trusted {what} keys: {', '.join(keyring.keyids) or 'none'})",
     )

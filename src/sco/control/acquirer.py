@@ -1,11 +1,16 @@
-"""The acquirer: makes a hall's pool hold what a plan entry asks for, through Nova (VMs and Ironic nodes alike).
+"""The acquirer: makes a hall's plan entry hold the number of instances the plan asks for, through Nova (VMs and
+Ironic nodes alike).
 
 Crash-safe by construction: every server is created with tags naming its hall, pool, plan entry and slot, in the
-same create call, so whatever a crashed run managed to launch is found by the next run (one list call) and
-adopted instead of launched again. The fleet state records each instance's lifecycle and every launch and
-failure. API calls are paid from a token budget in the fleet state that every concurrent run shares.
-A quota error or NoValidHost marks the pool unavailable for a while: the run stops launching into it, and later
-runs skip it until the time is up, instead of retrying hot.
+same create call, so whatever a crashed run managed to launch is found by the next run (one list call, through
+the reconciler) and adopted instead of launched again. ``count`` is a count, not a range of slots: an entry holds
+``count`` live instances, new ones take the lowest free slots, so a slot freed by a reclaim is never refilled
+unless the plan asks for an instance. Surplus instances are deleted all at once (named ones first, then the idle
+ones in the highest slots), and waited for until Nova no longer lists them.
+
+API calls are paid from a token budget in the fleet state that every concurrent run shares. A quota error or
+NoValidHost marks the pool unavailable for a while: the run stops launching into it, says so in its warnings,
+and later runs skip it until the time is up, instead of retrying hot.
 """
 
 from __future__ import annotations
@@ -19,11 +24,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sco.control.launch import LaunchParams
+from sco.control.nova import (
+    TAG,
+    Budget,
+    CloudError,
+    Meter,
+    cloud_message,
+    delete_all,
+    entry_servers,
+    wait_gone,
+    wait_until,
+)
+from sco.control.reconcile import Reconciler
 from sco.errors import ConfigError, ScoError
+from sco.provider.reservations import merge_hints
 from sco.state.fleet import FleetState, Instance, Pool
 
+__all__ = ["AcquireError", "Acquirer", "Budget", "Outcome", "PlanEntry"]
+
 DNS = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
-TAG = "sco-{}={}"
 UserData = Callable[[str], str]  # node name -> cloud-init user-data
 
 
@@ -33,12 +53,14 @@ class AcquireError(ScoError):
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """Hold ``count`` instances of ``pool`` in ``hall`` for plan entry ``entry``."""
+    """Hold ``count`` live instances of ``pool`` in ``hall`` for plan entry ``entry``; ``delete`` names instances
+    to take away first when the count shrinks (the plan's idle ones)."""
 
     hall: str
     pool: str
     entry: str
     count: int
+    delete: tuple[str, ...] = ()
 
     def check(self) -> None:
         for what in ("hall", "pool", "entry"):
@@ -55,15 +77,6 @@ class PlanEntry:
         return [TAG.format("hall", self.hall), TAG.format("pool", self.pool), TAG.format("entry", self.entry)]
 
 
-@dataclass(frozen=True)
-class Budget:
-    """API calls per minute against one cloud, shared through the fleet state by every run."""
-
-    bucket: str = "openstack"
-    per_minute: float = 600.0
-    burst: float = 120.0
-
-
 @dataclass
 class Outcome:
     entry: PlanEntry
@@ -76,16 +89,9 @@ class Outcome:
     pool_unavailable: str | None = None
     api_calls: int = 0
     instances: list[Instance] = field(default_factory=list)
-
-
-def _slot(server: Any) -> int | None:
-    for t in server.tags or []:
-        if t.startswith("sco-slot="):
-            try:
-                return int(t.split("=", 1)[1])
-            except ValueError:
-                return None
-    return None
+    errors: list[str] = field(default_factory=list)
+    """The cloud's own messages for launches it refused or failed (quota, NoValidHost, a bad request)."""
+    warnings: list[str] = field(default_factory=list)
 
 
 def _quota_error(e: Exception) -> bool:
@@ -106,53 +112,41 @@ class Acquirer:
         concurrency: int = 8,
         poll_s: float = 0.5,
         active_timeout_s: float = 600.0,
+        delete_timeout_s: float = 120.0,
         lock_wait_s: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
+        meter: Meter | None = None,
+        scheduler_hints: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.cloud = cloud  # an openstacksdk Connection
         self.state = state
         self.user_data = user_data
-        self.budget = budget or Budget()
+        self.meter = meter or Meter(state, budget, sleep)
         self.unavailable_for_s = unavailable_for_s
         self.concurrency = concurrency
-        self.poll_s = poll_s
+        self.poll_s = poll_s  # the shortest wait between two list calls
         self.active_timeout_s = active_timeout_s
+        self.delete_timeout_s = delete_timeout_s
         self.lock_wait_s = lock_wait_s
         self.sleep = sleep
-        self.api_calls = 0
-        self._lock = threading.Lock()  # the FleetState connection is not shared across threads unguarded
+        # pool -> scheduler hints of its creates (a committed pool's Blazar reservation: reservation_hints)
+        self.scheduler_hints = dict(scheduler_hints or {})
 
-    # --- plumbing --------------------------------------------------------------------------------------
-
-    def _pay(self, n: int = 1) -> None:
-        while True:
-            with self._lock:
-                wait = self.state.take_tokens(
-                    self.budget.bucket, n, capacity=self.budget.burst, per_minute=self.budget.per_minute
-                )
-                if wait == 0:
-                    self.api_calls += n
-                    return
-            self.sleep(min(wait, 5.0))
+    @property
+    def api_calls(self) -> int:
+        return self.meter.calls
 
     def _record(self, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
-        with self._lock:
-            return fn(*a, **kw)
-
-    def _list(self, e: PlanEntry) -> list[Any]:
-        self._pay()
-        return [
-            s
-            for s in self.cloud.compute.servers(details=True, tags=",".join(e.tags()))
-            if s.status not in ("DELETED", "SOFT_DELETED")
-        ]
+        return self.meter.record(fn, *a, **kw)
 
     # --- the run ---------------------------------------------------------------------------------------
 
-    def apply(self, entry: PlanEntry) -> Outcome:
+    def apply(self, entry: PlanEntry, params: LaunchParams | None = None) -> Outcome:
+        """Hold the entry's count. ``params``: the pool's resolved create arguments (``sco.control.launch``);
+        without them, the pool's flavor and image ids from the fleet state and no network."""
         entry.check()
         out = Outcome(entry)
-        calls0 = self.api_calls
+        calls0 = self.meter.calls
         with self.state.writer(entry.hall, wait_s=self.lock_wait_s):
             pool = self.state.pool(entry.hall, entry.pool)
             if pool is None:
@@ -165,41 +159,51 @@ class Acquirer:
                 )
                 self.state.event(entry.hall, "acquire.skipped", pool=entry.pool, entry=entry.entry, reason=out.skipped)
                 return out
-            servers = self._list(entry)
-            by_slot = self._adopt(entry, servers, out)
-            missing = [s for s in range(entry.count) if s not in by_slot]
-            surplus = [srv for slot, srv in by_slot.items() if slot >= entry.count]
-            if surplus:
-                self._delete(entry, surplus, out)
-            launched = self._launch(entry, pool, missing, out) if missing else []
-            if launched or any(s.status != "ACTIVE" for slot, s in by_slot.items() if slot < entry.count):
-                self._wait_active(entry, pool, out)
+            # a bare Acquirer (library use) boots without a network; the acquire step always passes the pool's
+            # resolved launch options, whose default is Nova's automatic network
+            params = params or LaunchParams(flavor_id=pool.flavor, image_id=pool.image, networks="none")
+            # what a crashed run left: one list call for the entry, compared with its records. An entry with no
+            # record at all, live or past, has no server: each create is recorded (requested) before it is sent,
+            # so there is nothing to list (a server tagged behind the fleet state's back is the hall
+            # reconciliation's, which lists the whole hall before the acquire step)
+            ever = self.state.instances(entry.hall, pool=entry.pool, plan_entry=entry.entry, states=None)
+            records = [r for r in ever if r.state not in ("deleted", "failed")]
+            servers = entry_servers(self.cloud, self.meter, entry.hall, entry.pool, entry.entry) if ever else []
+            rec = Reconciler(self.cloud, self.state, self.meter, concurrency=self.concurrency, sleep=self.sleep)
+            r = rec.apply(entry.hall, servers, records)
+            out.adopted = len(r.adopted)
+            out.warnings += r.warnings
+            live = self.state.instances(entry.hall, pool=entry.pool, plan_entry=entry.entry)
+            surplus = len(live) - entry.count
+            started = time.monotonic()
+            if surplus > 0:
+                self._delete(entry, self._victims(entry, live, surplus), out)
+            elif surplus < 0:
+                used = {i.slot for i in live}
+                free = [s for s in range(len(live) + entry.count + 1) if s not in used][:-surplus]
+                self._launch(entry, pool, params, free, out)
+            if any(i.state in ("requested", "launching") for i in self.state.instances(
+                entry.hall, pool=entry.pool, plan_entry=entry.entry
+            )):  # fmt: skip
+                self._wait_active(entry, out, started)
             out.instances = self.state.instances(entry.hall, pool=entry.pool, plan_entry=entry.entry)
             out.active = sum(1 for i in out.instances if i.state == "active")
-        out.api_calls = self.api_calls - calls0
+        out.api_calls = self.meter.calls - calls0
         return out
 
-    def _adopt(self, e: PlanEntry, servers: list[Any], out: Outcome) -> dict[int, Any]:
-        """Servers found by tag become this run's; a server a crashed run created but never recorded is
-        recorded now. Two servers in one slot (only possible by hand) keep the older."""
-        by_slot: dict[int, Any] = {}
-        for s in sorted(servers, key=lambda s: s.created_at or ""):
-            slot = _slot(s)
-            if slot is None or slot in by_slot:
-                continue
-            by_slot[slot] = s
-            inst = self.state.by_server(s.id)
-            if inst is None or inst.state == "deleted":
-                row = self.state.request(e.hall, e.pool, e.entry, slot, e.name(slot))
-                if row.server_id and row.server_id != s.id:
-                    continue
-                self.state.transition(row.id, "launching", "instance.adopted", server_id=s.id, status=s.status)
-                out.adopted += 1
-        return by_slot
+    def _victims(self, e: PlanEntry, live: list[Instance], n: int) -> list[Instance]:
+        """The plan's named instances first, then idle ones from the highest slot down; never one under reclaim
+        (the reclaimer is taking it away on its own schedule)."""
+        named = [i for i in live if i.name in e.delete]
+        rest = sorted(
+            (i for i in live if i.name not in e.delete and i.state in ("requested", "launching", "active")),
+            key=lambda i: -i.slot,
+        )
+        return (named + rest)[:n]
 
-    def _launch(self, e: PlanEntry, pool: Pool, slots: list[int], out: Outcome) -> list[str]:
+    def _launch(self, e: PlanEntry, pool: Pool, params: LaunchParams, slots: list[int], out: Outcome) -> None:
         stop = threading.Event()  # set on a quota error: no more launches into this pool in this run
-        ids: list[str] = []
+        base = params.create_kwargs()
 
         def one(slot: int) -> None:
             if stop.is_set():
@@ -207,61 +211,62 @@ class Acquirer:
             name = e.name(slot)
             inst = self._record(self.state.request, e.hall, e.pool, e.entry, slot, name)
             kw: dict[str, Any] = {
+                **base,
                 "name": name,
-                "image_id": pool.image,
-                "flavor_id": pool.flavor,
-                "networks": "none",
                 "user_data": base64.b64encode(self.user_data(name).encode()).decode(),
                 "tags": [*e.tags(), TAG.format("slot", slot)],
                 "metadata": {"sco_hall": e.hall, "sco_pool": e.pool, "sco_entry": e.entry},
             }
-            if pool.availability_zone:
+            if pool.availability_zone and "availability_zone" not in kw:
                 kw["availability_zone"] = pool.availability_zone
-            self._pay()
+            kw = merge_hints(kw, self.scheduler_hints.get(e.pool))  # a server group's hint is kept
+            self.meter.pay()
             try:
                 srv = self.cloud.compute.create_server(**kw)
             except Exception as ex:
                 quota = _quota_error(ex)
-                self._record(
-                    self.state.transition, inst.id, "failed", "launch.failed", error=str(ex)[:500], quota=quota
-                )
-                with self._lock:
+                msg = cloud_message(ex)
+                self._record(self.state.transition, inst.id, "failed", "launch.failed", error=msg[:500], quota=quota)
+                with self.meter.lock:
                     out.failed += 1
+                    out.errors.append(f"{name}: {msg[:500]}")
                 if quota:
                     stop.set()
-                    self._unavailable(e, f"quota: {str(ex)[:300]}", out)
+                    self._unavailable(e, f"quota: {msg[:300]}", out)
                 return
             self._record(self.state.transition, inst.id, "launching", "launch.requested", server_id=srv.id, name=name)
-            with self._lock:
+            with self.meter.lock:
                 out.launched += 1
-                ids.append(srv.id)
 
-        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as ex:
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(self.concurrency, len(slots)))) as ex:
             for f in [ex.submit(one, s) for s in slots]:
                 f.result()
-        return ids
 
     def _unavailable(self, e: PlanEntry, reason: str, out: Outcome) -> None:
         if out.pool_unavailable is None:
             out.pool_unavailable = reason
+            out.warnings.append(
+                f"pool {e.pool}: no launches for {self.unavailable_for_s:.0f} s ({reason}); the plan sees it"
+                " unavailable until then"
+            )
             self._record(self.state.mark_unavailable, e.hall, e.pool, self.unavailable_for_s, reason)
 
-    def _wait_active(self, e: PlanEntry, pool: Pool, out: Outcome) -> None:
-        """One list call per poll for the whole entry (not one GET per server): cheaper on the budget."""
-        end = time.monotonic() + self.active_timeout_s
-        while True:
+    def _wait_active(self, e: PlanEntry, out: Outcome, started: float) -> None:
+        """One list call per poll for the whole entry (not one GET per server), when the servers should be
+        ready at the pace seen so far (``nova.next_poll``): a batch costs a handful of calls."""
+        errored: list[str] = []
+        total = sum(1 for i in self.state.instances(e.hall, pool=e.pool, plan_entry=e.entry)
+                    if i.state in ("requested", "launching"))  # fmt: skip
+
+        def poll() -> tuple[int, int]:
             pending = {
                 i.server_id: i for i in self.state.instances(e.hall, pool=e.pool, plan_entry=e.entry)
                 if i.state in ("launching", "requested") and i.server_id
             }  # fmt: skip
             if not pending:
-                return
-            if time.monotonic() > end:
-                raise AcquireError(f"plan entry {e.entry}: {len(pending)} instances not ACTIVE after the timeout")
-            self.sleep(self.poll_s)
-            errored = []
-            for s in self._list(e):
-                inst = pending.get(s.id)
+                return total, total
+            for s in entry_servers(self.cloud, self.meter, e.hall, e.pool, e.entry):
+                inst = pending.pop(s.id, None)
                 if inst is None:
                     continue
                 if s.status == "ACTIVE":
@@ -270,22 +275,52 @@ class Acquirer:
                     fault = (s.fault or {}).get("message", "") if isinstance(s.fault, dict) else str(s.fault or "")
                     self.state.transition(inst.id, "failed", "launch.failed", error=fault[:500], status="ERROR")
                     out.failed += 1
-                    errored.append(s)
+                    out.errors.append(f"{inst.name}: {fault[:500]}")
+                    errored.append(s.id)
                     if "no valid host" in fault.lower():
                         self._unavailable(e, f"NoValidHost: {fault[:300]}", out)
+                    elif "exhausted all hosts" in fault.lower():  # builds refused on every host (e.g. a group policy)
+                        self._unavailable(e, f"no host left after retries: {fault[:300]}", out)
                     elif "quota exceeded" in fault.lower():
                         # Nova's API counts only scheduled instances; its conductor rechecks and fails the rest.
                         self._unavailable(e, f"quota: {fault[:300]}", out)
-            # A server in ERROR holds quota and a name: take it back now; the next run launches anew if allowed.
-            for s in errored:
-                self._pay()
-                self.cloud.compute.delete_server(s.id, ignore_missing=True)
+            for inst in pending.values():  # created, then gone before it was ever ACTIVE
+                self.state.lose(inst.id, f"server {inst.server_id} vanished while launching", server_id=inst.server_id)
+            left = sum(1 for i in self.state.instances(e.hall, pool=e.pool, plan_entry=e.entry)
+                       if i.state in ("launching", "requested") and i.server_id)  # fmt: skip
+            return total - left, total
 
-    def _delete(self, e: PlanEntry, servers: list[Any], out: Outcome) -> None:
-        for s in servers:
-            inst = self.state.by_server(s.id)
-            self._pay()
-            self.cloud.compute.delete_server(s.id, ignore_missing=True)
-            if inst is not None:
-                self.state.transition(inst.id, "deleted", "instance.deleted", reason="plan shrank")
+        self.sleep(self.poll_s)
+        try:
+            done = wait_until(poll, started=started, timeout_s=self.active_timeout_s, sleep=self.sleep)
+        finally:
+            # A server in ERROR holds quota and a name: take it back now; the next run launches anew if allowed.
+            if errored:
+                delete_all(self.cloud, self.meter, errored, concurrency=self.concurrency)
+        if not done:
+            raise AcquireError(f"plan entry {e.entry}: servers not ACTIVE after {self.active_timeout_s:.0f} s")
+
+    def _delete(self, e: PlanEntry, victims: list[Instance], out: Outcome) -> None:
+        """All DELETEs at once, each recorded as it is accepted; then wait until Nova no longer lists them."""
+        t0 = time.monotonic()
+        with_server = {i.server_id: i for i in victims if i.server_id}
+        for i in victims:
+            if not i.server_id:  # a slot whose launch never reached Nova
+                self.state.transition(i.id, "failed", "launch.failed", error="plan shrank before the launch")
+        accepted, refused = delete_all(self.cloud, self.meter, list(with_server), concurrency=self.concurrency)
+        for sid in accepted:
+            self.state.transition(with_server[sid].id, "deleted", "instance.deleted", reason="plan shrank")
             out.deleted += 1
+        for sid, msg in refused.items():
+            out.errors.append(f"deleting {with_server[sid].name}: {msg}")
+        left = wait_gone(
+            lambda: entry_servers(self.cloud, self.meter, e.hall, e.pool, e.entry), accepted, started=t0,
+            timeout_s=self.delete_timeout_s, sleep=self.sleep,
+        )  # fmt: skip
+        for sid in left:
+            out.warnings.append(
+                f"{with_server[sid].name} ({sid}): Nova still lists it {self.delete_timeout_s:.0f} s after the"
+                " delete; the next run's reconciliation deletes it again"
+            )
+        if refused:
+            raise CloudError(f"plan entry {e.entry}: Nova refused deletes: " + "; ".join(out.errors[-len(refused) :]))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from sco.control.model import ContractInfo, Instance, Pool
+from sco.control.model import GONE_STATES, ContractInfo, Instance, Pool
 from sco.control.units import fmt
 
 
@@ -73,6 +73,10 @@ class Arbitration:
         ]
 
 
+_NOT_PAID = GONE_STATES | {"deleting"}
+"""Instances whose spend no longer counts: gone (``deleted``, ``lost``) or being deleted."""
+
+
 def _money(d: Decimal) -> str:
     return f"{d.quantize(Decimal('0.01'))}/h"
 
@@ -83,7 +87,7 @@ def current_spend(pools: Mapping[str, Pool], fleet: tuple[Instance, ...]) -> tup
     per: dict[str, Decimal] = {}
     for i in sorted(fleet, key=lambda i: (i.pool, i.name, i.id)):
         p = pools.get(i.pool)
-        if p is None or p.kind != "on-demand" or i.state in ("deleting", "deleted"):
+        if p is None or p.kind != "on-demand" or i.state in _NOT_PAID:
             continue
         total += p.price_per_hour
         for c in i.contracts:
@@ -102,7 +106,7 @@ def arbitrate(
     spend, per = current_spend(by_name, fleet)
     held = {name: 0 for name in by_name}
     for i in fleet:
-        if i.pool in held and i.state not in ("deleting", "deleted"):
+        if i.pool in held and i.state not in GONE_STATES:  # a server being deleted still holds its quota
             held[i.pool] += 1
     od = sorted(
         (p for p in by_name.values() if p.kind == "on-demand" and p.available),

@@ -7,14 +7,20 @@ One document shape serves ``sco plan --input FILE`` and the collection's modules
       - {name: spot-a, kind: reclaimable, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 20, group: rack-1}
       - {name: committed, kind: committed, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 8}
       - {name: od, kind: on-demand, flavor: m1.large, vcpus: 8, ramMiB: 32768, cap: 10, pricePerHour: "0.90"}
-    settings: {shares: {1: "1/2", 2: "1/2", 3: 1}, idleGraceSeconds: 600, settleSeconds: 300}
+    settings: {shares: {1: "1/2", 2: "1/2", 3: 1}, idleGraceSeconds: 600, settleSeconds: 300,
+               solverNodeLimit: 2000, solverTimeSeconds: 5}
     reservations: [{lease: 7f3c..., pool: committed, instances: 4}]     # from Blazar
     fleet: [{id: ..., name: spot-a-1, pool: spot-a, contracts: [web], launchedAt: 1764400000}]  # fleet state
-    demand: {demand: [{contract: web, units_milli: 4000, ...}], node_load_milli: {spot-a-1: 2000}}  # intake
+    demand: {demand: [{contract: web, units_milli: 4000, requests_milli: {1000: 2, 2000: 1}, ...}],  # intake
+             node_load_milli: {spot-a-1: 2000}}
+
+A file is read as JSON when its name ends in ``.json`` or it starts with ``{``, else as YAML. Lists are bounded
+(``MAX_*``) before they are validated, and a fleet listing an instance id or name twice is refused.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from decimal import Decimal
 from fractions import Fraction
@@ -23,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
+from sco.control.launch import LaunchSpec
 from sco.control.model import ContractInfo, Instance, PlanInput, PlanSettings, Pool, Reservation
 from sco.control.units import flavor_milli
 from sco.errors import ConfigError, Problem
@@ -33,6 +40,12 @@ MAX_POOLS = 1_000
 """Pools in one hall: a hall has tens; each pool costs the planner work, so thousands are a mistake."""
 MAX_TOTAL_INSTANCES = 100_000
 """The caps' sum: the planner's work and memory grow with it (3000 pools x 10000 took 93 s and 2.1 GB)."""
+MAX_FLEET = MAX_TOTAL_INSTANCES
+"""Fleet entries (and node loads): a hall holds at most its caps' sum, and 200k entries took 178 s and 2 GB."""
+MAX_DEMAND_LINES = 10_000
+MAX_RESERVATIONS = 10_000
+MAX_REQUEST_SIZES = 1_000
+"""Distinct request sizes in one demand line (the intake reports a histogram: sizes -> count)."""
 
 
 def _not_bool(v: Any) -> Any:
@@ -72,6 +85,8 @@ class PoolSpec(_Strict):
     """Committed pools: the Blazar lease whose reservations back this pool (default: the pool's name)."""
     instances_per_host: Positive = 1
     """Committed pools backed by host reservations (physical:host): instances of the flavour one host holds."""
+    launch: LaunchSpec = Field(default_factory=LaunchSpec)
+    """How the acquirer creates the pool's servers: networks, security groups, key pair, ... (sco.control.launch)."""
 
     def resolve(self) -> Pool:
         return Pool(
@@ -99,6 +114,9 @@ class SettingsSpec(_Strict):
     """Most of a tier's new units in one pool or group, as a fraction ("1/2", 0.5, 1)."""
     idle_grace_seconds: Seconds = 600.0
     settle_seconds: Seconds = 300.0
+    solver_node_limit: Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=1_000_000)] = 2000
+    """Branch-and-bound nodes the solver may explore (a work limit: the same plan on any machine)."""
+    solver_time_seconds: Annotated[float, BeforeValidator(_not_bool), Field(gt=0, le=600, allow_inf_nan=False)] = 5.0
 
     @field_validator("shares")
     @classmethod
@@ -132,6 +150,35 @@ class DemandLine(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     contract: NonEmpty
     units_milli: NonNeg
+    items: NonNeg | None = None
+    """How many pods or jobs the units are (the intake's count); without sizes they are split evenly."""
+    requests_milli: dict[Positive, Positive] | None = None
+    """The pending requests by size (milli-units -> how many), as the intake reports them."""
+
+    @field_validator("requests_milli")
+    @classmethod
+    def _bounded(cls, v: dict[int, int] | None) -> dict[int, int] | None:
+        if v is not None and len(v) > MAX_REQUEST_SIZES:
+            raise ValueError(f"{len(v)} request sizes: at most {MAX_REQUEST_SIZES} in one line")
+        return v
+
+    def requests(self) -> dict[int, int]:
+        """The line as whole requests by size."""
+        if self.requests_milli:
+            if (total := sum(s * n for s, n in self.requests_milli.items())) != self.units_milli:
+                raise ValueError(f"requests_milli add up to {total}, not units_milli {self.units_milli}")
+            return dict(self.requests_milli)
+        if self.items and self.units_milli >= self.items:
+            size, rest = divmod(self.units_milli, self.items)
+            out = {size: self.items - rest} if self.items - rest else {}
+            if rest:
+                out[size + 1] = rest
+            return out
+        whole, rest = divmod(self.units_milli, 1000)
+        out = {1000: whole} if whole else {}
+        if rest:
+            out[rest] = out.get(rest, 0) + 1
+        return out
 
 
 class DemandSpec(BaseModel):
@@ -150,6 +197,19 @@ class PlanDocument(_Strict):
     demand: DemandSpec = Field(default_factory=DemandSpec)
     now: Seconds | None = None
     """Plan as of this Unix time (default: now)."""
+
+    @field_validator("fleet")
+    @classmethod
+    def _unique_instances(cls, v: list[InstanceSpec]) -> list[InstanceSpec]:
+        ids: dict[str, int] = {}
+        names: dict[str, int] = {}
+        for k, i in enumerate(v):
+            if i.id in ids:
+                raise ValueError(f"instance id {i.id!r} is listed twice: fleet.{ids[i.id]} and fleet.{k}")
+            if i.name in names:
+                raise ValueError(f"instance name {i.name!r} is listed twice: fleet.{names[i.name]} and fleet.{k}")
+            ids[i.id] = names[i.name] = k
+        return v
 
     @field_validator("pools")
     @classmethod
@@ -170,11 +230,52 @@ def problems(e: ValidationError, where: str) -> list[Problem]:
     return [Problem(where, ".".join(str(x) for x in err["loc"]), err["msg"]) for err in e.errors()]
 
 
+def read_document(raw: bytes, where: str) -> Any:
+    """A planning document's bytes: JSON read as JSON (what the modules and scripts write; PyYAML's loader took
+    90% of a 5k-node plan), anything else as YAML (with libyaml's loader when there is one)."""
+    text = raw.lstrip()
+    if where.endswith(".json") or text[:1] in (b"{", b"["):
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{where}: not JSON: {e}") from None
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        return yaml.load(raw, Loader=loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not YAML/JSON: {e}") from None
+
+
+_BOUNDS = {"fleet": MAX_FLEET, "reservations": MAX_RESERVATIONS}
+
+
+def _bounded(doc: Mapping[str, Any], where: str) -> None:
+    """Refuse oversized lists before validating them: validation costs time and memory per entry."""
+    for key, most in _BOUNDS.items():
+        v = doc.get(key)
+        if isinstance(v, list) and len(v) > most:
+            raise ConfigError(
+                f"{where}: {key}: {len(v)} entries, at most {most}", [Problem(where, key, f"at most {most} entries")]
+            )
+    demand = doc.get("demand")
+    if isinstance(demand, Mapping):
+        for key, most in (("demand", MAX_DEMAND_LINES), ("node_load_milli", MAX_FLEET)):
+            v = demand.get(key)
+            if isinstance(v, list | Mapping) and len(v) > most:
+                raise ConfigError(
+                    f"{where}: demand.{key}: {len(v)} entries, at most {most}",
+                    [Problem(where, f"demand.{key}", f"at most {most} entries")],
+                )
+
+
 def parse(doc: Any, where: str) -> PlanDocument:
     if not isinstance(doc, Mapping):
         raise ConfigError(
             f"{where}: expected a mapping", [Problem(where, "", "expected a mapping of pools, fleet, ...")]
         )
+    _bounded(doc, where)
     try:
         return PlanDocument.model_validate(doc)
     except ValidationError as e:
@@ -185,13 +286,24 @@ def contracts_from_bundle(contracts: Mapping[str, Mapping[str, Any]]) -> dict[st
     return {name: ContractInfo.from_bundle(name, c) for name, c in contracts.items()}
 
 
-def plan_input(d: PlanDocument, contracts: Mapping[str, ContractInfo], now: float) -> PlanInput:
+def plan_input(d: PlanDocument, contracts: Mapping[str, ContractInfo], now: float, where: str = "input") -> PlanInput:
     demand: dict[str, int] = {}
-    for line in d.demand.demand:
+    requests: dict[str, dict[int, int]] = {}
+    for k, line in enumerate(d.demand.demand):
         demand[line.contract] = demand.get(line.contract, 0) + line.units_milli
+        try:
+            sizes = line.requests()
+        except ValueError as e:
+            raise ConfigError(
+                f"{where}: invalid planning input", [Problem(where, f"demand.demand.{k}", str(e))]
+            ) from None
+        mine = requests.setdefault(line.contract, {})
+        for size, n in sizes.items():
+            mine[size] = mine.get(size, 0) + n
     return PlanInput(
         contracts=dict(contracts),
         demand=demand,
+        requests=requests,
         pools=tuple(p.resolve() for p in d.pools),
         fleet=tuple(
             Instance(i.id, i.name, i.pool, tuple(sorted(i.contracts)), i.launched_at, i.state) for i in d.fleet
@@ -203,5 +315,7 @@ def plan_input(d: PlanDocument, contracts: Mapping[str, ContractInfo], now: floa
             shares={t: Fraction(str(s)) for t, s in d.settings.shares.items()},
             idle_grace_s=d.settings.idle_grace_seconds,
             settle_s=d.settings.settle_seconds,
+            solver_node_limit=d.settings.solver_node_limit,
+            solver_time_s=d.settings.solver_time_seconds,
         ),
     )

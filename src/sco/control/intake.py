@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sco.agent.budget import contract_from_comment
+from sco.contract.selectors import contract_from_comment, kube_contract, kube_selectors, slurm_contract
 from sco.control.units import UNIT_DOC, quantity, request_milli, slurm_memory_bytes
 from sco.errors import ScoError
 
@@ -54,6 +54,8 @@ class Demand:
     scheduler: str
     units_milli: int
     items: int
+    requests_milli: Mapping[int, int] = field(default_factory=dict)
+    """Its pending requests by size (milli-units -> how many): each pod or job is placed whole."""
 
     def to_dict(self) -> Obj:
         return {
@@ -62,6 +64,7 @@ class Demand:
             "scheduler": self.scheduler,
             "units_milli": self.units_milli,
             "items": self.items,
+            "requests_milli": {str(k): v for k, v in sorted(self.requests_milli.items())},
         }
 
 
@@ -100,7 +103,10 @@ class DemandReport:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DemandReport:
         return cls(
-            demand=[Demand(**x) for x in d.get("demand", [])],
+            demand=[
+                Demand(**{**x, "requests_milli": {int(k): int(v) for k, v in (x.get("requests_milli") or {}).items()}})
+                for x in d.get("demand", [])
+            ],
             uncontracted=[Uncounted(**x) for x in d.get("uncontracted", [])],
             ineligible=[Uncounted(**x) for x in d.get("ineligible", [])],
             node_load_milli={str(k): int(v) for k, v in (d.get("node_load_milli") or {}).items()},
@@ -110,14 +116,23 @@ class DemandReport:
 class _Tally:
     def __init__(self) -> None:
         self.units: dict[tuple[str, int, str], list[int]] = {}
+        self.sizes: dict[tuple[str, int, str], dict[int, int]] = {}
 
-    def add(self, contract: str, tier: int, scheduler: str, milli: int) -> None:
-        acc = self.units.setdefault((contract, tier, scheduler), [0, 0])
-        acc[0] += milli
-        acc[1] += 1
+    def add(self, contract: str, tier: int, scheduler: str, milli: int, count: int = 1) -> None:
+        key = (contract, tier, scheduler)
+        acc = self.units.setdefault(key, [0, 0])
+        acc[0] += milli * count
+        acc[1] += count
+        sizes = self.sizes.setdefault(key, {})
+        sizes[milli] = sizes.get(milli, 0) + count
 
     def demand(self) -> list[Demand]:
-        return [Demand(c, t, s, u, n) for (c, t, s), (u, n) in sorted(self.units.items())]
+        out = []
+        for (c, t, s), (u, n) in sorted(self.units.items()):
+            sizes = dict(sorted(self.sizes.get((c, t, s), {}).items()))
+            # sizes are known only when every part of the total came with them
+            out.append(Demand(c, t, s, u, n, sizes if sum(m * k for m, k in sizes.items()) == u else {}))
+        return out
 
 
 def merge(*reports: DemandReport) -> DemandReport:
@@ -125,9 +140,13 @@ def merge(*reports: DemandReport) -> DemandReport:
     out = DemandReport()
     for r in reports:
         for d in r.demand:
-            acc = tally.units.setdefault((d.contract, d.tier, d.scheduler), [0, 0])
-            acc[0] += d.units_milli
-            acc[1] += d.items
+            if sum(m * n for m, n in d.requests_milli.items()) == d.units_milli:
+                for milli, count in d.requests_milli.items():
+                    tally.add(d.contract, d.tier, d.scheduler, milli, count)
+            else:  # a report without (or with inconsistent) request sizes: its totals, sizes unknown
+                acc = tally.units.setdefault((d.contract, d.tier, d.scheduler), [0, 0])
+                acc[0] += d.units_milli
+                acc[1] += d.items
         out.uncontracted += r.uncontracted
         out.ineligible += r.ineligible
         for node, milli in r.node_load_milli.items():
@@ -187,17 +206,8 @@ def pod_request_milli(pod: Obj) -> int:
     return request_milli(total[0], total[1], total[2])
 
 
-def _kube_contracts(contracts: Mapping[str, Obj]) -> dict[str, list[tuple[dict[str, str], str]]]:
-    by_ns: dict[str, list[tuple[dict[str, str], str]]] = {}
-    for name, c in sorted(contracts.items()):
-        if c.get("scheduler") in ("kubernetes", "spark"):
-            sel = c["selector"]
-            by_ns.setdefault(sel["namespace"], []).append((dict(sel.get("matchLabels") or {}), name))
-    return by_ns
-
-
 def from_pods(pods: Iterable[Obj], contracts: Mapping[str, Obj]) -> DemandReport:
-    by_ns = _kube_contracts(contracts)
+    by_ns = kube_selectors(contracts)
     tally = _Tally()
     out = DemandReport()
     for pod in pods:
@@ -224,14 +234,7 @@ def from_pods(pods: Iterable[Obj], contracts: Mapping[str, Obj]) -> DemandReport
             out.ineligible.append(Uncounted("kubernetes", ref, milli, why))
             continue
         labels = md.get("labels") or {}
-        name = next(
-            (
-                n
-                for match, n in by_ns.get(md.get("namespace", ""), [])
-                if all(labels.get(k) == v for k, v in match.items())
-            ),
-            None,
-        )
+        name = kube_contract(by_ns, md.get("namespace", ""), labels)
         if name is None:
             why = (
                 f"no contract selects namespace {md.get('namespace', '')!r} with labels {dict(sorted(labels.items()))}"
@@ -333,19 +336,6 @@ def _tres_by_job(text: str) -> dict[str, str]:
     return out
 
 
-def _slurm_contract(contracts: Mapping[str, Obj], account: str, partitions: list[str], comment: str) -> str | None:
-    def fits(c: Obj) -> bool:
-        sel = c["selector"]
-        allowed = sel.get("partitions") or []
-        return sel["account"] == account and (not allowed or any(p in allowed for p in partitions))
-
-    named = contract_from_comment(comment)
-    if named:
-        c = contracts.get(named)
-        return named if c is not None and c.get("scheduler") == "slurm" and fits(c) else None
-    return next((n for n, c in sorted(contracts.items()) if c.get("scheduler") == "slurm" and fits(c)), None)
-
-
 def from_squeue(
     pending: str,
     pending_tres: str,
@@ -375,7 +365,7 @@ def from_squeue(
         if reason.startswith("JobHeld") or reason in ("Dependency", "DependencyNeverSatisfied", "BeginTime"):
             out.ineligible.append(Uncounted("slurm", ref, milli, f"not runnable yet ({reason})"))
             continue
-        name = _slurm_contract(contracts, account, partitions, comment)
+        name = slurm_contract(contracts, account, partitions, comment)
         if name is None:
             named = contract_from_comment(comment)
             why = (

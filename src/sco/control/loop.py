@@ -1,8 +1,9 @@
-"""The control loop's steps as the collection's modules run them: intake -> plan -> arbitrate -> acquire.
+"""The control loop's steps as the collection's modules run them, in the playbook's order:
+demand -> reconcile -> plan -> arbitrate -> acquire (-> reclaim).
 
-Each step takes the module's parameters (a plain dict, the same keys as the module options) and ``check``
-(Ansible's check mode: plan and report, change nothing) and returns what it did or would do. The modules are
-thin wrappers around these functions, so everything here is tested without Ansible.
+Each step reads one typed options object (``sco.control.options``) parsed once from the module's arguments and
+``check`` (Ansible's check mode: report what would be done, change nothing), and returns what it did or would
+do. ``run(step, params, check)`` is the whole of a module's work, so everything here is tested without Ansible.
 """
 
 from __future__ import annotations
@@ -20,10 +21,21 @@ from sco.control import intake
 from sco.control.arbiter import Arbitration, arbitrate
 from sco.control.inputs import PlanDocument, PoolSpec, contracts_from_bundle, parse, plan_input
 from sco.control.model import ContractInfo, Instance
+from sco.control.options import (
+    AcquireOptions,
+    ArbitrateOptions,
+    CloudOptions,
+    DemandOptions,
+    HallOptions,
+    PlanOptions,
+    ReconcileOptions,
+    parse_options,
+)
 from sco.control.planner import Plan, plan
-from sco.errors import ConfigError
+from sco.errors import ConfigError, Problem
 
 Params = Mapping[str, Any]
+STEPS = ("demand", "reconcile", "plan", "arbitrate", "acquire", "reclaim")
 
 
 class FleetStore(Protocol):
@@ -38,26 +50,91 @@ class FleetStore(Protocol):
     def record_arbitration(self, hall: str, run_id: int | None, result: Arbitration) -> None: ...
 
 
-def load_bundle(params: Params) -> Any:
+def run(step: str, params: Params, check: bool) -> dict[str, Any]:
+    """One module's work: its options parsed once, the fleet state opened when ``state_dsn`` (or $SCO_DB_DSN)
+    names it, the step run. Raises ScoError (the module fails with its message) on bad options or a cloud error."""
+    if step not in STEPS:
+        raise ConfigError(f"no control-loop step {step!r} (steps: {', '.join(STEPS)})")
+    params = {**params, "state_dsn": params.get("state_dsn") or os.environ.get("SCO_DB_DSN")}
+    fn = globals()[f"step_{step}"]
+    started, ok = time.time(), False
+    opts = params if step == "reclaim" else parse_options(step, params)
+    store = open_store(params) if params.get("state_dsn") else None
+    try:
+        result: dict[str, Any] = fn(opts, check, store)
+        ok = True
+    finally:
+        _write_metrics(step, params, ok, started, store, check)
+        if store is not None:
+            store.close()
+    return result
+
+
+def _write_metrics(step: str, params: Params, ok: bool, started: float, store: Any, check: bool) -> None:
+    """The step's textfile for node_exporter (sco.control.metrics; off unless $SCO_METRICS_TEXTFILE_DIR is set)."""
+    from sco.control import metrics
+
+    if check or not os.environ.get(metrics.ENV):
+        return  # check mode changed nothing and ran nothing for real: it says nothing about the loop's health
+    extra: list[metrics.Gauge] = []
+    hall = str(params.get("hall") or "")
+    try:
+        if store is not None and hall:
+            extra += metrics.fleet_gauges(store, hall)
+        extra += metrics.spend_gauges(_LAST_SPEND.pop(step, {}))
+        if step == "reclaim" and params.get("nats_url"):
+            extra += metrics.relay_gauge(_relay_up(params))
+    except Exception as e:  # a gauge that cannot be read leaves the run's own lines
+        metrics.log.error("control-loop metrics for %s: %s", step, e)
+    metrics.write_step(step, "ok" if ok else "failed", started, time.time(), extra)
+
+
+_LAST_SPEND: dict[str, dict[int, tuple[float, float]]] = {}
+
+
+def _relay_up(params: Params) -> bool:
+    """One connection to the relay with the reclaimer's credentials, 3 s at most."""
+    import nats
+
+    async def probe() -> bool:
+        try:
+            nc = await nats.connect(
+                servers=[s.strip() for s in str(params["nats_url"]).split(",") if s.strip()],
+                connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False, **_nats_auth(params),
+            )  # fmt: skip
+        except Exception:
+            return False
+        await nc.close()
+        return True
+
+    try:
+        return asyncio.run(asyncio.wait_for(probe(), 3))
+    except TimeoutError:
+        return False
+
+
+def load_bundle(params: Params | HallOptions) -> Any:
     from sco.contract.bundle import Bundle
     from sco.contract.signing import Keyring, load_public
 
-    path = params.get("bundle")
-    if not path:
+    h = params if isinstance(params, HallOptions) else HallOptions.from_params(params)
+    if not h.bundle:
         raise ConfigError("bundle: give the verified contract bundle the hall runs (its path)")
-    keys = [load_public(Path(p)) for p in params.get("trust") or []]
-    if params.get("trust_dir"):
-        keys += [load_public(p) for p in sorted(Path(params["trust_dir"]).glob("*.pub"))]
+    keys = [load_public(Path(p)) for p in h.trust]
+    if h.trust_dir:
+        keys += [load_public(p) for p in sorted(Path(h.trust_dir).glob("*.pub"))]
     if not keys:
         raise ConfigError("trust: give the public keys the bundle must be signed with (trust or trust_dir)")
     try:
-        raw = Path(path).read_bytes()
+        raw = Path(h.bundle).read_bytes()
     except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}") from None
-    return Bundle.from_bytes(raw, Keyring(keys), str(path))
+        raise ConfigError(f"{h.bundle}: {e.strerror}") from None
+    return Bundle.from_bytes(raw, Keyring(keys), str(h.bundle))
 
 
-# --- intake -----------------------------------------------------------------------------------------
+def _cloud(params: Params) -> Any:
+    """An openstacksdk connection from openstack.cloud-style options (cloud name or dict, or auth)."""
+    return CloudOptions.from_params(params).connect()
 
 
 def open_store(params: Params) -> Any:
@@ -67,11 +144,14 @@ def open_store(params: Params) -> Any:
     return PgFleetStore(str(params["state_dsn"]))
 
 
-def step_demand(params: Params, check: bool, store: FleetStore | None = None) -> dict[str, Any]:
+# --- demand -----------------------------------------------------------------------------------------
+
+
+def step_demand(o: DemandOptions, check: bool, store: FleetStore | None = None) -> dict[str, Any]:
     """Read pending work from the schedulers. Reading changes nothing, so check mode runs it too."""
-    bundle = load_bundle(params)
+    bundle = load_bundle(o.hall)
     reports = []
-    kube = params.get("kubernetes") or {}
+    kube = o.kubernetes
     if kube.get("url") or kube.get("kubeconfig"):
         try:
             token = Path(kube["token_file"]).read_text().strip() if kube.get("token_file") else ""
@@ -79,7 +159,7 @@ def step_demand(params: Params, check: bool, store: FleetStore | None = None) ->
             raise ConfigError(f"kubernetes.token_file: {kube['token_file']}: {e.strerror}") from None
         api = intake.kube_api_client(kube.get("url", ""), token, kube.get("kubeconfig", ""), kube.get("ca_file", ""))
         reports.append(intake.from_pods(intake.kube_pods(api), bundle.contracts))
-    slurm = params.get("slurm") or {}
+    slurm = o.slurm
     if slurm:  # slurm_conf may be left to $SLURM_CONF or the default /etc/slurm/slurm.conf
         from sco.schedulers.slurm import SlurmClient
 
@@ -99,28 +179,44 @@ def step_demand(params: Params, check: bool, store: FleetStore | None = None) ->
     }
 
 
+# --- reconcile ----------------------------------------------------------------------------------------
+
+
+def step_reconcile(o: ReconcileOptions, check: bool, store: Any = None) -> dict[str, Any]:
+    """Make the fleet state agree with Nova before anything is planned (``sco.control.reconcile``)."""
+    if store is None:
+        raise ConfigError("state_dsn: reconciliation needs the fleet state (give state_dsn or set $SCO_DB_DSN)")
+    from sco.control.nova import Meter
+    from sco.control.reconcile import Reconciler
+    from sco.state.fleet import FleetState
+
+    hall = o.hall.hall
+    cloud = o.cloud.connect()
+    with FleetState(store.dsn, application="sco reconcile") as state, state.writer(hall, o.lock_wait_s):
+        r = Reconciler(cloud, state, Meter(state), concurrency=o.concurrency).hall(
+            hall, check=check, run_id=o.hall.run_id
+        )
+    return {
+        "changed": r.changed,
+        "reconciliation": r.to_dict(),
+        "explain": r.explain(),
+        "warnings": r.warnings + [f"{f['name']} ({f['server_id']}): left alone: {f['why']}" for f in r.foreign],
+    }
+
+
 # --- plan -------------------------------------------------------------------------------------------
 
 
-def _document(params: Params, store: FleetStore | None, hall: str) -> PlanDocument:
-    doc: dict[str, Any] = {
-        "pools": params.get("pools") or [],
-        "settings": params.get("settings") or {},
-        "reservations": params.get("reservations") or [],
-        "demand": (params.get("demand") or {}).get("report", params.get("demand") or {}),
-    }
-    if params.get("now") is not None:
-        doc["now"] = params["now"]
-    if params.get("fleet") is not None:
-        doc["fleet"] = params["fleet"]
-    d = parse(doc, "module options")
-    if params.get("reservations_from") == "blazar":
+def _document(params: Params | PlanOptions, store: FleetStore | None, hall: str) -> PlanDocument:
+    o = params if isinstance(params, PlanOptions) else PlanOptions.from_params({"hall": hall, **params})
+    d = o.document
+    if o.reservations_from == "blazar":
         from sco.provider.reservations import read_reservations
 
         now = d.now if d.now is not None else time.time()
-        committed = committed_from_leases(read_reservations(_cloud(params)), d.pools, now)
-        d = parse({**doc, "reservations": committed}, "module options")
-    if params.get("fleet") is None and store is not None:
+        committed = committed_from_leases(read_reservations(o.cloud.connect()), d.pools, now)
+        d = parse({**o.raw_document, "reservations": committed}, "module options")
+    if not o.fleet_given and store is not None:
         down = store.unavailable(hall)
         pools = [
             p.model_copy(update={"available": False, "unavailable_reason": down[p.name]}) if p.name in down else p
@@ -150,24 +246,24 @@ def committed_from_leases(leases: list[Any], pools: list[PoolSpec], now: float) 
     return out
 
 
-def contracts(params: Params) -> dict[str, ContractInfo]:
+def contracts(params: Params | HallOptions) -> dict[str, ContractInfo]:
     return contracts_from_bundle(load_bundle(params).contracts)
 
 
-def make_plan(params: Params, store: FleetStore | None) -> tuple[Plan, tuple[Instance, ...], PlanDocument]:
-    hall = str(params.get("hall") or "")
-    d = _document(params, store, hall)
-    inp = plan_input(d, contracts(params), time.time())
-    if params.get("fleet") is None and store is not None:
+def make_plan(o: PlanOptions, store: FleetStore | None) -> tuple[Plan, tuple[Instance, ...], PlanDocument]:
+    hall = o.hall.hall
+    d = _document(o, store, hall)
+    inp = plan_input(d, contracts(o.hall), time.time())
+    if not o.fleet_given and store is not None:
         inp = type(inp)(**{**inp.__dict__, "fleet": tuple(store.fleet(hall))})
     return plan(inp), inp.fleet, d
 
 
-def step_plan(params: Params, check: bool, store: FleetStore | None = None) -> dict[str, Any]:
-    result, _, _ = make_plan(params, store)
+def step_plan(o: PlanOptions, check: bool, store: FleetStore | None = None) -> dict[str, Any]:
+    result, _, _ = make_plan(o, store)
     out: dict[str, Any] = {"changed": result.changed, "plan": result.to_dict(), "explain": result.explain()}
     if store is not None and not check:
-        out["plan_id"] = store.record_plan(str(params["hall"]), params.get("run_id"), result)
+        out["plan_id"] = store.record_plan(o.hall.hall, o.hall.run_id, result)
     return out
 
 
@@ -184,22 +280,34 @@ def _amount(value: Any, where: str) -> Decimal:
     return d
 
 
-def step_arbitrate(params: Params, check: bool, store: FleetStore | None = None) -> dict[str, Any]:
-    hall = str(params.get("hall") or "")
-    d = _document(params, store, hall)
-    plan_doc: dict[str, Any] = dict(params.get("plan") or {})
-    if isinstance(plan_doc.get("plan"), dict):  # the plan module's whole result was passed
-        plan_doc = plan_doc["plan"]
-    shortfall = {str(k): int(v) for k, v in (plan_doc.get("shortfall_milli") or {}).items()}
+def step_arbitrate(o: ArbitrateOptions, check: bool, store: FleetStore | None = None) -> dict[str, Any]:
+    hall = o.plan.hall.hall
+    d = _document(o.plan, store, hall)
+    shortfall = {str(k): int(v) for k, v in (o.plan_doc.get("shortfall_milli") or {}).items()}
     fleet = plan_input(d, {}, time.time()).fleet
-    if params.get("fleet") is None and store is not None:
+    if not o.plan.fleet_given and store is not None:
         fleet = tuple(store.fleet(hall))
     pools = plan_input(d, {}, time.time()).pools
-    ceiling = _amount(params.get("ceiling_per_hour"), "ceiling_per_hour")
-    result = arbitrate(shortfall, contracts(params), pools, fleet, ceiling)
+    infos = contracts(o.plan.hall)
+    result = arbitrate(shortfall, infos, pools, fleet, o.ceiling_per_hour)
+    _LAST_SPEND["arbitrate"] = _spend_by_tier(infos, pools, fleet)
     out: dict[str, Any] = {"changed": bool(result.grants), "arbitration": result.to_dict(), "explain": result.explain()}
     if store is not None and not check:
-        store.record_arbitration(hall, params.get("run_id"), result)
+        store.record_arbitration(hall, o.plan.hall.run_id, result)
+    return out
+
+
+def _spend_by_tier(
+    infos: Mapping[str, ContractInfo], pools: Any, fleet: tuple[Instance, ...]
+) -> dict[int, tuple[float, float]]:
+    """(on-demand spend per hour, spend authority per hour) by contract tier, for the metrics."""
+    from sco.control.arbiter import current_spend
+
+    _, per = current_spend({p.name: p for p in pools}, fleet)
+    out: dict[int, tuple[float, float]] = {}
+    for name, c in infos.items():
+        s, a = out.get(c.tier, (0.0, 0.0))
+        out[c.tier] = (s + float(per.get(name, 0)), a + (float(c.spend_cap_per_hour) if c.on_demand else 0.0))
     return out
 
 
@@ -214,11 +322,10 @@ class EntryTarget:
     entry: str
     contracts: tuple[str, ...]
     count: int
+    """Live instances the entry is to hold (a count, not a range of slots)."""
     launch: int
     delete: tuple[str, ...]
-    """Names of the instances the count shrinks away (the entry's highest slots)."""
-    kept: tuple[str, ...] = ()
-    """Instances the plan would scale down but the entry cannot shed: a busy instance sits in a higher slot."""
+    """Names of the instances the plan takes away (idle ones)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -228,7 +335,6 @@ class EntryTarget:
             "count": self.count,
             "launch": self.launch,
             "delete": list(self.delete),
-            "kept": list(self.kept),
         }
 
 
@@ -238,12 +344,9 @@ def entry_targets(
     slots: list[Any],
     entries: Mapping[tuple[str, str], tuple[str, ...]],
 ) -> list[EntryTarget]:
-    """Turn a plan and the arbiter's grants into counts per plan entry.
-
-    The acquirer holds slots 0..count-1 of an entry: it launches the missing ones and deletes those at or above
-    the count. So an entry's count is at least its highest kept slot + 1, and a scale-down the plan asks for
-    happens only where the idle instance holds the entry's highest slots (else it is kept and said so).
-    """
+    """Turn a plan and the arbiter's grants into counts per plan entry: what the entry holds now, less the idle
+    instances the plan deletes, plus what the plan and the grants launch into it. A slot freed by a reclaim is
+    nothing to refill: only a launch the plan asks for adds an instance."""
     from sco.control.record import entry_name
 
     deletes = {str(i) for p in plan_doc.get("pools", []) for i in p.get("delete", [])}
@@ -266,101 +369,118 @@ def entry_targets(
     out = []
     for key in sorted(set(groups) | set(want)):
         group = groups.get(key, [])
-        kept_slots = [s.slot for s in group if str(s.id) not in deletes]
+        gone = tuple(s.name for s in group if str(s.id) in deletes)
         n = want.get(key, 0)
-        count = max(len(kept_slots) + n, max(kept_slots) + 1 if kept_slots else 0)
-        gone = tuple(s.name for s in group if s.slot >= count)
-        stuck = tuple(s.name for s in group if str(s.id) in deletes and s.slot < count)
-        launch = count - sum(1 for s in group if s.slot < count)
-        if launch or gone or stuck:
-            out.append(EntryTarget(key[0], key[1], subsets.get(key, ()), count, launch, gone, stuck))
+        if n or gone:
+            out.append(EntryTarget(key[0], key[1], subsets.get(key, ()), len(group) - len(gone) + n, n, gone))
     return out
 
 
-def _cloud(params: Params) -> Any:
-    """An openstacksdk connection from openstack.cloud-style options (cloud name or dict, or auth)."""
-    import openstack
-
-    kw: dict[str, Any] = {}
-    cloud = params.get("cloud")
-    if isinstance(cloud, Mapping):
-        kw.update(cloud)
-    elif cloud:
-        kw["cloud"] = str(cloud)
-    if params.get("auth"):
-        kw["auth"] = dict(params["auth"])
-    for opt, sdk in (("auth_type", "auth_type"), ("region_name", "region_name"), ("ca_cert", "cacert")):
-        if params.get(opt):
-            kw[sdk] = params[opt]
-    if params.get("interface"):
-        kw["interface"] = params["interface"]
-    if params.get("validate_certs") is not None:
-        kw["verify"] = bool(params["validate_certs"])
-    try:
-        return openstack.connect(**kw)
-    except Exception as e:  # openstacksdk raises its own config errors; the message names the cloud
-        raise ConfigError(f"OpenStack cloud {cloud or '(from auth / OS_* variables)'}: {e}") from None
-
-
-def step_acquire(params: Params, check: bool, store: Any = None) -> dict[str, Any]:
-    """Make each pool hold what the plan and the grants say, through the acquirer (Nova)."""
+def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str, Any]:
+    """Make each plan entry hold what the plan and the grants say, through the acquirer (Nova), after a preflight
+    of every pool that launches: its flavor, image, networks, ... resolved against the cloud, once."""
     if store is None:
         raise ConfigError("state_dsn: the acquirer needs the fleet state (give state_dsn or set $SCO_DB_DSN)")
-    hall = str(params["hall"])
-    d = _document({**params, "demand": {}, "fleet": []}, None, hall)
-    plan_doc: dict[str, Any] = dict(params.get("plan") or {})
-    if isinstance(plan_doc.get("plan"), dict):
-        plan_doc = plan_doc["plan"]
-    arb: dict[str, Any] = dict(params.get("arbitration") or {})
-    if isinstance(arb.get("arbitration"), dict):
-        arb = arb["arbitration"]
-    targets = entry_targets(plan_doc, arb, store.slots(hall), store.entries(hall))
+    hall = o.plan.hall.hall
+    specs = {p.name: p for p in o.plan.document.pools}
+    targets = entry_targets(o.plan_doc, o.arbitration_doc, store.slots(hall), store.entries(hall))
     result: dict[str, Any] = {
         "changed": any(t.launch or t.delete for t in targets),
         "entries": [t.to_dict() for t in targets],
         "launched": 0,
         "deleted": 0,
-        "failed": 0,
-        "skipped": [],
+        "launch_failures": 0,
+        "errors": [],
+        "unavailable": [],
+        "preflight": {},
+        "warnings": [],
     }
-    if check or not targets:
-        result["launched"] = sum(t.launch for t in targets)  # what would be launched
-        result["deleted"] = sum(len(t.delete) for t in targets)
+    unknown = sorted({t.pool for t in targets} - set(specs))
+    if unknown:
+        raise ConfigError(f"pools: the plan names pools that are not configured: {', '.join(unknown)}")
+    launching = sorted({t.pool for t in targets if t.launch})
+    if not targets:
         return result
-    from sco.contract import userdata
-    from sco.contract.signing import load_private
-    from sco.control.acquirer import Acquirer, PlanEntry
+    from sco.control.launch import Resolver
+    from sco.control.nova import Meter
     from sco.state.fleet import FleetState
     from sco.state.fleet import Pool as StatePool
 
-    bundle = load_bundle(params)
-    keys = [load_private(Path(k)) for k in params.get("signing_keys") or []]
-    if not keys:
-        raise ConfigError("signing_keys: give the keys that sign each new instance's contract subset")
-    specs = {p.name: p for p in d.pools}
-    node_env = {str(k): str(v) for k, v in (params.get("node_env") or {}).items()}
-    cloud = _cloud(params)
+    if check and not o.plan.cloud.given:  # an offline dry run: the counts, and that nothing was checked
+        result["launched"] = sum(t.launch for t in targets)
+        result["deleted"] = sum(len(t.delete) for t in targets)
+        result["warnings"].append(
+            "no cloud given: the preflight of the pools' flavors, images and networks was not run"
+        )
+        return result
+    cloud = o.plan.cloud.connect()
+    hints: dict[str, dict[str, str]] = {}
+    if o.plan.reservations_from == "blazar":  # committed pools' creates carry their lease's reservation
+        from sco.provider.reservations import read_reservations, reservation_hints
+
+        leases = {p.name: p.lease or p.name for p in o.plan.document.pools if p.kind == "committed"}
+        hints = reservation_hints(read_reservations(cloud), leases, time.time()) if leases else {}
     with FleetState(store.dsn, application="sco acquire") as state:
+        meter = Meter(state)
+        resolver = Resolver(cloud, meter, check=check)
+        params: dict[str, Any] = {}
+        problems: list[str] = []
+        for name in launching:
+            spec = specs[name]
+            lp, errs = resolver.resolve(f"pools: {name}", spec.flavor, spec.image, spec.launch, spec.cap)
+            problems += errs
+            if lp is not None:
+                params[name] = lp
+                result["preflight"][name] = {
+                    "flavor_id": lp.flavor_id,
+                    "image_id": lp.image_id,
+                    "networks": lp.networks,
+                    "server_group_id": lp.server_group_id,
+                }
+        if problems:
+            raise ConfigError(
+                "preflight: the cloud does not have what the pools ask for: " + "; ".join(problems),
+                [Problem("preflight", "", p) for p in problems],
+            )
+        if check:
+            result["launched"] = sum(t.launch for t in targets)  # what would be launched
+            result["deleted"] = sum(len(t.delete) for t in targets)
+            return result
+        from sco.contract import userdata
+        from sco.contract.signing import load_private
+        from sco.control.acquirer import Acquirer, PlanEntry
+
+        bundle = load_bundle(o.plan.hall)
+        keys = [load_private(Path(k)) for k in o.signing_keys]
+        if not keys and any(t.launch for t in targets):
+            raise ConfigError("signing_keys: give the keys that sign each new instance's contract subset")
         for t in targets:
-            spec = specs.get(t.pool)
-            if spec is None:
-                result["skipped"].append(f"{t.pool}/{t.entry}: pool not configured")
-                continue
-            if t.launch and not spec.image:
-                raise ConfigError(f"pools: {t.pool}: image: needed to launch instances")
-            state.ensure_pool(StatePool(hall, t.pool, spec.flavor, spec.image or "-", kind=spec.kind))
+            spec = specs[t.pool]
+            lp = params.get(t.pool)
+            known = state.pool(hall, t.pool)
+            flavor = lp.flavor_id if lp else (known.flavor if known else spec.flavor)
+            image = lp.image_id if lp else (known.image if known else spec.image or "-")
+            az = spec.launch.availability_zone
+            state.ensure_pool(StatePool(hall, t.pool, flavor, image, kind=spec.kind, availability_zone=az))
             store.ensure_entry(hall, t.pool, t.contracts)
 
             def render(name: str, contracts: tuple[str, ...] = t.contracts) -> str:
-                env = {**node_env, "SCO_HALL": hall, "SCO_NODE": name}
+                env = {**o.node_env, "SCO_HALL": hall, "SCO_NODE": name}
                 return userdata.render(bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env)
 
-            outcome = Acquirer(cloud, state, render).apply(PlanEntry(hall, t.pool, t.entry, t.count))
+            acq = Acquirer(cloud, state, render, meter=meter, concurrency=o.concurrency, scheduler_hints=hints)
+            outcome = acq.apply(PlanEntry(hall, t.pool, t.entry, t.count, t.delete), lp)
             result["launched"] += outcome.launched
             result["deleted"] += outcome.deleted
-            result["failed"] += outcome.failed
+            result["launch_failures"] += outcome.failed
+            result["errors"] += outcome.errors
+            result["warnings"] += outcome.warnings
             if outcome.skipped or outcome.pool_unavailable:
-                result["skipped"].append(f"{t.pool}/{t.entry}: {outcome.skipped or outcome.pool_unavailable}")
+                why = outcome.skipped or outcome.pool_unavailable
+                result["unavailable"].append(f"{t.pool}/{t.entry}: {why}")
+                if outcome.skipped:
+                    result["warnings"].append(f"{t.pool}/{t.entry}: nothing launched: {why}")
+        result["api_calls"] = meter.calls
     return result
 
 
@@ -382,11 +502,17 @@ def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, An
         raise ConfigError("state_dsn: the reclaimer needs the fleet state (give state_dsn or set $SCO_DB_DSN)")
     hall = str(params["hall"])
     nodes = [str(n) for n in params.get("nodes") or []]
-    from sco.provider.reclaimer import window_problem
+    from sco.provider.reclaimer import drain_floor, window_problem
 
-    if (problem := window_problem("window", params.get("window", 120))) is not None:
+    # the hall's contracts, when given: the window must fit the largest drain budget plus the margin
+    floor = None
+    if params.get("bundle"):
+        b = load_bundle(params)
+        floor = drain_floor(b.policy, b.contracts)
+    if (problem := window_problem("window", params.get("window", 120), floor)) is not None:
         raise ConfigError(problem)  # before check mode returns: a window that cannot drain is refused there too
-    if not nodes:
+    leases = bool(params.get("before_leases"))  # also what a host lease starting soon would preempt
+    if not nodes and not leases:
         return {"changed": False, "reclaimed": []}
     live = {i.name: i for i in store.fleet(hall)}
     unknown = [n for n in nodes if n not in live]
@@ -394,11 +520,10 @@ def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, An
         raise ConfigError(f"hall {hall}: no live instance named {', '.join(unknown)}")
     todo = [n for n in nodes if live[n].state != "deleting"]  # already under reclaim: nothing to do again
     result: dict[str, Any] = {"changed": bool(todo), "reclaimed": [], "would_reclaim": todo}
-    if check or not todo:
+    if check or not (todo or leases):
         return result
     from sco.contract.signing import load_private
-    from sco.provider.reclaimer import Reclaimer
-    from sco.state.fleet import FleetState
+    from sco.provider.reclaim_job import ReclaimSettings, reclaim
 
     if not params.get("nats_url"):
         raise ConfigError("nats_url: the hall's notice relay")
@@ -409,35 +534,12 @@ def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, An
         raise ConfigError(
             "notice_keys: give the hall's notice signing key(s) (or $SCO_NOTICE_KEY): agents refuse unsigned notices"
         )
-    keys = [load_private(Path(k)) for k in files]
-
-    async def go() -> list[dict[str, Any]]:
-        with (
-            FleetState(store.dsn, application="sco reclaim") as st,
-            st.writer(hall, float(params.get("lock_wait") or 0)),
-        ):
-            r = Reclaimer(
-                _cloud(params), st, str(params["nats_url"]), window_s=float(params["window"]), signing_keys=keys,
-                nats_auth=_nats_auth(params),
-            )  # fmt: skip
-            try:
-                done = await r.notify(hall, todo)
-                if params.get("wait", True):
-                    await r.run(hall)
-                return [
-                    {
-                        "name": rc.instance.name,
-                        "notice": rc.notice["id"],
-                        "terminate_at": rc.terminate_at,
-                        "published": rc.published_at is not None,
-                        "state": st.instance(rc.instance.id).state,
-                        # what the agent had reported when the delete went out (None: not deleted in this run)
-                        "agent": rc.agent_state,
-                    }
-                    for rc in done
-                ]
-            finally:
-                await r.close()
-
-    result["reclaimed"] = asyncio.run(go())
+    settings = ReclaimSettings(
+        hall=hall, nodes=tuple(todo), window_s=float(params["window"]), nats_url=str(params["nats_url"]),
+        signing_keys=[load_private(Path(k)) for k in files], dsn=store.dsn, nats_auth=_nats_auth(params),
+        lock_wait_s=float(params.get("lock_wait") or 0), wait=bool(params.get("wait", True)), floor=floor,
+        retry_for_s=float(params.get("retry_for") or 120), before_leases=leases,
+    )  # fmt: skip
+    result["reclaimed"] = asyncio.run(reclaim(settings, _cloud(params)))
+    result["changed"] = bool(result["reclaimed"])
     return result

@@ -33,13 +33,22 @@ class Pool:
     available: bool = True
     unavailable_reason: str = ""
     price_per_hour: Decimal = Decimal(0)
-    """On-demand pools: what one instance costs per hour, in the hall's currency."""
+    """What one instance costs per hour, in the hall's currency: the planner's objective for reclaimable pools
+    (the spot price), the arbiter's for on-demand pools."""
     flavor: str = ""
     """The Nova flavour (or Ironic resource class) instances of this pool are launched with."""
 
     @property
     def diversification_group(self) -> str:
         return self.group or self.name
+
+
+ROOM_STATES = frozenset({"requested", "launching", "active"})
+"""Lifecycle states whose instances are (or are about to be) room for work. Every other state is on its way out
+(``notified``, ``draining``, ``drained``, ``overrun``, ``deleting``: a reclaim; ``failed``: a launch that did not
+work) or gone (``deleted``, ``lost``: vanished from the cloud)."""
+GONE_STATES = frozenset({"deleted", "lost"})
+"""States of instances that hold nothing in the cloud any more: they count neither as room nor against a cap."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,10 @@ class PlanSettings:
     """An idle reclaimable instance is scaled down only once it has been up this long."""
     settle_s: float = 300.0
     """Free room on a busy instance younger than this still counts (work may be on its way to it)."""
+    solver_node_limit: int = 2000
+    """Branch-and-bound nodes HiGHS may explore: a work limit, so the plan does not depend on the machine's speed."""
+    solver_time_s: float = 5.0
+    """A safety net over the node limit (a plan that hit it says so in ``solver.status``)."""
 
 
 @dataclass(frozen=True)
@@ -115,3 +128,6 @@ class PlanInput:
     reservations: tuple[Reservation, ...] = ()
     node_load_milli: Mapping[str, int] = field(default_factory=dict)
     settings: PlanSettings = field(default_factory=lambda: PlanSettings(now=0.0))
+    requests: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    """Pending requests per contract by size (milli-units -> count); each is placed whole. A contract with
+    demand but no sizes here is taken as requests of one unit each, the last one the remainder."""

@@ -1,41 +1,48 @@
 """Portfolio planner: demand, fleet and reservations in; target instance counts per pool out, every decision explained.
 
+**Objective.** Place every pending request it can, tier 1 first, at the least hourly cost of new capacity, subject
+to pool caps, tier-1 floors on committed capacity, and per tier the share (``settings.shares``) of the units the
+plan places on reclaimable capacity (instances there or new) that one pool or one diversification group may take,
+so one reclaim wave cannot take a tier's capacity down. Each pending pod or job is one **whole request**
+(``PlanInput.requests``): it goes onto one instance, never split. Requests are packed onto flavours: onto room
+already there at no cost, else onto new instances of reclaimable pools at their ``price_per_hour`` (ties: fewer new
+units). How it is solved, and the fallback, is ``sco.control.placement``; the plan names the solver, the cost, the
+bound proved and the gap, and lists which instance covers which work (``covers``).
+
 Pure and deterministic: no clock (``settings.now`` is an input), no I/O, every input put in canonical order
 first and all arithmetic on integers (milli-units), so the same input gives the same plan whatever the order of
-its lists. The steps, in order:
+its lists. The phases, in order, each its own function:
 
-1. **Pools.** Unavailable pools take no launches and their instances do not count as capacity (their reason is
-   kept). Instances of pools not configured are left alone (the reclaimer's business).
-2. **Tier-1 floors on committed capacity.** Each tier-1 contract's floor is held on committed pools (Blazar
-   leases give the committed instances), contracts by name, pools by name. Committed capacity is paid for: its
-   instances are never scaled down. Whenever the floors fit the committed capacity, every floor is held.
-3. **Cover pending work with room already there.** Free room on idle instances, on instances still settling
-   (younger than ``settle_s``) and on floor instances about to launch covers the pending work of the contracts
-   in their subset (tier 1 first). This is what makes the plan idempotent: work waiting for an instance that
-   has just been launched for it does not launch another one.
-4. **Place the rest on reclaimable pools**, tier by tier, one instance at a time onto the pool holding the
-   least of that tier, never past a pool's cap and never more than the tier's share (``settings.shares``) of
-   the units this plan places for the tier in one pool or one diversification group, so one reclaim wave cannot
-   take a tier's new capacity down. (Instances already running stay where they are: moving work is the
-   schedulers' business, not the planner's.)
+1. ``survey``: the pools and the fleet in them. Unavailable pools take no launches and their instances do not
+   count as room. Only instances that are ``requested``, ``launching`` or ``active`` are room; those on their way
+   out (``notified``, ``draining``, ``drained``, ``overrun``, ``deleting``, ``failed``) still count against a
+   pool's cap; ``deleted`` and ``lost`` ones count for nothing. Instances of pools not configured are left alone.
+2. ``hold_floors``: each tier-1 contract's floor is held on committed pools (Blazar leases give the committed
+   instances), contracts by name, pools by name. Committed capacity is paid for: never scaled down.
+3. ``pending``: the pending work of known contracts as whole requests.
+4. ``rooms`` and ``new_pools``: room already there (idle instances, instances still settling, floor instances
+   about to launch) and what reclaimable pools may add.
+5. ``place``: the optimisation, then the new instances' requests packed onto instances (first-fit decreasing).
    What does not fit is the **shortfall**, handed to the fallback arbiter.
-5. **Scale down** idle instances (no load, not covering anything) of reclaimable and on-demand pools once they
-   have been up for ``idle_grace_s``.
+6. ``scale_down``: idle ``active`` instances of reclaimable and on-demand pools that no pending work was put on,
+   once they have been up for ``idle_grace_s``.
+
+Applying a plan and planning again with the same demand changes nothing: the instances launched are room the
+same requests fit, and an idle instance pending work can use is kept (``tests/test_planner_objective.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
-from sco.control.model import Instance, PlanInput
-from sco.control.units import fmt
-
-_KIND_RANK = {"committed": 0, "reclaimable": 1, "on-demand": 2}
+from sco.control.model import GONE_STATES, ROOM_STATES, Instance, PlanInput, Pool
+from sco.control.placement import NewPool, Problem, Req, Room, Solution, solve
+from sco.control.units import MILLI, fmt
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,8 @@ class PoolPlan:
     """Ids of the instances to scale down."""
     placed_milli: dict[str, int] = field(default_factory=dict)
     """New units placed here this plan, by contract."""
+    cost_per_hour: Decimal = Decimal(0)
+    """What the instances launched here cost per hour."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +86,27 @@ class PoolPlan:
             "launch_contracts": list(self.launch_contracts),
             "delete": list(self.delete),
             "placed_milli": dict(sorted(self.placed_milli.items())),
+            "cost_per_hour": str(self.cost_per_hour),
+        }
+
+
+@dataclass(frozen=True)
+class Cover:
+    """Work one instance takes in this plan: an instance already there, or one to launch (``new``)."""
+
+    instance: str
+    pool: str
+    new: bool
+    work_milli: dict[str, int]
+    requests: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "instance": self.instance,
+            "pool": self.pool,
+            "new": self.new,
+            "work_milli": dict(sorted(self.work_milli.items())),
+            "requests": self.requests,
         }
 
 
@@ -88,6 +118,11 @@ class Plan:
     floors_milli: dict[str, int]
     """Floor units held per tier-1 contract."""
     decisions: tuple[Decision, ...]
+    cost_per_hour: Decimal = Decimal(0)
+    """Hourly cost of the new instances (floor instances on committed capacity are paid for already)."""
+    covers: tuple[Cover, ...] = ()
+    solver: Mapping[str, Any] = field(default_factory=dict)
+    """Which solver placed the work (highs or the greedy fallback, and why), its objective, bound and gap."""
 
     @property
     def changed(self) -> bool:
@@ -98,6 +133,8 @@ class Plan:
             "pools": [p.to_dict() for p in self.pools],
             "shortfall_milli": dict(sorted(self.shortfall_milli.items())),
             "floors_milli": dict(sorted(self.floors_milli.items())),
+            "cost_per_hour": str(self.cost_per_hour),
+            "covers": [c.to_dict() for c in self.covers],
         }
 
     @property
@@ -111,6 +148,7 @@ class Plan:
             **self.body(),
             "digest": self.digest,
             "changed": self.changed,
+            "solver": dict(self.solver),
             "decisions": [d.to_dict() for d in self.decisions],
         }
 
@@ -122,245 +160,250 @@ def _units(milli: int) -> str:
     return f"{fmt(milli)} units"
 
 
+def _money(d: Decimal) -> str:
+    return f"{d.normalize():f}/h" if d else "0/h"
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _apportion(total: int, weights: list[tuple[str, int]]) -> dict[str, int]:
-    """Split ``total`` over ``weights`` proportionally, integers only (largest remainder, ties by name)."""
-    whole = sum(w for _, w in weights)
-    if whole == 0 or total >= whole:
-        return {k: w for k, w in weights} if total >= whole else {k: 0 for k, _ in weights}
-    base = {k: w * total // whole for k, w in weights}
-    rest = total - sum(base.values())
-    order = sorted(weights, key=lambda kw: (-(kw[1] * total % whole), kw[0]))
-    for k, _ in order[:rest]:
-        base[k] += 1
-    return base
+# --- 1. survey ---------------------------------------------------------------------------------------------
 
 
-def _why_full(stopped: dict[str, str], tier: int, share: Any, n_pools: int) -> str:
-    if not n_pools:
-        return "no reclaimable pool available"
-    at_cap = sum(1 for w in stopped.values() if w == "cap")
-    at_share = sum(1 for w in stopped.values() if w == "pool share")
-    groups = sorted({w.removeprefix("group ") for w in stopped.values() if w.startswith("group ")})
-    parts = [f"{at_cap} of {n_pools} pools at their cap"] if at_cap else []
-    if at_share:
-        parts.append(f"{at_share} pools at the tier-{tier} share of {share} per pool")
-    if groups:
-        parts.append(f"groups at the tier-{tier} share of {share}: {', '.join(groups)}")
-    return "; ".join(parts)
+@dataclass
+class Survey:
+    pools: dict[str, Pool]
+    held: dict[str, list[Instance]]
+    """Instances that count against each pool's cap (every state but deleted and lost)."""
+    room: dict[str, list[Instance]]
+    """Instances that are room, in available pools only."""
+    decisions: list[Decision]
 
 
-class _Cover:
-    """Room on one instance (or on floor instances about to launch) that pending work may use."""
-
-    __slots__ = ("contracts", "free", "key", "label", "used")
-
-    def __init__(self, key: tuple[Any, ...], label: str, contracts: Iterable[str], free: int) -> None:
-        self.key, self.label, self.contracts, self.free, self.used = key, label, frozenset(contracts), free, 0
-
-
-def plan(inp: PlanInput) -> Plan:
-    s = inp.settings
-    decisions: list[Decision] = []
+def survey(inp: PlanInput) -> Survey:
     pools = {p.name: p for p in sorted(inp.pools, key=lambda p: p.name)}
-    contracts = dict(sorted(inp.contracts.items()))
-    load = inp.node_load_milli
-
-    # 1. pools and the fleet in them
-    fleet: dict[str, list[Instance]] = {name: [] for name in pools}
+    held: dict[str, list[Instance]] = {name: [] for name in pools}
+    decisions: list[Decision] = []
     for i in sorted(inp.fleet, key=lambda i: (i.pool, i.name, i.id)):
-        if i.state in ("deleting", "deleted"):
+        if i.state in GONE_STATES:
             continue
-        if i.pool not in fleet:
+        if i.pool not in held:
             decisions.append(Decision("ignore", f"instance:{i.name}", f"pool {i.pool!r} is not configured"))
             continue
-        fleet[i.pool].append(i)
+        held[i.pool].append(i)
+    room: dict[str, list[Instance]] = {}
     for p in pools.values():
         if not p.available:
             why = p.unavailable_reason or "marked unavailable"
-            n = len(fleet[p.name])
+            n = len(held[p.name])
             decisions.append(
                 Decision(
                     "skip_pool", f"pool:{p.name}", f"unavailable ({why}): no launches, its {n} instances not counted"
                 )
             )
+            continue
+        room[p.name] = [i for i in held[p.name] if i.state in ROOM_STATES]
+        out = len(held[p.name]) - len(room[p.name])
+        if out:
+            states = ", ".join(sorted({i.state for i in held[p.name] if i.state not in ROOM_STATES}))
+            decisions.append(
+                Decision("keep", f"pool:{p.name}", f"{out} instances {states}: not room, still held against the cap")
+            )
+    return Survey(pools, held, room, decisions)
 
-    # 2. tier-1 floors on committed capacity
+
+# --- 2. floors ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Floors:
+    held_milli: dict[str, int]
+    """Floor units held per contract."""
+    alloc: dict[str, dict[str, int]]
+    """Committed pool -> contract -> floor units it holds there."""
+    launch: dict[str, int]
+    """Committed pool -> floor instances to launch."""
+    decisions: list[Decision]
+
+
+def hold_floors(inp: PlanInput, sv: Survey) -> Floors:
+    decisions: list[Decision] = []
     committed: dict[str, int] = {}
     for r in sorted(inp.reservations, key=lambda r: (r.pool, r.lease)):
-        rp = pools.get(r.pool)
+        rp = sv.pools.get(r.pool)
         if rp is None or rp.kind != "committed":
             decisions.append(
                 Decision("ignore", f"lease:{r.lease}", f"pool {r.pool!r} is not a configured committed pool")
             )
             continue
         committed[r.pool] = committed.get(r.pool, 0) + r.instances
-    reserved = [p for p in pools.values() if p.kind == "committed" and p.available and committed.get(p.name)]
+    reserved = [p for p in sv.pools.values() if p.kind == "committed" and p.available and committed.get(p.name)]
     room = {p.name: min(committed[p.name], p.cap) * p.flavor_milli for p in reserved}
-    floor_alloc: dict[str, dict[str, int]] = {p.name: {} for p in reserved}
-    floors: dict[str, int] = {}
-    for c in contracts.values():
+    alloc: dict[str, dict[str, int]] = {p.name: {} for p in reserved}
+    held: dict[str, int] = {}
+    for c in sorted(inp.contracts.values(), key=lambda c: c.name):
         if c.tier != 1 or c.floor_milli <= 0:
             continue
-        need, held = c.floor_milli, []
+        need, where = c.floor_milli, []
         for p in reserved:
             take = min(need, room[p.name])
             if take:
                 room[p.name] -= take
-                floor_alloc[p.name][c.name] = take
-                held.append(f"{_units(take)} on {p.name}")
+                alloc[p.name][c.name] = take
+                where.append(f"{_units(take)} on {p.name}")
                 need -= take
-        floors[c.name] = c.floor_milli - need
+        held[c.name] = c.floor_milli - need
         if need:
-            why = f"floor short by {_units(need)}: committed capacity is all held ({', '.join(held) or 'none free'})"
+            why = f"floor short by {_units(need)}: committed capacity is all held ({', '.join(where) or 'none free'})"
             decisions.append(Decision("short", f"contract:{c.name}", why))
         else:
             decisions.append(
-                Decision("floor", f"contract:{c.name}", f"floor of {_units(c.floor_milli)} held: {', '.join(held)}")
+                Decision("floor", f"contract:{c.name}", f"floor of {_units(c.floor_milli)} held: {', '.join(where)}")
             )
-
-    # 3. cover pending work with room already there (or about to be)
-    covers: list[_Cover] = []
-    new_reserved: dict[str, int] = {}
+    launch = {}
     for p in reserved:
-        needed = _ceil_div(sum(floor_alloc[p.name].values()), p.flavor_milli)
-        new_reserved[p.name] = max(0, needed - len(fleet[p.name]))
-        if new_reserved[p.name]:
-            covers.append(
-                _Cover(
-                    (0, 0, p.name, ""),
-                    f"floor instances of {p.name}",
-                    floor_alloc[p.name],
-                    new_reserved[p.name] * p.flavor_milli,
-                )
-            )
-    for name, insts in fleet.items():
-        p = pools[name]
-        if not p.available:
-            continue
-        for i in insts:
-            busy = load.get(i.name, 0)
-            settling = s.now - i.launched_at < s.settle_s
-            if busy and not settling:
-                continue  # the scheduler had its chance to use the room left on a settled, busy node
-            free = max(0, p.flavor_milli - busy)
-            # busy instances first, so idle ones stay free to scale down
-            covers.append(_Cover((_KIND_RANK[p.kind], -busy, p.name, i.name), f"instance {i.name}", i.contracts, free))
-    covers.sort(key=lambda c: c.key)
-    by_contract: dict[str, list[_Cover]] = {}
-    for cv in covers:
-        for cname in cv.contracts:
-            by_contract.setdefault(cname, []).append(cv)
+        needed = _ceil_div(sum(alloc[p.name].values()), p.flavor_milli)
+        launch[p.name] = max(0, needed - len(sv.room.get(p.name, [])))
+    return Floors(held, alloc, launch, decisions)
 
-    pending: dict[str, int] = {}
+
+# --- 3. pending work -----------------------------------------------------------------------------------------
+
+
+def whole_requests(total: int, sizes: Mapping[int, int] | None) -> dict[int, int]:
+    """A contract's pending work as requests by size: the sizes given if they add up to the total, else requests of
+    one unit each, the last one the remainder."""
+    if sizes and sum(s * n for s, n in sizes.items()) == total and all(s > 0 and n >= 0 for s, n in sizes.items()):
+        return {s: n for s, n in sorted(sizes.items()) if n}
+    whole, rest = divmod(total, MILLI)
+    out = {MILLI: whole} if whole else {}
+    if rest:
+        out[rest] = out.get(rest, 0) + 1
+    return out
+
+
+def pending(inp: PlanInput) -> tuple[dict[Req, int], list[Decision]]:
+    decisions: list[Decision] = []
+    out: dict[Req, int] = {}
     for cname, milli in sorted(inp.demand.items()):
         if milli <= 0:
             continue
-        if cname not in contracts:
+        if cname not in inp.contracts:
             decisions.append(
                 Decision("ignore", f"contract:{cname}", f"{_units(milli)} pending, contract not in the bundle")
             )
             continue
-        pending[cname] = milli
-    rem: dict[str, int] = {}
-    for cname in sorted(pending, key=lambda n: (contracts[n].tier, n)):
-        need = pending[cname]
-        covered = 0
-        for cv in by_contract.get(cname, []):
-            take = min(need - covered, cv.free - cv.used)
-            if take > 0:
-                cv.used += take
-                covered += take
-            if covered == need:
-                break
-        if covered:
-            decisions.append(
-                Decision(
-                    "cover",
-                    f"contract:{cname}",
-                    f"{_units(covered)} of {_units(need)} pending fit room already there or launching",
-                )
-            )
-        rem[cname] = need - covered
+        for size, n in whole_requests(milli, inp.requests.get(cname)).items():
+            out[cname, size] = n
+    return out, decisions
 
-    # 4. place the rest on reclaimable pools, tier by tier
-    kept = {name: len(insts) for name, insts in fleet.items()}
-    new_units = {name: 0 for name in pools}
-    placed: dict[str, dict[str, int]] = {name: {} for name in pools}
-    shortfall: dict[str, int] = {}
-    eligible = [p for p in pools.values() if p.kind == "reclaimable" and p.available]
-    for p in eligible:
-        if kept[p.name] >= p.cap:
-            decisions.append(Decision("keep", f"pool:{p.name}", f"at its cap of {p.cap} instances: no launches"))
-    for tier in sorted({contracts[c].tier for c in rem if rem[c]}):
-        tier_rem = [(c, rem[c]) for c in sorted(rem) if rem[c] and contracts[c].tier == tier]
-        total = sum(m for _, m in tier_rem)
-        share = s.shares.get(tier, 1)
-        limit = total if share >= 1 else int(share * total)
-        per_pool: dict[str, int] = {}
-        per_group: dict[str, int] = {}
-        chunks: list[tuple[str, int]] = []
-        left = total
-        heap = [(0, p.name) for p in eligible]
-        heapq.heapify(heap)
-        stopped: dict[str, str] = {}
-        while left and heap:
-            _, name = heapq.heappop(heap)
-            p = pools[name]
-            g = p.diversification_group
-            tail = (-new_units[name]) % p.flavor_milli
-            cap_room = (p.cap - kept[name]) * p.flavor_milli - new_units[name]
-            pool_room = limit - per_pool.get(name, 0)
-            group_room = limit - per_group.get(g, 0)
-            take = min(tail or p.flavor_milli, cap_room, pool_room, group_room, left)
-            if take <= 0:
-                stopped[name] = "cap" if cap_room <= 0 else f"group {g}" if group_room <= 0 else "pool share"
-                continue
-            new_units[name] += take
-            per_pool[name] = per_pool.get(name, 0) + take
-            per_group[g] = per_group.get(g, 0) + take
-            left -= take
-            chunks.append((name, take))
-            heapq.heappush(heap, (per_pool[name], name))
-        got = _apportion(total - left, tier_rem)
-        # contracts take the chunks in order: consecutive chunks sit in different pools, so a contract spreads
-        chunk_i = 0
-        chunk_left = chunks[0][1] if chunks else 0
-        for cname, _ in tier_rem:
-            want = got[cname]
-            while want and chunk_i < len(chunks):
-                pname = chunks[chunk_i][0]
-                take = min(want, chunk_left)
-                placed[pname][cname] = placed[pname].get(cname, 0) + take
-                want -= take
-                chunk_left -= take
-                if not chunk_left:
-                    chunk_i += 1
-                    chunk_left = chunks[chunk_i][1] if chunk_i < len(chunks) else 0
-            short = rem[cname] - got[cname]
-            if short:
-                shortfall[cname] = short
-                why = _why_full(stopped, tier, share, len(eligible))
-                decisions.append(
-                    Decision(
-                        "short",
-                        f"contract:{cname}",
-                        f"{_units(short)} of tier {tier} do not fit reclaimable pools ({why})",
-                    )
-                )
 
-    # 5. scale down idle instances nothing needs
-    deletes: dict[str, list[str]] = {name: [] for name in pools}
-    used = {cv.key[3]: cv.used for cv in covers if cv.key[3]}
-    for name, insts in fleet.items():
-        p = pools[name]
-        if not p.available:
-            continue
+# --- 4. room already there, and what pools may add --------------------------------------------------------------
+
+
+def rooms(inp: PlanInput, sv: Survey, fl: Floors) -> tuple[Room, ...]:
+    s = inp.settings
+    out: list[Room] = []
+    for name, n in fl.launch.items():
+        for k in range(n):
+            out.append(Room(f"+{name}/{k}", name, frozenset(fl.alloc[name]), sv.pools[name].flavor_milli))
+    for name, insts in sv.room.items():
+        p = sv.pools[name]
         for i in insts:
-            if load.get(i.name, 0) or used.get(i.name, 0):
+            busy = inp.node_load_milli.get(i.name, 0)
+            settling = s.now - i.launched_at < s.settle_s
+            if busy and not settling:
+                continue  # the scheduler had its chance to use the room left on a settled, busy node
+            free = max(0, p.flavor_milli - busy)
+            if free and i.contracts:
+                deletable = _deletable(inp, p, i)
+                out.append(Room(i.name, name, frozenset(i.contracts), free, deletable))
+    return tuple(out)
+
+
+def _deletable(inp: PlanInput, p: Pool, i: Instance) -> bool:
+    """Idle, active, not committed, past the grace: scaled down unless pending work is put on it."""
+    s = inp.settings
+    idle = not inp.node_load_milli.get(i.name, 0)
+    return idle and i.state == "active" and p.kind != "committed" and s.now - i.launched_at >= s.idle_grace_s
+
+
+def new_pools(inp: PlanInput, sv: Survey) -> tuple[tuple[NewPool, ...], list[Decision]]:
+    out, decisions = [], []
+    for p in sv.pools.values():
+        if p.kind != "reclaimable" or not p.available:
+            continue
+        room = p.cap - len(sv.held[p.name])
+        # idle instances no work can go on are deleted by this plan: their places under the cap are used now, not
+        # by the next plan (which would launch again); a pool over its cap (room < 0) only gets back to it. (Idle
+        # instances work may go on are rooms: the placement decides, instance by instance, whether to keep one.)
+        freeable = sum(1 for i in sv.room.get(p.name, []) if not i.contracts and _deletable(inp, p, i))
+        if room + freeable <= 0:
+            decisions.append(Decision("keep", f"pool:{p.name}", f"at its cap of {p.cap} instances: no launches"))
+        out.append(NewPool(p.name, p.diversification_group, p.flavor_milli, room, p.price_per_hour, freeable))
+    return tuple(out), decisions
+
+
+# --- 5. placement ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Placement:
+    solution: Solution
+    bins: dict[str, list[dict[Req, int]]]
+    """Reclaimable pool -> its new instances, each with the requests it takes."""
+    short: dict[Req, int]
+
+
+def place(inp: PlanInput, requests: Mapping[Req, int], room: tuple[Room, ...], pools: tuple[NewPool, ...]) -> Placement:
+    s = inp.settings
+    problem = Problem(
+        requests=requests,
+        tiers={c: inp.contracts[c].tier for c, _ in requests},
+        rooms=room,
+        pools=pools,
+        shares=s.shares,
+        node_limit=s.solver_node_limit,
+        time_limit_s=s.solver_time_s,
+    )
+    sol = solve(problem)
+    short = dict(requests)
+    for placed in [*sol.on_room.values(), *sol.on_pool.values()]:
+        for k, n in placed.items():
+            short[k] -= n
+    return Placement(sol, sol.bins, {k: n for k, n in short.items() if n > 0})
+
+
+def _why_short(tier: int, inp: PlanInput, pools: tuple[NewPool, ...], sizes: set[int]) -> str:
+    share = inp.settings.shares.get(tier, 1)
+    open_pools = [x for x in pools if x.most > 0]
+    if not pools:
+        return "no reclaimable pool available"
+    parts = []
+    at_cap = len(pools) - len(open_pools)
+    if at_cap:
+        parts.append(f"{at_cap} of {len(pools)} pools at their cap")
+    groups = sorted({x.group for x in open_pools})
+    if share < 1:
+        parts.append(f"the tier-{tier} share of {share} per pool and group, {len(groups)} groups with room")
+    too_big = sorted(r for r in sizes if all(r > x.flavor for x in open_pools))
+    if too_big:
+        parts.append(f"requests of {', '.join(_units(r) for r in too_big)} fit no flavour with room")
+    return "; ".join(parts) or "no room left"
+
+
+# --- 6. scale down ---------------------------------------------------------------------------------------------
+
+
+def scale_down(inp: PlanInput, sv: Survey, used: set[str]) -> tuple[dict[str, list[str]], list[Decision]]:
+    s = inp.settings
+    deletes: dict[str, list[str]] = {name: [] for name in sv.pools}
+    decisions: list[Decision] = []
+    for name, insts in sv.room.items():
+        p = sv.pools[name]
+        for i in insts:
+            if inp.node_load_milli.get(i.name, 0) or i.name in used or i.state != "active":
                 continue
             age = s.now - i.launched_at
             subject = f"instance:{i.name}"
@@ -373,27 +416,93 @@ def plan(inp: PlanInput) -> Plan:
             else:
                 deletes[name].append(i.id)
                 what = ",".join(i.contracts) or "it"
-                why = f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, no pending work for {what}"
+                why = f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, no pending work for {what} put on it"
                 decisions.append(Decision("scale_down", subject, why))
+    return deletes, decisions
 
-    out: list[PoolPlan] = []
-    for name, p in pools.items():
-        launch = new_reserved.get(name, 0) if p.kind == "committed" else _ceil_div(new_units[name], p.flavor_milli)
-        subset = sorted(floor_alloc.get(name, {}) if p.kind == "committed" else placed[name]) if launch else []
-        if launch:
-            what = ", ".join(f"{c} {_units(m)}" for c, m in sorted((floor_alloc.get(name) or placed[name]).items()))
-            decisions.append(Decision("launch", f"pool:{name}", f"+{launch} ({what})"))
-        target = kept[name] - len(deletes[name]) + launch
-        out.append(
-            PoolPlan(
-                name,
-                p.kind,
-                kept[name],
-                target,
-                launch,
-                tuple(subset),
-                tuple(deletes[name]),
-                placed[name] if launch else {},
+
+# --- the plan --------------------------------------------------------------------------------------------------
+
+
+def _work(reqs: Mapping[Req, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (c, r), n in reqs.items():
+        out[c] = out.get(c, 0) + r * n
+    return out
+
+
+def plan(inp: PlanInput) -> Plan:
+    sv = survey(inp)
+    fl = hold_floors(inp, sv)
+    requests, pend_decisions = pending(inp)
+    room = rooms(inp, sv, fl)
+    pools, pool_decisions = new_pools(inp, sv)
+    pl = place(inp, requests, room, pools)
+    decisions = sv.decisions + fl.decisions + pend_decisions
+
+    covered: dict[str, int] = {}
+    for reqs in pl.solution.on_room.values():
+        for c, m in _work(reqs).items():
+            covered[c] = covered.get(c, 0) + m
+    total = _work(requests)
+    for c in sorted(covered):
+        decisions.append(
+            Decision(
+                "cover",
+                f"contract:{c}",
+                f"{_units(covered[c])} of {_units(total[c])} pending fit room already there or launching",
             )
         )
-    return Plan(tuple(out), shortfall, floors, tuple(decisions))
+    decisions += pool_decisions
+    shortfall: dict[str, int] = {}
+    for (c, r), n in sorted(pl.short.items()):
+        shortfall[c] = shortfall.get(c, 0) + r * n
+    for c, m in sorted(shortfall.items()):
+        tier = inp.contracts[c].tier
+        sizes = {r for (cc, r) in pl.short if cc == c}
+        why = _why_short(tier, inp, pools, sizes)
+        decisions.append(
+            Decision("short", f"contract:{c}", f"{_units(m)} of tier {tier} do not fit reclaimable pools ({why})")
+        )
+
+    used = {k for k, v in pl.solution.on_room.items() if any(v.values())}
+    deletes, down_decisions = scale_down(inp, sv, used)
+    decisions += down_decisions
+
+    pool_of = {r.key: r.pool for r in room}
+    covers = [
+        Cover(key, pool_of[key], key.startswith("+"), _work(reqs), sum(reqs.values()))
+        for key, reqs in sorted(pl.solution.on_room.items())
+        if any(reqs.values())
+    ]
+    out: list[PoolPlan] = []
+    cost = Decimal(0)
+    for name, p in sv.pools.items():
+        placed: dict[str, int] = {}
+        if p.kind == "committed":
+            launch = fl.launch.get(name, 0)
+            subset = sorted(fl.alloc.get(name, {})) if launch else []
+            what = ", ".join(f"{c} {_units(m)}" for c, m in sorted(fl.alloc.get(name, {}).items()))
+            why = f"+{launch} floor instances ({what}) on committed capacity, paid for"
+        else:
+            bins = pl.bins.get(name, [])
+            launch = len(bins)
+            for k, reqs in enumerate(bins):
+                work = _work(reqs)
+                covers.append(Cover(f"+{name}/{k}", name, True, work, sum(reqs.values())))
+                for c, m in work.items():
+                    placed[c] = placed.get(c, 0) + m
+            subset = sorted(placed)
+            what = ", ".join(f"{c} {_units(m)}" for c, m in sorted(placed.items()))
+            each = f"{p.flavor or 'instances'} of {_units(p.flavor_milli)} at {_money(p.price_per_hour)}"
+            why = f"+{launch} x {each} ({what}): the least cost that places them ({pl.solution.solver.get('name')})"
+        pool_cost = p.price_per_hour * launch if p.kind == "reclaimable" else Decimal(0)
+        cost += pool_cost
+        if launch:
+            decisions.append(Decision("launch", f"pool:{name}", why))
+        current = len(sv.held[name])
+        target = current - len(deletes[name]) + launch
+        out.append(
+            PoolPlan(name, p.kind, current, target, launch, tuple(subset), tuple(deletes[name]), placed, pool_cost)
+        )
+    return Plan(tuple(out), shortfall, fl.held_milli, tuple(decisions), cost, tuple(covers), pl.solution.solver)

@@ -80,6 +80,38 @@ class PgFleetStore:
             for iid, name, pool, state, created, contracts in rows
         ]
 
+    def fleet_metrics(self, hall: str) -> dict[str, Any]:
+        """What the control loop's textfile gauges say of the fleet (sco.control.metrics)."""
+        instances = {
+            (str(pool), str(state)): int(n)
+            for pool, state, n in self.conn.execute(
+                "SELECT pool, state, count(*) FROM instance WHERE hall = %s AND state = ANY(%s) GROUP BY pool, state",
+                (hall, list(LIVE)),
+            )
+        }
+        pools = {
+            str(name): bool(ok)
+            for name, ok in self.conn.execute(
+                "SELECT name, unavailable_until IS NULL OR unavailable_until <= clock_timestamp() FROM pool"
+                " WHERE hall = %s",
+                (hall,),
+            )
+        }
+        row = self.conn.execute(
+            "SELECT count(*) FILTER (WHERE state = ANY(%s)), count(*) FILTER (WHERE state = 'deleting'),"
+            " count(*) FILTER (WHERE state = ANY(%s) AND terminate_at < clock_timestamp())"
+            " FROM instance WHERE hall = %s",
+            (list(RECLAIMING), list(_GOING), hall),
+        ).fetchone()
+        reclaiming, deleting, past = row if row else (0, 0, 0)
+        return {
+            "instances": instances,
+            "pools": pools,
+            "reclaiming": int(reclaiming),
+            "deleting": int(deleting),
+            "past_deadline": int(past),
+        }
+
     def slots(self, hall: str) -> list[Slot]:
         rows = self.conn.execute(
             "SELECT id, name, pool, plan_entry, slot, state FROM instance WHERE hall = %s AND state = ANY(%s)"

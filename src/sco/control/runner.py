@@ -17,14 +17,17 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sco import _logging as sco_logging
 from sco.errors import ConfigError, ScoError
 
 _STEPS = {
     "sco.orchestrator.demand": "demand",
+    "sco.orchestrator.reconcile": "reconcile",
     "sco.orchestrator.plan": "plan",
     "sco.orchestrator.arbitrate": "arbitrate",
     "sco.orchestrator.acquire": "acquire",
@@ -46,6 +49,7 @@ def summarise(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     plan = (res.get("plan") or {}).get("plan") or {}
     arb = (res.get("arbitrate") or {}).get("arbitration") or {}
     acq = res.get("acquire") or {}
+    rec = (res.get("reconcile") or {}).get("reconciliation") or {}
     return {
         "demand_units": demand.get("units", {}),
         "uncontracted": demand.get("uncontracted", 0),
@@ -63,7 +67,11 @@ def summarise(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "refused": [f"{r['contract']}: {r['reason']}" for r in arb.get("refusals", [])],
         "launched": int(acq.get("launched", 0)),
         "deleted": int(acq.get("deleted", 0)),
-        "launch_failed": int(acq.get("failed", 0)),
+        "launch_failed": int(acq.get("launch_failures", 0)),
+        "reconcile": {
+            "drift": int(rec.get("drift", 0)),
+            **{k: [x["name"] for x in rec.get(k, [])] for k in ("adopted", "settled", "lost", "surplus") if rec.get(k)},
+        },
         "failed_tasks": failed,
     }
 
@@ -72,8 +80,14 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     lines = [
         f"demand: {', '.join(f'{c} {u:g} units' for c, u in sorted(s['demand_units'].items())) or 'none'}"
         + (f"; {s['uncontracted']} uncontracted (not counted)" if s["uncontracted"] else ""),
-        f"plan {s['plan_digest'][:16]}: {'changes' if s['plan_changed'] else 'unchanged'}",
     ]
+    rec = s.get("reconcile") or {}
+    if rec.get("drift"):
+        lines.append(
+            f"reconciled with Nova: drift {rec['drift']}"
+            + "".join(f"; {k} {', '.join(v)}" for k, v in rec.items() if k != "drift" and v)
+        )
+    lines.append(f"plan {s['plan_digest'][:16]}: {'changes' if s['plan_changed'] else 'unchanged'}")
     lines += [
         f"  {pool}: target {p['target']}, +{p['launch']} -{p['delete']}" for pool, p in sorted(s["planned"].items())
     ]
@@ -98,7 +112,10 @@ def run_loop(
         raise ConfigError(
             f"{private_data_dir}: no project/{playbook} (lay it out with role sco.orchestrator.control_loop)"
         )
+    from sco.control import metrics
+
     with PgFleetStore(dsn) as store, hall_lock(store.conn, f"{hall}/control-loop", wait_s=lock_wait_s):
+        started = time.time()
         run_id = store.begin_run(hall)
         summary: dict[str, Any] = {"run_id": run_id}
         status = "failed"
@@ -119,6 +136,13 @@ def run_loop(
                 summary["stdout_tail"] = r.stdout.read().splitlines()[-15:]
         finally:
             store.finish_run(run_id, status, summary)
+            gauges = []
+            if os.environ.get(metrics.ENV):
+                try:
+                    gauges = metrics.fleet_gauges(store, hall)
+                except Exception as e:  # the run's own lines still go out
+                    metrics.log.error("fleet gauges: %s", e)
+            metrics.write_step("loop", status, started, time.time(), gauges)
     return (0 if status == "ok" else 1), summary
 
 
@@ -129,8 +153,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dsn", default=os.environ.get("SCO_DB_DSN"), help="fleet state [$SCO_DB_DSN]")
     p.add_argument("--playbook", default="control_loop.yml")
     p.add_argument("--lock-wait", type=float, default=0.0, metavar="SECONDS", help="wait this long for the lock")
+    p.add_argument(
+        "--log-format", choices=sco_logging.FORMATS, help="text or json (one object a line) [$SCO_LOG_FORMAT]"
+    )
     a = p.parse_args(argv)
     try:
+        try:  # the reclaimer's and acquirer's INFO lines reach the journal (no handler dropped them before)
+            sco_logging.setup(None, a.log_format)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         missing = [
             f for f, v in (("--private-data-dir", a.private_data_dir), ("--hall", a.hall), ("--dsn", a.dsn)) if not v
         ]

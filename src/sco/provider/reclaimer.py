@@ -5,7 +5,14 @@ termination time T = now + window once, records it in the fleet state, publishes
 relay (``sco.notice.<hall>.<node>``, the shape the agent parses), writes it into the instance's metadata (the
 agent's poll channel, for when the relay is down), and deletes the instance through Nova at T, whatever the
 agent reported. The agent's own account of its drain arrives on JetStream (``sco.events.<hall>.>``) and is
-folded into the fleet state (draining, drained or overrun), once per event however often it is redelivered.
+folded into the fleet state (draining, drained or overrun), once per event however often it is redelivered, and
+only when it is about the notice the instance is under.
+
+A delete is a finalizer: it is retried (capped exponential backoff with jitter) until Nova confirms the server is
+gone, by this run and, past this run's retry budget, by every later one; it is never given up. A run that ends
+with an instance not confirmed gone says so (``unconfirmed``; ``sco reclaim`` exits 9). Every OpenStack call has
+a deadline (the connection's ``api_timeout`` and ``call_timeout_s`` around each call's thread), so a Nova or a
+Keystone that accepts connections and never answers costs a failed attempt, not a hung run holding the lock.
 
 A restarted reclaimer resumes from the fleet state: every instance under reclaim still has its T there.
 """
@@ -13,10 +20,11 @@ A restarted reclaimer resumes from the fleet state: every instance under reclaim
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
+import contextlib
 import json
 import logging
+import random
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -26,7 +34,8 @@ from typing import Any
 from sco._redact import strip_userinfo, strip_userinfo_in_text
 from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey
-from sco.errors import ConfigError, Problem
+from sco.errors import ConfigError, Problem, ScoError
+from sco.state.db import StateError
 from sco.state.fleet import RECLAIMING, FleetState, Instance
 
 log = logging.getLogger("sco.reclaimer")
@@ -46,11 +55,78 @@ _FOLD: dict[str, tuple[str | None, tuple[str, ...]]] = {
 _RECORDED_PREFIXES = ("notice.", "node.", "drain.", "scheduler.", "job.")
 
 
-def window_problem(what: str, window: object) -> str | None:
-    """Why ``window`` cannot be a notice window (seconds from the notice to the delete), or None."""
-    if isinstance(window, int | float) and not isinstance(window, bool) and 0 < window <= MAX_WINDOW_S:
-        return None  # (NaN fails the comparison)
-    return f"{what}: expected more than 0 and at most {MAX_WINDOW_S:g} seconds, got {window}"
+# Below this no drain is possible whatever the contracts say: the agent grants at least 1 s of grace and reports
+# an overrun at least 1 s before T, and the notice itself takes its time to arrive.
+MIN_WINDOW_S = 3.0
+
+
+class ReclaimIncomplete(ScoError):
+    """Instances the run could not confirm gone from Nova (still under reclaim: a later run keeps deleting)."""
+
+    exit_code = 9  # the README's table: acquiring or deleting instances through Nova
+
+
+@dataclass(frozen=True)
+class DrainFloor:
+    """The shortest notice window the hall's contracts can drain in: the largest drain budget plus final write
+    of any contract, plus the hall's safety margin."""
+
+    seconds: float
+    contract: str
+    budget_s: float
+    margin_s: float
+
+    def __str__(self) -> str:
+        return (
+            f"contract {self.contract}'s drain budget and final write ({self.budget_s:g} s) plus the hall's safety"
+            f" margin ({self.margin_s:g} s) = {self.seconds:g} s"
+        )
+
+
+def drain_floor(policy: dict[str, Any], contracts: dict[str, dict[str, Any]]) -> DrainFloor | None:
+    """The floor of a bundle's hall (its policy and contracts); None for a bundle without contracts."""
+    margin = float(policy.get("safetyMarginSeconds", 10))
+    worst = max(
+        contracts.values(),
+        key=lambda c: (float(c.get("drainBudgetSeconds", 0)) + float(c.get("finalWriteSeconds", 0)), c["name"]),
+        default=None,
+    )
+    if worst is None:
+        return None
+    budget = float(worst.get("drainBudgetSeconds", 0)) + float(worst.get("finalWriteSeconds", 0))
+    return DrainFloor(budget + margin, str(worst["name"]), budget, margin)
+
+
+def window_problem(what: str, window: object, floor: DrainFloor | None = None) -> str | None:
+    """Why ``window`` cannot be a notice window (seconds from the notice to the delete), or None.
+
+    Without a floor (the hall's contracts unknown) only windows no drain can fit are refused (below MIN_WINDOW_S).
+    """
+    if not (isinstance(window, int | float) and not isinstance(window, bool) and 0 < window <= MAX_WINDOW_S):
+        # (NaN fails the comparison)
+        return f"{what}: expected more than 0 and at most {MAX_WINDOW_S:g} seconds, got {window}"
+    if window < MIN_WINDOW_S:
+        return f"{what}: {window:g} s leaves no time to drain (at least {MIN_WINDOW_S:g} s)"
+    if floor is not None and window < floor.seconds:
+        return f"{what}: {window:g} s is shorter than the hall's drain needs: {floor}"
+    return None
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff with jitter for one instance's delete: the n-th retry waits between half and
+    all of min(cap, base * 2**n) (equal jitter: never hot, never synchronised across instances)."""
+
+    base_s: float = 0.5
+    cap_s: float = 30.0
+    attempts: int = 0
+    next_at: float = 0.0
+
+    def failed(self, now: float, rand: Callable[[], float]) -> float:
+        d = min(self.cap_s, self.base_s * 2.0 ** min(self.attempts, 30))
+        self.attempts += 1
+        self.next_at = now + d / 2 + rand() * d / 2
+        return self.next_at
 
 
 def notice_document(notice_id: str, hall: str, node: str, terminate_at: float, issued_at: float) -> dict[str, Any]:
@@ -81,6 +157,7 @@ class Reclaim:
     delete_sent_at: float | None = None  # when the DELETE went to Nova
     deleted_at: float | None = None  # when Nova accepted it
     agent_state: str | None = None  # the agent's account when the delete went out (drained, overrun, draining...)
+    gone_at: float | None = None  # when Nova confirmed the server gone
 
 
 class Reclaimer:
@@ -97,9 +174,14 @@ class Reclaimer:
         gone_poll_s: float = 0.5,
         nova_concurrency: int = 32,
         nats_auth: dict[str, Any] | None = None,
-        give_up_after_s: float = 120.0,
+        retry_for_s: float = 120.0,
+        call_timeout_s: float = 30.0,
+        backoff_base_s: float = 0.5,
+        backoff_cap_s: float = 30.0,
+        floor: DrainFloor | None = None,
+        rand: Callable[[], float] = random.random,
     ) -> None:
-        self.cloud = cloud  # an openstacksdk Connection
+        self.cloud = cloud  # an openstacksdk Connection (sco.provider.cloud.connect: with its api_timeout)
         self.state = state
         self.nats_url = nats_url
         self.window_s = window_s
@@ -107,11 +189,17 @@ class Reclaimer:
         self.signing_keys = signing_keys
         self.events_stream = events_stream
         self.gone_poll_s = gone_poll_s
-        # How long past T a delete that keeps failing (Nova down, refusing) is retried before this run gives up
-        # on it; the instance stays under reclaim in the fleet state, so the next run deletes it.
-        self.give_up_after_s = give_up_after_s
-        self.abandoned: set[int] = set()
-        if (problem := window_problem("window", window_s)) is not None:
+        # How long past the later of this run's start and the last T the run keeps retrying deletes Nova refuses
+        # or does not answer before it returns (the instances stay under reclaim: the next run retries at once).
+        self.retry_for_s = retry_for_s
+        # A deadline on each OpenStack call (its thread may linger until the connection's own api_timeout).
+        self.call_timeout_s = call_timeout_s
+        self.backoff_base_s, self.backoff_cap_s, self.rand = backoff_base_s, backoff_cap_s, rand
+        self.backoff: dict[int, Backoff] = {}
+        # instance id -> why it is not confirmed gone (the cloud's last message) when run() returned
+        self.unconfirmed: dict[int, str] = {}
+        self.last_error: dict[int, str] = {}
+        if (problem := window_problem("window", window_s, floor)) is not None:
             raise ConfigError(problem)
         # nats.connect's credentials (user/password, token, nkeys_seed or user_credentials): the relay's
         # reclaimer identity, which may publish notices and read the hall's events
@@ -119,20 +207,32 @@ class Reclaimer:
         if not signing_keys:
             raise ConfigError("no notice key: the hall's agents refuse unsigned notices (hall policy noticeKeys)")
         self.nc: Any = None
+        self._relay_down_until = 0.0
         self.reclaims: dict[int, Reclaim] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(nova_concurrency, thread_name_prefix="nova")
+        self._calls = asyncio.Semaphore(nova_concurrency)
 
     async def _connect(self) -> Any:
         if self.nc is None or self.nc.is_closed:
             import nats
 
+            if time.monotonic() < self._relay_down_until:  # it just failed: the run does not wait on it again
+                raise ConnectionError(f"relay {strip_userinfo(self.nats_url)} unreachable a moment ago")
+
+            async def said(e: Exception) -> None:  # nats-py's default prints a traceback per attempt
+                log.debug("relay %s: %s", strip_userinfo(self.nats_url), strip_userinfo_in_text(str(e)))
+
             # nats-py retries a refused first connection whatever its options say: bound the first one.
-            self.nc = await asyncio.wait_for(
-                nats.connect(
-                    self.nats_url, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True, **self.nats_auth
-                ),
-                5,
-            )
+            try:
+                self.nc = await asyncio.wait_for(
+                    nats.connect(
+                        self.nats_url, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True,
+                        error_cb=said, **self.nats_auth,
+                    ),
+                    5,
+                )  # fmt: skip
+            except BaseException:
+                self._relay_down_until = time.monotonic() + 30
+                raise
         return self.nc
 
     async def close(self) -> None:
@@ -142,7 +242,6 @@ class Reclaimer:
             except Exception:  # the relay went away meanwhile (reconnecting): nothing left to flush
                 await self.nc.close()
         self.nc = None
-        self._pool.shutdown(wait=False)
 
     # --- notice ----------------------------------------------------------------------------------------
 
@@ -162,20 +261,23 @@ class Reclaimer:
             raise ConfigError("cannot reclaim", problems)
         return [found[n] for n in nodes]
 
-    async def notify(self, hall: str, nodes: list[str]) -> list[Reclaim]:
+    async def notify(
+        self, hall: str, nodes: list[str], *, gone_by: dict[str, tuple[float, str]] | None = None
+    ) -> list[Reclaim]:
         """Notice every node (nothing happens if any is unknown); an instance already under reclaim keeps its T.
+
+        ``gone_by``: node -> (time, why) by which it must be gone (a host lease starting): T is then the earlier
+        of now + window and that time.
 
         Each T is recorded first (a crash from then on still deletes at T), then every notice goes on the relay
         (milliseconds each), then the metadata writes (a Nova call each) run in parallel.
         """
         targets = self._targets(hall, nodes)
-        out = [self._schedule(hall, inst) for inst in targets]
+        out = [self._schedule(hall, inst, (gone_by or {}).get(inst.name)) for inst in targets]
         try:
             nc = await self._connect()
         except Exception as e:  # the relay is down: the metadata channel still carries every notice
-            log.warning(
-                "notice relay %s unreachable: %s", strip_userinfo(self.nats_url), strip_userinfo_in_text(str(e))
-            )
+            log.warning("notice relay %s unreachable: %s", strip_userinfo(self.nats_url), _cloud_message(e))
             nc = None
         for r in out:
             if nc is not None:
@@ -188,15 +290,18 @@ class Reclaimer:
         await asyncio.gather(*(self._write_metadata(hall, r) for r in out))
         return out
 
-    def _schedule(self, hall: str, inst: Instance) -> Reclaim:
+    def _schedule(self, hall: str, inst: Instance, by: tuple[float, str] | None = None) -> Reclaim:
         started = self.clock()
         if inst.state in RECLAIMING and inst.terminate_at is not None and inst.reclaim_id:
             nid, t = inst.reclaim_id, inst.terminate_at  # repeat the same notice: the agent de-duplicates by id
         else:
             nid, t = f"reclaim-{uuid.uuid4().hex[:16]}", started + self.window_s
+            why: dict[str, Any] = {}
+            if by is not None and by[0] < t:
+                t, why = max(started, by[0]), {"gone_by": by[0], "because": by[1][:300]}
             self.state.transition(
                 inst.id, "notified", "reclaim.scheduled", only_from=("active",), reclaim_id=nid, terminate_at=t,
-                window_s=self.window_s,
+                window_s=round(t - started, 3), **why,
             )  # fmt: skip
         r = Reclaim(self.state.instance(inst.id), notice_document(nid, hall, inst.name, t, started), t, started)
         self.reclaims[inst.id] = r
@@ -220,7 +325,7 @@ class Reclaimer:
         nid, inst = r.notice["id"], r.instance
         try:
             await self._nova(
-                self.cloud.compute.set_server_metadata,
+                "set_server_metadata",
                 inst.server_id,
                 sco_reclaim_id=nid,
                 sco_reclaim_at=f"{r.terminate_at:.3f}",
@@ -229,12 +334,40 @@ class Reclaimer:
             r.metadata_at = self.clock()
             self.state.event(hall, "notice.metadata_written", instance_id=inst.id, pool=inst.pool, notice=nid)
         except Exception as e:
-            self.state.event(hall, "notice.metadata_failed", instance_id=inst.id, notice=nid, error=str(e)[:500])
+            self.state.event(
+                hall, "notice.metadata_failed", instance_id=inst.id, notice=nid, error=_cloud_message(e)[:500]
+            )
 
-    async def _nova(self, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
-        """A blocking openstacksdk call on the reclaimer's own threads (many at once at a deadline)."""
+    async def _nova(self, name: str, *a: Any, **kw: Any) -> Any:
+        """``cloud.compute.<name>(*a, **kw)`` on a thread of its own, awaited for call_timeout_s at most (then
+        TimeoutError). Even ``cloud.compute`` is looked up on that thread: openstacksdk authenticates and
+        discovers the endpoint on first use, which is a blocking call too. Daemon threads: one stuck in a silent
+        endpoint never holds up the run or the exit."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *a, **kw))
+
+        def fn() -> Any:
+            return getattr(self.cloud.compute, name)(*a, **kw)
+
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                (fut.set_result if ok else fut.set_exception)(value)
+
+        def work() -> None:
+            try:
+                out, ok = fn(), True
+            except BaseException as e:  # handed to the awaiting task
+                out, ok = e, False
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for this answer any more
+                loop.call_soon_threadsafe(settle, ok, out)
+
+        async with self._calls:
+            threading.Thread(target=work, daemon=True, name=f"nova-{name}").start()
+            try:
+                return await asyncio.wait_for(fut, self.call_timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"OpenStack did not answer {name} within {self.call_timeout_s:g} s") from None
 
     # --- the agent's account ---------------------------------------------------------------------------
 
@@ -256,7 +389,19 @@ class Reclaimer:
                 )
                 return False
         state, only_from = _FOLD.get(t, (None, ()))
+        if state is not None and not self._about_current_notice(hall, ev):
+            # An account of another notice (an earlier reclaim of a reused name, a replay, a forgery on the node's
+            # own subject) is recorded, never taken as the outcome of the notice the instance is under now.
+            log.warning("event %s of %r is about notice %r: recorded, state kept", t, ev.get("node"), ev.get("notice"))
+            state = None
         return self.state.agent_event(hall, ev, state, only_from)
+
+    def _about_current_notice(self, hall: str, ev: dict[str, Any]) -> bool:
+        live = self.state.instances(hall, names=[str(ev.get("node", ""))])
+        if not live:
+            return False
+        current = max(live, key=lambda i: i.id).reclaim_id
+        return current is not None and ev.get("notice") == current
 
     async def _follow_events(self, hall: str) -> Any:
         nc = await self._connect()
@@ -288,87 +433,144 @@ class Reclaimer:
     # --- delete at T -----------------------------------------------------------------------------------
 
     async def run(self, hall: str, *, follow_events: bool = True, stop: asyncio.Event | None = None) -> None:
-        """Delete every instance under reclaim at its T and fold the agent's events meanwhile; returns when
-        none of the hall's instances is left under reclaim (or ``stop`` is set)."""
+        """Delete every instance under reclaim at its T (retrying with backoff until Nova confirms each gone) and
+        fold the agent's events meanwhile. Returns when none of the hall's instances is left under reclaim, when
+        ``stop`` is set, or retry_for_s past the later of this run's start and the last T; what is then not
+        confirmed gone is in ``unconfirmed`` (with the cloud's last word) and stays under reclaim for the next run.
+
+        A fleet state that goes away mid-run (PostgreSQL restarted, the session ended) raises StateError."""
+        import psycopg
+
         sub = None
-        if follow_events:
-            try:
-                sub = await self._follow_events(hall)
-            except Exception as e:
-                log.warning("agent events unavailable (%s): deleting on time regardless", e)
+        self.unconfirmed = {}
         try:
-            while stop is None or not stop.is_set():
+            if follow_events:
+                try:
+                    sub = await asyncio.wait_for(self._follow_events(hall), 10)
+                except Exception as e:
+                    log.warning("agent events unavailable (%s): deleting on time regardless", _cloud_message(e))
+            started, passes = self.clock(), 0
+            while True:
                 now = self.clock()
-                self._give_up(hall, now)
-                due = [i for i in self.state.due(hall) if i.id not in self.abandoned]
+                due = self.state.due(hall)
                 if not due:
                     return
-                deleting = [i for i in due if i.state == "deleting"]
-                overdue = [i for i in due if i.state != "deleting" and (i.terminate_at or 0) <= now]
+                last_t = max((i.terminate_at or now for i in due), default=now)
+                # every run makes at least one attempt at what is due, however late it starts
+                if passes and ((stop is not None and stop.is_set()) or now > max(started, last_t) + self.retry_for_s):
+                    self._leave(hall, due, now)
+                    return
+                await self._pass(hall, due, now)
+                passes += 1
                 upcoming = [i.terminate_at - now for i in due if i.state != "deleting" and i.terminate_at]
-                # Every instance due now is deleted at once, not one after another.
-                await asyncio.gather(*(self._delete(hall, i) for i in overdue))
-                gone = await asyncio.gather(*(self._gone(i) for i in deleting))
-                for inst, g in zip(deleting, gone, strict=True):
-                    if g:
-                        self.state.transition(inst.id, "deleted", "instance.deleted", only_from=("deleting",))
-                wait = min([self.gone_poll_s, *(u for u in upcoming if u > 0)])
-                await asyncio.sleep(max(0.0, wait))  # a failed delete is retried after gone_poll_s, not hot
+                retries = [b.next_at - now for b in self.backoff.values()]
+                wait = min([self.gone_poll_s, *(u for u in (*upcoming, *retries) if u > 0)])
+                await asyncio.sleep(max(0.01, wait))
+        except psycopg.Error as e:
+            raise StateError(
+                f"hall {hall}: the fleet state went away mid-reclaim (the hall's lock with it):"
+                f" {' '.join(str(e).split())[:300]}; instances under reclaim keep their T: run again"
+            ) from None
         finally:
             if sub is not None:
                 # Events already in flight still land: give the subscription a moment to drain.
-                await asyncio.sleep(0.2)
-                await sub.unsubscribe()
+                with contextlib.suppress(Exception):
+                    await asyncio.sleep(0.2)
+                    await asyncio.wait_for(sub.unsubscribe(), 5)
 
-    def _give_up(self, hall: str, now: float) -> None:
-        """Stop retrying deletes that still fail give_up_after_s past T (recorded; a later run tries again)."""
-        for inst in self.state.due(hall):
-            if inst.id in self.abandoned or inst.terminate_at is None:
-                continue
-            if now > inst.terminate_at + self.give_up_after_s:
-                self.abandoned.add(inst.id)
-                self.state.event(
-                    hall, "delete.abandoned", instance_id=inst.id, pool=inst.pool, state=inst.state,
-                    after_deadline_s=round(now - inst.terminate_at, 3),
-                )  # fmt: skip
-                log.warning("%s: not deleted %.0f s after T; left under reclaim for the next run", inst.name,
-                            now - inst.terminate_at)  # fmt: skip
+    async def _pass(self, hall: str, due: list[Instance], now: float) -> None:
+        """One pass: send the deletes that are due (T reached, backoff over), check the ones sent; all at once."""
+        ready = [i for i in due if self._ready(i, now)]
+        sends = [i for i in ready if i.state != "deleting" and (i.terminate_at or 0) <= now]
+        checks = [i for i in ready if i.state == "deleting"]
+        await asyncio.gather(*(self._delete(hall, i) for i in sends), *(self._confirm(hall, i) for i in checks))
+
+    def _ready(self, inst: Instance, now: float) -> bool:
+        b = self.backoff.get(inst.id)
+        return b is None or b.next_at <= now
+
+    def _failed(self, hall: str, inst: Instance, kind: str, error: str) -> None:
+        b = self.backoff.setdefault(inst.id, Backoff(self.backoff_base_s, self.backoff_cap_s))
+        now = self.clock()
+        at = b.failed(now, self.rand)
+        self.last_error[inst.id] = error
+        self.state.event(
+            hall, kind, instance_id=inst.id, pool=inst.pool, error=error[:500], attempt=b.attempts,
+            retry_in_s=round(at - now, 3),
+        )  # fmt: skip
+
+    def _leave(self, hall: str, due: list[Instance], now: float) -> None:
+        """The run's retry budget is spent: say what is not confirmed gone (a later run carries on)."""
+        for inst in due:
+            why = self.last_error.get(inst.id) or (
+                "T not reached yet" if (inst.terminate_at or 0) > now else "Nova has not confirmed the delete yet"
+            )
+            self.unconfirmed[inst.id] = why
+            self.state.event(
+                hall, "delete.pending", instance_id=inst.id, pool=inst.pool, state=inst.state, error=why[:500],
+                attempts=self.backoff[inst.id].attempts if inst.id in self.backoff else 0,
+            )  # fmt: skip
+            log.warning("%s: not confirmed gone (%s); left under reclaim for the next run", inst.name, why)
 
     async def _delete(self, hall: str, inst: Instance) -> None:
         assert inst.terminate_at is not None
         r = self.reclaims.get(inst.id)
-
-        def delete() -> None:
-            if r is not None:
-                r.delete_sent_at = self.clock()
-                r.agent_state = inst.state
-            self.cloud.compute.delete_server(inst.server_id, ignore_missing=True)
-
+        if r is not None and r.delete_sent_at is None:
+            r.delete_sent_at = self.clock()
+            r.agent_state = inst.state
         try:
-            await self._nova(delete)
-        except Exception as e:  # Nova refused or is down: the next pass tries again
-            self.state.event(hall, "delete.failed", instance_id=inst.id, error=str(e)[:500])
+            await self._nova("delete_server", inst.server_id, ignore_missing=True)
+        except Exception as e:  # Nova refused, is down or silent: retried after the backoff
+            self._failed(hall, inst, "delete.failed", _cloud_message(e))
             return
         at = self.clock()
         if r is not None:
             r.deleted_at = at
+        self.backoff.pop(inst.id, None)
         self.state.transition(
             inst.id, "deleting", "instance.delete_requested", only_from=RECLAIMING,
             after_deadline_s=round(at - inst.terminate_at, 3), agent_state=inst.state,
         )  # fmt: skip
+        # the next pass asks Nova whether it is gone after gone_poll_s, not at once
+        self.backoff[inst.id] = Backoff(self.backoff_base_s, self.backoff_cap_s, 0, at + self.gone_poll_s)
 
-    async def _gone(self, inst: Instance) -> bool:
-        def get() -> bool:
-            srv = self.cloud.compute.find_server(inst.server_id, ignore_missing=True)
-            return srv is None or srv.status == "DELETED"
+    async def _confirm(self, hall: str, inst: Instance) -> None:
+        """Ask Nova whether a deleted server is gone; one still there after its delete is sent again (a DELETE
+        Nova accepted can still fail: the server goes to ERROR, or a compute host never acts on it)."""
 
         try:
-            return bool(await self._nova(get))
-        except Exception:
-            return False
+            srv = await self._nova("find_server", inst.server_id, ignore_missing=True)
+        except Exception as e:
+            self._failed(hall, inst, "delete.unconfirmed", _cloud_message(e))
+            return
+        if srv is None or getattr(srv, "status", None) == "DELETED":
+            self.backoff.pop(inst.id, None)
+            r = self.reclaims.get(inst.id)
+            if r is not None:
+                r.gone_at = self.clock()
+            self.state.transition(inst.id, "deleted", "instance.deleted", only_from=("deleting",))
+            return
+        b = self.backoff.setdefault(inst.id, Backoff(self.backoff_base_s, self.backoff_cap_s))
+        if getattr(srv, "status", None) == "ERROR" or (b.attempts and b.attempts % 4 == 0):
+            try:
+                await self._nova("delete_server", inst.server_id, ignore_missing=True)
+            except Exception as e:
+                self._failed(hall, inst, "delete.failed", _cloud_message(e))
+                return
+            self.state.event(hall, "delete.resent", instance_id=inst.id, pool=inst.pool, status=srv.status)
+        b.failed(self.clock(), self.rand)  # still there: ask again after a growing pause
 
     async def reclaim(self, hall: str, nodes: list[str]) -> list[Reclaim]:
         """``sco reclaim``: notice now, delete at T, fold the agent's account; returns when all are deleted."""
         out = await self.notify(hall, nodes)
         await self.run(hall)
         return out
+
+
+def _cloud_message(e: BaseException) -> str:
+    """The cloud's own words for a failed call (openstacksdk's message carries Nova's), never "Unknown error"."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    details = getattr(e, "details", None)
+    if details and str(details) not in text:
+        text = f"{text}: {details}"
+    return strip_userinfo_in_text(text)

@@ -4,10 +4,20 @@ openstacksdk has no Blazar proxy: the leases are read through the connection's a
 ``service_type=reservation`` (the catalog's Blazar endpoint, ``.../v1``). Each reservation of a lease becomes one
 ``Reservation``: physical hosts (``physical:host``, up to ``max`` hosts) or instance slots (``virtual:instance``
 and ``flavor:instance``, ``amount`` of them).
+
+Only a lease Blazar reports ACTIVE is committed capacity: a PENDING lease inside its dates has not started (its
+hosts are not in its aggregate yet), a STARTING or ERROR one may never be. A committed pool's servers are created
+with the lease's reservation as the scheduler hint (``reservation_hints``), which is how Blazar's Nova filter
+places them on the reserved hosts.
+
+Blazar preempts at a host lease's start: every server on the hosts it moves out of its free pool is deleted at
+once, with no notice (``terminate_preemptibles``). ``hosts_to_clear`` names the hosts of leases about to start, so
+the reclaimer can notice, drain and delete the reclaimable instances there one notice window before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -32,9 +42,11 @@ class Reservation:
     vcpus: int | None = None  # per instance (virtual:instance)
     memory_mb: int | None = None
     flavor_id: str | None = None
+    reservation_id: str = ""  # the reservation's own id: the scheduler hint (not the lease's)
 
     def active_at(self, t: float) -> bool:
-        return self.start <= t < self.end and self.status not in ("TERMINATED", "ERROR", "DELETED")
+        """Committed capacity at ``t``: within the lease's dates and started (Blazar says ACTIVE)."""
+        return self.status == "ACTIVE" and self.start <= t < self.end
 
 
 def _time(v: Any, where: str) -> float:
@@ -83,26 +95,107 @@ def parse_leases(doc: Any) -> list[Reservation]:
                     vcpus=_int(r.get("vcpus")),
                     memory_mb=_int(r.get("memory_mb")),
                     flavor_id=r.get("flavor_id"),
+                    reservation_id=str(r.get("id") or ""),
                 )
             )
     return out
 
 
-def read_reservations(cloud: Any) -> list[Reservation]:
-    """Every reservation of every lease the connection's project may see (admin: all projects)."""
+def _get(cloud: Any, path: str) -> Any:
+    """One Blazar GET through the connection's session (its api_timeout is the deadline)."""
     try:
         resp = cloud.session.get(
-            "/leases", endpoint_filter={"service_type": "reservation", "interface": "public"}, raise_exc=False
+            path, endpoint_filter={"service_type": "reservation", "interface": "public"}, raise_exc=False
         )
-    except Exception as e:  # no reservation service in the catalog, or unreachable
-        raise ReservationError(f"Blazar (service_type reservation): {type(e).__name__}: {e}") from None
+    except Exception as e:  # no reservation service in the catalog, unreachable, or silent past the deadline
+        raise ReservationError(f"Blazar (service_type reservation): GET {path}: {type(e).__name__}: {e}") from None
     if resp.status_code != 200:
-        raise ReservationError(f"Blazar: GET /leases answered {resp.status_code}: {resp.text[:300]}")
+        raise ReservationError(f"Blazar: GET {path} answered {resp.status_code}: {resp.text[:300]}")
     try:
-        doc = resp.json()
+        return resp.json()
     except ValueError:
-        raise ReservationError("Blazar: GET /leases: not JSON") from None
-    return parse_leases(doc)
+        raise ReservationError(f"Blazar: GET {path}: not JSON") from None
+
+
+def read_reservations(cloud: Any) -> list[Reservation]:
+    """Every reservation of every lease the connection's project may see (admin: all projects)."""
+    return parse_leases(_get(cloud, "/leases"))
+
+
+def parse_allocations(hosts_doc: Any, allocations_doc: Any) -> dict[str, tuple[str, ...]]:
+    """reservation id -> names of the hosts Blazar allocated to it (``GET /os-hosts`` and
+    ``GET /os-hosts/allocations``). A host is named as Nova names it (service name and hypervisor hostname, which
+    are usually the same)."""
+    if not isinstance(hosts_doc, dict) or not isinstance(hosts_doc.get("hosts"), list):
+        raise ReservationError('Blazar: GET /os-hosts: expected {"hosts": [...]}')
+    if not isinstance(allocations_doc, dict) or not isinstance(allocations_doc.get("allocations"), list):
+        raise ReservationError('Blazar: GET /os-hosts/allocations: expected {"allocations": [...]}')
+    names: dict[str, tuple[str, ...]] = {}
+    for h in hosts_doc["hosts"]:
+        if isinstance(h, dict) and h.get("id") is not None:
+            names[str(h["id"])] = tuple(
+                dict.fromkeys(str(h[k]) for k in ("service_name", "hypervisor_hostname") if h.get(k))
+            )
+    out: dict[str, list[str]] = {}
+    for a in allocations_doc["allocations"]:
+        if not isinstance(a, dict):
+            continue
+        for r in a.get("reservations") or []:
+            if isinstance(r, dict) and r.get("id"):
+                out.setdefault(str(r["id"]), []).extend(names.get(str(a.get("resource_id")), ()))
+    return {k: tuple(dict.fromkeys(v)) for k, v in out.items()}
+
+
+def read_allocations(cloud: Any) -> dict[str, tuple[str, ...]]:
+    """Which hosts each host reservation holds or will hold."""
+    return parse_allocations(_get(cloud, "/os-hosts"), _get(cloud, "/os-hosts/allocations"))
+
+
+def reservation_hints(
+    reservations: Iterable[Reservation], leases_by_pool: dict[str, str], now: float
+) -> dict[str, dict[str, str]]:
+    """pool -> the scheduler hints its creates carry: ``{"reservation": <id>}`` of the ACTIVE reservation of the
+    lease the committed pool is backed by (``leases_by_pool``: pool name -> lease name). Pools without an active
+    lease get none (their creates would land outside the reservation, so the planner counts no capacity there)."""
+    out: dict[str, dict[str, str]] = {}
+    for pool, lease in sorted(leases_by_pool.items()):
+        for r in sorted(reservations, key=lambda r: (r.start, r.reservation_id)):
+            if r.lease_name == lease and r.active_at(now) and r.reservation_id:
+                out[pool] = {"reservation": r.reservation_id}
+                break
+    return out
+
+
+def merge_hints(kw: dict[str, Any], hints: dict[str, str] | None) -> dict[str, Any]:
+    """A create call's keyword arguments with ``hints`` added to its scheduler hints (a server group's kept)."""
+    if not hints:
+        return kw
+    return {**kw, "scheduler_hints": {**(kw.get("scheduler_hints") or {}), **hints}}
+
+
+@dataclass(frozen=True)
+class Clearing:
+    """Hosts a host lease takes at ``start``: what runs there must be gone before (Blazar deletes it then)."""
+
+    lease_id: str
+    lease_name: str
+    reservation_id: str
+    start: float
+    hosts: tuple[str, ...]
+
+
+def hosts_to_clear(
+    reservations: Iterable[Reservation], allocations: dict[str, tuple[str, ...]], now: float, ahead_s: float
+) -> list[Clearing]:
+    """Host reservations not started yet whose start is at most ``ahead_s`` away (one notice window, plus how far
+    apart the runs that look are), with the hosts Blazar allocated to them."""
+    out = []
+    for r in reservations:
+        if r.resource_type != "physical:host" or r.status not in ("PENDING", "STARTING"):
+            continue
+        if now < r.start <= now + ahead_s and allocations.get(r.reservation_id):
+            out.append(Clearing(r.lease_id, r.lease_name, r.reservation_id, r.start, allocations[r.reservation_id]))
+    return sorted(out, key=lambda c: (c.start, c.lease_id))
 
 
 def committed_at(reservations: list[Reservation], t: float) -> dict[str, int]:

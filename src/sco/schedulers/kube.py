@@ -189,7 +189,12 @@ class KubeClient:
         )
         self.creds = creds
         self.ssl = creds.ssl_context()
-        self.http = AsyncHttpClient(creds.url, timeout=timeout, max_connections=max_connections, ssl_context=self.ssl)
+        # retry_refused: an API server restarting refuses connections for a moment; each call connects again
+        # within its own timeout before the refusal counts (the agent's definition of silence, ARCHITECTURE.md)
+        self.http = AsyncHttpClient(
+            creds.url, timeout=timeout, max_connections=max_connections, ssl_context=self.ssl, retry_refused=True
+        )
+        self.hearing = self.http.hearing  # when the API server last said anything (responses, watch events)
         self.timeout = timeout
         self._token_reread_s = token_reread_s
         self._token_read_at = -1e18
@@ -241,6 +246,11 @@ class KubeClient:
                 continue
             return r
         return r
+
+    async def request(self, method: str, path: str, body: Any = None, **kw: Any) -> Response:
+        """Any call, answered with its response whatever the status (401 retried once with the token read
+        again); silence and TLS failures raise as for every call."""
+        return await self._request(method, path, body, **kw)
 
     async def _ok(self, method: str, path: str, body: Any = None, **kw: Any) -> Obj:
         r = await self._request(method, path, body, **kw)
@@ -374,6 +384,7 @@ class KubeClient:
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
                 await writer.drain()
                 status = int((await reader.readline()).split(b" ", 2)[1])
+                self.hearing.heard()
                 headers: dict[str, str] = {}
                 while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
                     k, _, v = line.decode("latin-1").partition(":")
@@ -399,10 +410,12 @@ class KubeClient:
                         return
                     buf += await reader.readexactly(size)
                     await reader.readline()
+                    self.hearing.heard()  # an event or a bookmark: the API server answers
                 else:
                     data = await reader.read(65536)
                     if not data:
                         return
+                    self.hearing.heard()
                     buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
@@ -418,6 +431,10 @@ class KubeClient:
             raise KubeUnreachable(f"watch: {e}") from None
         finally:
             writer.close()
+
+    async def create_event(self, ns: str, event: Obj, timeout: float | None = None) -> Obj:
+        """POST a core/v1 Event (``create events`` is all the credential needs for it)."""
+        return await self._ok("POST", f"/api/v1/namespaces/{urllib.parse.quote(ns)}/events", event, timeout=timeout)
 
     async def evict(
         self, ns: str, name: str, grace: int, uid: str | None = None, timeout: float | None = None

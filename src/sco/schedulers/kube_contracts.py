@@ -12,22 +12,23 @@ refused even when the control plane is down. The ConfigMap is flat ``string -> s
   ``<contract>.grace`` (drain budget + final write, seconds): Kubernetes and Spark contracts only.
 
 Contract names are DNS-1123 labels (no ``.`` or ``_``), so the derived keys never collide with a contract.
-Published with plain HTTP calls (standard library) with the control side's credential; not used by the agent.
+Published with the control side's credential on the Kubernetes credentials code the agent uses
+(``sco.schedulers.kube``) and its HTTP client; not used by the agent itself.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import ssl
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sco._http import Response
 from sco.contract.bundle import Bundle
 from sco.errors import BundleError, ConfigError, RollbackError, ScoError
+from sco.schedulers.kube import Credentials, KubeClient, KubeConfigError, KubeCredentialError, KubeUnreachable
 
 CONTRACT_LABEL = "sco.dev/contract"
 RECLAIM_TAINT = "sco.dev/reclaim"
@@ -101,40 +102,48 @@ class PublishResult:
 
 
 class KubeConfigMaps:
-    """GET/POST/PUT of one ConfigMap over the Kubernetes API (bearer token, optional CA)."""
+    """GET/POST/PUT of one ConfigMap over the Kubernetes API, on the agent's Kubernetes credentials code
+    (``sco.schedulers.kube``: the token file read again every minute and after a 401, TLS with the given CA or
+    the system store, a refused connection retried within the call's deadline) and its one HTTP client."""
 
     def __init__(
         self, url: str, *, token_file: Path | None = None, ca_file: Path | None = None, timeout: float = 10.0
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self.headers = {"Accept": "application/json"}
         if token_file is not None:
             try:
-                token = Path(token_file).read_text().strip()
+                Path(token_file).read_text()
             except OSError as e:
                 raise ConfigError(f"{token_file}: cannot read the token: {e.strerror}") from None
-            self.headers["Authorization"] = f"Bearer {token}"
-        self.ctx = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+        # https without a CA file trusts the system store, as this command always has
+        self.creds = Credentials(self.url, token_file=token_file, ca_file=str(ca_file) if ca_file else "system")
+        try:
+            self.creds.ssl_context()
+        except (KubeConfigError, OSError, ssl.SSLError) as e:
+            raise ConfigError(f"{ca_file}: {e}") from None
 
     def _call(self, method: str, path: str, body: Obj | None = None) -> tuple[int, Obj]:
-        data = None if body is None else json.dumps(body).encode()
-        headers = dict(self.headers)
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=self.ctx) as r:
-                return r.status, json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            raw = e.read()
+        async def call() -> Response:
+            kube = KubeClient(self.creds, timeout=self.timeout, max_connections=1)
             try:
-                return e.code, json.loads(raw)
-            except ValueError:
-                return e.code, {"message": raw[:200].decode("utf-8", "replace")}
-        except (urllib.error.URLError, OSError, TimeoutError) as e:
-            reason = getattr(e, "reason", e)
-            raise KubePublishError(f"{self.url}: the Kubernetes API did not answer: {reason}") from None
+                return await kube.request(method, path, body)
+            finally:
+                await kube.close()
+
+        try:
+            r = asyncio.run(call())
+        except KubeUnreachable as e:
+            raise KubePublishError(f"{self.url}: the Kubernetes API did not answer: {e}") from None
+        except KubeCredentialError as e:  # TLS: the CA does not vouch for the server
+            raise KubePublishError(f"{self.url}: {e.message}") from None
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            data = {"message": r.body[:200].decode("utf-8", "replace")}
+        return r.status, data
 
     def _path(self, namespace: str, name: str | None = None) -> str:
         q = urllib.parse.quote

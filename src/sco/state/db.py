@@ -59,12 +59,27 @@ def check_dsn(dsn: str, where: str = "fleet-state DSN") -> None:
         ) from None
 
 
+# libpq's own deadlines on a connection (a DSN's own values win): TCP keepalives find a server or a network that
+# vanished mid-run (a read would otherwise wait for ever), tcp_user_timeout bounds a send nobody acknowledges.
+_CLIENT_DEADLINES = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+
+
 def connect(dsn: str, *, autocommit: bool = True) -> Any:
     import psycopg
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
     check_dsn(dsn)
+    given = conninfo_to_dict(dsn)
+    full = make_conninfo(dsn, **{k: v for k, v in _CLIENT_DEADLINES.items() if k not in given})
     try:
-        return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10)
+        return psycopg.connect(full, autocommit=autocommit)
     except psycopg.OperationalError as e:
         why = without_dsn_secrets(" ".join(str(e).split()), dsn)
         raise StateError(f"fleet state at {describe_dsn(dsn)}: cannot connect: {why}") from None
@@ -165,14 +180,38 @@ def _hall_key(hall: str) -> int:
     return int.from_bytes(hashlib.sha256(hall.encode()).digest()[:4], "big", signed=True)
 
 
+# How long the session holding a hall's lock may stay silent before PostgreSQL ends it (and so frees the lock).
+# A run talks to the fleet state at least once per step, and every step has a deadline well below this.
+LOCK_IDLE_S = 300.0
+
+
 @contextlib.contextmanager
-def hall_lock(conn: Any, hall: str, *, wait_s: float = 0.0, poll_s: float = 0.2) -> Iterator[None]:
+def hall_lock(
+    conn: Any, hall: str, *, wait_s: float = 0.0, poll_s: float = 0.2, idle_timeout_s: float | None = LOCK_IDLE_S
+) -> Iterator[None]:
     """One writer at a time per hall: a session advisory lock held on ``conn`` for the block.
 
     Waits up to ``wait_s`` for the holder to finish, then raises HallBusy naming the holder's backend pid and
     client address (so an operator can find it).
+
+    The lock cannot outlive its run. It belongs to the session, so a run that dies frees it when its connection
+    closes (TCP keepalives on both sides notice a host that vanished). A run that hangs stops talking to PostgreSQL:
+    once the session has been silent for ``idle_timeout_s`` the server ends it (``idle_session_timeout``, and
+    ``idle_in_transaction_session_timeout`` for a hang inside a transaction), lock and all. A session lock rather
+    than a lease row with an expiry: every write of the run goes through this same session, so a run that wakes
+    after losing its lock cannot write beside its successor (its next statement fails), which a lease would only
+    give with a fencing token checked by every write.
     """
     key = (_NS + 1, _hall_key(hall))
+    if idle_timeout_s is not None:
+        ms = str(max(1, round(idle_timeout_s * 1000)))
+        conn.execute(
+            "SELECT set_config('idle_session_timeout', %s, false),"
+            " set_config('idle_in_transaction_session_timeout', %s, false),"
+            " set_config('statement_timeout', %s, false), set_config('tcp_keepalives_idle', '10', false),"
+            " set_config('tcp_keepalives_interval', '5', false), set_config('tcp_keepalives_count', '3', false)",
+            (ms, ms, str(min(int(ms), 60_000))),
+        )
     end = time.monotonic() + wait_s
     while True:
         if conn.execute("SELECT pg_try_advisory_lock(%s, %s)", key).fetchone()[0]:
@@ -190,4 +229,8 @@ def hall_lock(conn: Any, hall: str, *, wait_s: float = 0.0, poll_s: float = 0.2)
     try:
         yield
     finally:
-        conn.execute("SELECT pg_advisory_unlock(%s, %s)", key)
+        # A dead session (PostgreSQL restarted, the session ended for its silence) holds no lock any more:
+        # nothing to unlock, and the error that ended the block is the one to report.
+        if not conn.closed and not conn.broken:
+            with contextlib.suppress(Exception):
+                conn.execute("SELECT pg_advisory_unlock(%s, %s)", key)

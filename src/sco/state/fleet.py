@@ -19,6 +19,8 @@ from sco.state.db import connect, hall_lock, require_schema
 
 LIVE = ("requested", "launching", "active", "notified", "draining", "drained", "overrun", "deleting")
 RECLAIMING = ("notified", "draining", "drained", "overrun")
+LOST = "lost"
+"""The server vanished outside the product (an operator, Blazar's preemption): no capacity, no slot held."""
 KINDS = ("reclaimable", "committed", "on-demand")
 PLATFORMS = ("vm", "baremetal")
 
@@ -56,14 +58,18 @@ class Instance:
     state: str
     reclaim_id: str | None
     terminate_at: float | None
+    last_seen: float | None = None
+    """When a reconciliation last saw the server in Nova's list."""
 
 
-_ICOLS = "id, hall, pool, plan_entry, slot, name, server_id, state, reclaim_id, terminate_at"
+_ICOLS = "id, hall, pool, plan_entry, slot, name, server_id, state, reclaim_id, terminate_at, last_seen_at"
 
 
 def _inst(row: tuple[Any, ...]) -> Instance:
-    iid, hall, pool, entry, slot, name, server_id, state, reclaim_id, terminate_at = row
-    return Instance(iid, hall, pool, entry, slot, name, server_id, state, reclaim_id, _epoch(terminate_at))
+    iid, hall, pool, entry, slot, name, server_id, state, reclaim_id, terminate_at, seen = row
+    return Instance(
+        iid, hall, pool, entry, slot, name, server_id, state, reclaim_id, _epoch(terminate_at), _epoch(seen)
+    )
 
 
 class FleetState:
@@ -208,6 +214,69 @@ class FleetState:
                 hall, pool = moved
             self._event(hall, iid, pool, kind, {"state": state if moved else None, **detail})
         return moved is not None
+
+    def adopt(
+        self, hall: str, pool: str, plan_entry: str, slot: int, name: str, server_id: str, state: str, **detail: Any
+    ) -> Instance | None:
+        """Record a server Nova has and the fleet state did not: it takes its slot's record if that record never
+        got a server (a run stopped between its create call and recording the answer), else a new record.
+        Returns None when the slot is held by another server (the caller deletes the duplicate)."""
+        with self.conn.transaction():
+            row = self.conn.execute(
+                f"SELECT {_ICOLS} FROM instance WHERE hall = %s AND pool = %s AND plan_entry = %s AND slot = %s"
+                " AND state = ANY(%s) FOR UPDATE",
+                (hall, pool, plan_entry, slot, list(LIVE)),
+            ).fetchone()
+            if row is not None and row[6] is not None and row[6] != server_id:
+                return None
+            if row is None:
+                row = self.conn.execute(
+                    "INSERT INTO instance (hall, pool, plan_entry, slot, name, state, server_id, last_seen_at)"
+                    f" VALUES (%s, %s, %s, %s, %s, %s, %s, clock_timestamp()) RETURNING {_ICOLS}",
+                    (hall, pool, plan_entry, slot, name, state, server_id),
+                ).fetchone()
+            else:
+                row = self.conn.execute(
+                    "UPDATE instance SET state = %s, server_id = %s, last_seen_at = clock_timestamp(),"
+                    f" updated_at = clock_timestamp() WHERE id = %s RETURNING {_ICOLS}",
+                    (state, server_id, row[0]),
+                ).fetchone()
+            self._event(hall, row[0], pool, "instance.adopted", {"state": state, "server_id": server_id, **detail})
+        return _inst(row)
+
+    def lose(self, iid: int, why: str, **detail: Any) -> bool:
+        """The server is gone from Nova without the product deleting it: ``lost``, with why and when it was last
+        seen, in one transaction with its ``instance.lost`` event. Only from a state that holds capacity."""
+        with self.conn.transaction():
+            row = self.conn.execute(
+                "UPDATE instance i SET state = 'lost', updated_at = clock_timestamp() FROM instance old"
+                " WHERE i.id = old.id AND i.id = %s AND i.state = ANY(%s)"
+                " RETURNING i.hall, i.pool, old.state, extract(epoch FROM i.last_seen_at)",
+                (iid, ["requested", "launching", "active"]),
+            ).fetchone()
+            if row is None:
+                return False
+            hall, pool, was, seen = row
+            last = None if seen is None else float(seen)
+            self._event(hall, iid, pool, "instance.lost", {"why": why, "was": was, "last_seen": last, **detail})
+        return True
+
+    def seen(self, server_ids: list[str]) -> None:
+        """Nova listed these servers just now."""
+        if server_ids:
+            self.conn.execute(
+                "UPDATE instance SET last_seen_at = clock_timestamp() WHERE server_id = ANY(%s)", (server_ids,)
+            )
+
+    def record_reconcile(self, hall: str, run_id: int | None, listed: int, drift: int, body: dict[str, Any]) -> int:
+        with self.conn.transaction():
+            self.conn.execute("INSERT INTO hall (name) VALUES (%s) ON CONFLICT DO NOTHING", (hall,))
+            row = self.conn.execute(
+                "INSERT INTO reconcile_record (hall, run_id, listed, drift, body) VALUES (%s, %s, %s, %s, %s)"
+                " RETURNING id",
+                (hall, run_id, listed, drift, Jsonb(body)),
+            ).fetchone()
+        return int(row[0])
 
     def event(self, hall: str, kind: str, *, instance_id: int | None = None, pool: str | None = None, **d: Any) -> None:
         with self.conn.transaction():

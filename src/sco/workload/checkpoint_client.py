@@ -9,9 +9,11 @@ Standard library only and self-contained: copy this one file into a workload ima
             if notice.budget_left() < 5:
                 notice.need(3)              # ask for 3 s more; raises Refused past the budget
             write_some()
-        # returning answers "done": the agent's drain moves on
+        # returning answers "done": the agent's drain moves on; a dict returned is the done's report
+        return {"checkpointed": True, "save_s": 1.2, "step": 400}
 
-    client = CheckpointClient("trainer-0", contract="training", on_notice=save)
+    client = CheckpointClient("trainer-0", contract="training", on_notice=save,
+                              resume={"from_step": 390, "steps_redone": 4})   # what the last attempt lost
     client.connect()                        # registers; the notice may come at any time after this
 
 Socket path: ``$SCO_CHECKPOINT_SOCKET`` or ``/run/sco/checkpoint.sock`` (pods mount ``/run/sco`` as hostPath).
@@ -70,10 +72,14 @@ class CheckpointClient:
         path: str | None = None,
         auto_done: bool = True,
         timeout: float = 5.0,
+        resume: dict[str, Any] | None = None,
     ) -> None:
         """``on_notice(notice)`` runs in the client's reader thread; when it returns (and ``auto_done``), the
-        client answers ``done``. If it raises, nothing is answered: the agent waits out the budget."""
+        client answers ``done``, with the returned dict (if any) as its report (``checkpointed``, ``save_s``,
+        ``step``). If it raises, nothing is answered: the agent waits out the budget. ``resume`` is said at
+        registration: what this run resumed from (``from_step``, ``steps_redone``: the work lost last time)."""
         self.workload, self.contract, self.on_notice = workload, contract, on_notice
+        self.resume = resume
         self.path = path or os.environ.get("SCO_CHECKPOINT_SOCKET", DEFAULT_SOCKET)
         self.auto_done, self.timeout = auto_done, timeout
         self.id: str | None = None
@@ -104,6 +110,8 @@ class CheckpointClient:
         msg: dict[str, Any] = {"op": "register", "workload": self.workload}
         if self.contract:
             msg["contract"] = self.contract
+        if self.resume:
+            msg["resume"] = self.resume
         reply = self._call(msg, ("registered",))
         self.id, self.budget_s = reply["id"], reply.get("budget_s")
         return self
@@ -123,8 +131,12 @@ class CheckpointClient:
 
     # --- answers -----------------------------------------------------------------------------------
 
-    def done(self) -> None:
-        self._call({"op": "done"}, ("ack",))
+    def done(self, report: dict[str, Any] | None = None) -> None:
+        """The final write is safe. ``report``: what it cost (``checkpointed``, ``save_s``, ``step``)."""
+        msg: dict[str, Any] = {"op": "done"}
+        if report:
+            msg["report"] = report
+        self._call(msg, ("ack",))
 
     def need(self, seconds: float) -> float:
         reply = self._call({"op": "need", "seconds": seconds}, ("granted", "refused"))
@@ -205,7 +217,7 @@ class CheckpointClient:
 
     def _run_callback(self, n: Notice) -> None:
         assert self.on_notice is not None
-        self.on_notice(n)
+        report = self.on_notice(n)
         if self.auto_done and not self._closed:
             with contextlib.suppress(CheckpointError):
-                self.done()
+                self.done(report if isinstance(report, dict) else None)

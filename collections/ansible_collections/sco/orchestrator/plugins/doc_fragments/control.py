@@ -1,4 +1,4 @@
-# Shared options of the control-loop modules (demand, plan, arbitrate, acquire, reclaim), set once for all of them
+# Shared options of the control-loop modules (demand, reconcile, plan, arbitrate, acquire, reclaim), set once for all of them
 # through the action group: module_defaults: {group/sco.orchestrator.control: {cloud: ..., hall: ...}}.
 from __future__ import annotations
 
@@ -56,4 +56,8 @@ options:
   run_id:
     description: The control-loop run this step belongs to (set by C(sco-control-loop)); recorded with its output.
     type: int
+  api_timeout:
+    description: Seconds any one OpenStack API call may take before it fails (with the cloud's message).
+    type: float
+    default: 60.0
 """

@@ -35,6 +35,7 @@ def common_argument_spec() -> dict[str, Any]:
         "trust": {"type": "list", "elements": "path"},
         "trust_dir": {"type": "path"},
         "run_id": {"type": "int"},
+        "api_timeout": {"type": "float", "default": 60.0},
     }
 
 
@@ -50,8 +51,15 @@ def planning_argument_spec() -> dict[str, Any]:
     }
 
 
+# Keys Ansible reads as the task's own status: a step never returns them (a launch that failed is
+# ``launch_failures``, a pool that was not tried is in ``unavailable``), so a result cannot fail or skip a task
+# without a message.
+RESERVED = ("failed", "skipped", "msg", "rc", "unreachable")
+
+
 def run_step(module: Any, step: str) -> None:
-    """Run ``sco.control.loop.step_<step>`` (or the provider's) with the module's params and exit."""
+    """Run the control-loop step ``step`` (``sco.control.loop.run``) with the module's params and exit: a cloud or
+    input error fails the task with its own message (and every problem line), warnings go through module.warn."""
     # the same check as every module of the collection: the product, of the collection's release, where it runs
     require_product(module, SCO_IMPORT_ERROR)
     params = dict(module.params)
@@ -59,12 +67,12 @@ def run_step(module: Any, step: str) -> None:
     try:
         from sco.control import loop
 
-        store = loop.open_store(params) if params.get("state_dsn") else None
-        try:
-            result = getattr(loop, f"step_{step}")(params, module.check_mode, store)
-        finally:
-            if store is not None:
-                store.close()
+        result = loop.run(step, params, module.check_mode)
     except ScoError as e:
         module.fail_json(msg=str(e), problems=e.lines())
+    for w in result.pop("warnings", None) or []:
+        module.warn(str(w))
+    clash = [k for k in RESERVED if k in result]
+    if clash:  # a bug in the step, said plainly rather than read by Ansible as the task's status
+        module.fail_json(msg="step %s returned reserved keys %s" % (step, ", ".join(clash)))
     module.exit_json(**result)

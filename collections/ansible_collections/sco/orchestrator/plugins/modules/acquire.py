@@ -9,11 +9,16 @@ short_description: Make each pool hold what the plan and the arbiter's grants sa
 description:
   - Turns the plan (launches with their contract subset, idle instances to scale down) and the arbiter's
     on-demand grants into a count per plan entry - a pool's instances launched with one contract subset - and
-    has the acquirer hold it - launching the missing slots with cloud-init user-data carrying the signed
-    contract subset, deleting the slots above the count.
+    has the acquirer hold it - launching the missing instances with cloud-init user-data carrying the signed
+    contract subset, deleting the idle ones the plan names, all at once, until Nova no longer lists them.
+  - A preflight first resolves every launching pool's flavor, image, networks, ports, security groups, key pair,
+    server group and availability zone against the cloud, once per run (names or ids), and fails with every
+    problem and what to change before anything is launched. In check mode the preflight runs too.
   - Crash-safe and idempotent - servers carry tags naming their hall, pool, entry and slot, so a second run
-    adopts what the first launched and reports no change.
-  - In check mode returns the counts it would ask for, and launches or deletes nothing.
+    adopts what the first launched and reports no change. A slot freed by a reclaim is not refilled unless the
+    plan asks for an instance.
+  - A quota error or NoValidHost marks the pool unavailable for a while (no calls to Nova until then) and says
+    so as a warning; the cloud's own messages are in C(errors).
 version_added: 0.1.0
 author: Spot Capacity Orchestrator developers (@sco-dev)
 extends_documentation_fragment:
@@ -37,9 +42,14 @@ options:
     description: Environment written to C(/etc/sco/agent.env) on every new instance.
     type: dict
     default: {}
+  concurrency:
+    description: Creates (and deletes) sent at once.
+    type: int
+    default: 8
 attributes:
   check_mode:
-    description: Reports the launches and deletions the plan would need; launches and deletes nothing.
+    description: Runs the preflight and reports the launches and deletions the plan would need; launches and
+      deletes nothing.
     support: full
   diff_mode:
     description: Returns no diff.
@@ -59,34 +69,67 @@ EXAMPLES = r"""
     trust_dir: /etc/sco/trusted
     plan: "{{ plan }}"
     arbitration: "{{ arbitration }}"
-    pools: "{{ sco_pools }}"
+    pools:
+      - name: spot-a
+        kind: reclaimable
+        flavor: m1.large
+        image: debian-12
+        vcpus: 8
+        ramMiB: 32768
+        cap: 20
+        launch:
+          networks: [hall-a-net]
+          securityGroups: [sco-node]
+          keyName: ops
+          serverGroup: {name: spot-a, policy: anti-affinity}
+          availabilityZone: az1
     signing_keys: [/etc/sco/keys/2026-11.key]
 """
 
 RETURN = r"""
 entries:
-  description: Per plan entry - pool, entry, contracts, count asked for, launch, delete (names), kept (names the
-    plan would scale down but that sit below a busy slot).
+  description: Per plan entry - pool, entry, contracts, count asked for, launch, delete (names).
   returned: success
   type: list
   elements: dict
+  sample: [{pool: spot-a, entry: s1a2b3c4, contracts: [web], count: 3, launch: 1, delete: []}]
 launched:
   description: Instances launched (in check mode - that would be).
   returned: success
   type: int
+  sample: 1
 deleted:
   description: Instances deleted (in check mode - that would be).
   returned: success
   type: int
-failed:
-  description: Launches that failed (quota, no valid host, error).
+  sample: 0
+launch_failures:
+  description: Launches Nova refused or failed (quota, no valid host, a bad request); the reasons are in C(errors).
   returned: success
   type: int
-skipped:
-  description: Entries not acted on, with the reason (pool unavailable, not configured).
+  sample: 0
+errors:
+  description: The cloud's own message for each failed launch or delete.
   returned: success
   type: list
   elements: str
+  sample: ["hall-a-spot-a-s1a2b3c4-2: No valid host was found. There are not enough hosts available."]
+unavailable:
+  description: Entries not launched into, with the reason (the pool is unavailable after quota or NoValidHost).
+  returned: success
+  type: list
+  elements: str
+  sample: ["spot-a/s1a2b3c4: pool spot-a unavailable for 290 s more: quota: ..."]
+preflight:
+  description: Per launching pool, what its names resolved to.
+  returned: success
+  type: dict
+  sample: {spot-a: {flavor_id: 3, image_id: 0b7e..., networks: [{uuid: 5d1f...}], server_group_id: 81c2...}}
+api_calls:
+  description: Nova calls the acquirer made (paid from the fleet state's shared budget).
+  returned: when anything was acquired
+  type: int
+  sample: 5
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -106,6 +149,7 @@ def main() -> None:
         "arbitration": {"type": "dict", "default": {}},
         "signing_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
         "node_env": {"type": "dict", "default": {}},
+        "concurrency": {"type": "int", "default": 8},
     }
     run_step(AnsibleModule(argument_spec=spec, supports_check_mode=True), "acquire")
 

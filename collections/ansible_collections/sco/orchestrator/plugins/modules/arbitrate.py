@@ -54,11 +54,13 @@ arbitration:
     reason), the hall's on-demand spend per hour once the grants run, and the ceiling.
   returned: success
   type: dict
+  sample: {grants: [{contract: web, pool: od, instances: 1, cost_per_hour: "3.00", reason: "..."}], refusals: []}
 explain:
   description: One line per grant and refusal.
   returned: success
   type: list
   elements: str
+  sample: ["grant web: 1 x od at 3.00/h"]
 """
 
 from ansible.module_utils.basic import AnsibleModule

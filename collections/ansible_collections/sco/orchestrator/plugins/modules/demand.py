@@ -81,14 +81,18 @@ report:
     and C(ineligible) (source, ref, units_milli, reason), C(node_load_milli) per node, and the unit's definition.
   returned: success
   type: dict
+  sample: {demand: [{contract: web, tier: 3, scheduler: kubernetes, units_milli: 6000, items: 3}],
+           uncontracted: [], ineligible: [], node_load_milli: {}}
 units:
   description: Pending units per contract.
   returned: success
   type: dict
+  sample: {web: 6.0}
 uncontracted:
   description: How many pending items no contract selects (not counted).
   returned: success
   type: int
+  sample: 0
 """
 
 from ansible.module_utils.basic import AnsibleModule

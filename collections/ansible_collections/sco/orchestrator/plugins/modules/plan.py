@@ -52,15 +52,19 @@ plan:
     contract for the fallback arbiter, the floors held, the digest, and every decision (kind, subject, reason).
   returned: success
   type: dict
+  sample: {digest: 9c1e..., changed: true, pools: [{pool: spot-a, current: 2, target: 3, launch: 1,
+           launch_contracts: [web], delete: []}], shortfall_milli: {}}
 explain:
   description: The decisions, one line each (as C(sco plan --explain) prints them).
   returned: success
   type: list
   elements: str
+  sample: ["launch 1 x spot-a for web: 6 units pending"]
 plan_id:
   description: The plan's row in the fleet state.
   returned: when recorded
   type: int
+  sample: 42
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -10,6 +10,11 @@ description:
     metadata), waits out the notice window while the node agent drains, then deletes the server - the
     provider's reclaimer, recorded in the fleet state.
   - Instances already under reclaim are left as they are (no second notice), so a repeated task reports no change.
+  - A delete is retried with capped exponential backoff and jitter until Nova confirms the server is gone. While
+    any instance of the hall is not confirmed gone when the retry budget (O(retry_for)) is spent, the task fails
+    with the cloud's own message; the instance stays under reclaim and the next run keeps deleting it.
+  - Every OpenStack call has a deadline (the connection's C(api_timeout), 30 s unless the cloud sets one), so a
+    Nova or Keystone that never answers fails the task instead of hanging it with the hall's lock held.
   - In check mode reports which instances would be reclaimed.
 version_added: 0.1.0
 author: Spot Capacity Orchestrator developers (@sco-dev)
@@ -20,7 +25,15 @@ options:
     description: Instance (node) names to reclaim.
     type: list
     elements: str
-    required: true
+    default: []
+  before_leases:
+    description:
+      - Also reclaim the hall's reclaimable instances on hosts a Blazar host lease takes within one notice window
+        (plus a minute, the control loop's period), so they are noticed, drained and deleted before the lease
+        starts (at its start Blazar deletes every server on those hosts, with no notice).
+      - Their deadline is the earlier of the window and 10 seconds before the lease starts.
+    type: bool
+    default: false
   nats_url:
     description: The hall's notice relay.
     type: str
@@ -37,9 +50,15 @@ options:
     type: path
   window:
     description:
-      - Seconds from the notice to the delete (120 in production); more than 0 and at most 3600.
-      - A delete that keeps failing (Nova down) is retried until 120 seconds past the deadline; the instance is then
-        left under reclaim (a later run deletes it) and reported in its state before the delete.
+      - Seconds from the notice to the delete (120 in production); at least 3 and at most 3600.
+      - With O(bundle) (and O(trust) or O(trust_dir)), a window shorter than the hall's largest drain budget plus
+        final write plus its safety margin is refused, in check mode too.
+    type: float
+    default: 120
+  retry_for:
+    description:
+      - Seconds past the later of the run's start and the last deadline to keep retrying deletes Nova refuses or
+        does not answer; the task then fails naming each instance not confirmed gone (a later run carries on).
     type: float
     default: 120
   notice_keys:
@@ -104,7 +123,8 @@ from ansible_collections.sco.orchestrator.plugins.module_utils.sco_control impor
 def main() -> None:
     spec = {
         **common_argument_spec(),
-        "nodes": {"type": "list", "elements": "str", "required": True},
+        "nodes": {"type": "list", "elements": "str", "default": []},
+        "before_leases": {"type": "bool", "default": False},
         "nats_url": {"type": "str"},
         "nats_user": {"type": "str"},
         "nats_password": {"type": "str", "no_log": True},
@@ -112,6 +132,7 @@ def main() -> None:
         "window": {"type": "float", "default": 120},
         "notice_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
         "wait": {"type": "bool", "default": True},
+        "retry_for": {"type": "float", "default": 120},
         "lock_wait": {"type": "float", "default": 0},
     }
     module = AnsibleModule(

@@ -1,0 +1,230 @@
+"""Each control-loop step's options, parsed once from the module's arguments into one typed object.
+
+The modules' argument specs (``module_utils/sco_control.py``) check types; these classes turn the checked dict
+into what the steps read, and refuse what a type cannot say (a plan that is not the plan module's result, a
+negative concurrency), naming the option.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from sco.control.inputs import PlanDocument, parse
+from sco.errors import ConfigError
+
+Params = Mapping[str, Any]
+
+
+def _result(value: Any, key: str, option: str) -> dict[str, Any]:
+    """A module's whole registered result or just its ``key`` part (``plan: "{{ sco_plan }}"`` or ``.plan``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{option}: expected the {key} module's result (a mapping), not {type(value).__name__}")
+    inner = value.get(key)
+    return dict(inner) if isinstance(inner, Mapping) else dict(value)
+
+
+def _positive(params: Params, key: str, default: float) -> float:
+    v = params.get(key)
+    if v is None:
+        return default
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: {v!r} is not a number") from None
+    if not f > 0 or f != f or f == float("inf"):
+        raise ConfigError(f"{key}: must be a finite number above 0, not {v!r}")
+    return f
+
+
+@dataclass(frozen=True)
+class CloudOptions:
+    """openstack.cloud-style credentials: a clouds.yaml name or dict, or auth; and a deadline on every call."""
+
+    cloud: Any = None
+    auth: Mapping[str, Any] | None = None
+    auth_type: str | None = None
+    region_name: str | None = None
+    interface: str | None = None
+    validate_certs: bool | None = None
+    ca_cert: str | None = None
+    api_timeout: float = 60.0
+
+    @classmethod
+    def from_params(cls, p: Params) -> CloudOptions:
+        return cls(
+            cloud=p.get("cloud"),
+            auth=p.get("auth"),
+            auth_type=p.get("auth_type"),
+            region_name=p.get("region_name"),
+            interface=p.get("interface"),
+            validate_certs=p.get("validate_certs"),
+            ca_cert=p.get("ca_cert"),
+            api_timeout=_positive(p, "api_timeout", 60.0),
+        )
+
+    @property
+    def given(self) -> bool:
+        """Whether any cloud is named: an option, or the OS_* variables openstacksdk reads."""
+        return bool(self.cloud or self.auth or os.environ.get("OS_CLOUD") or os.environ.get("OS_AUTH_URL"))
+
+    def connect(self) -> Any:
+        kw: dict[str, Any] = {}
+        if isinstance(self.cloud, Mapping):
+            kw.update(self.cloud)
+        elif self.cloud:
+            kw["cloud"] = str(self.cloud)
+        if self.auth:
+            kw["auth"] = dict(self.auth)
+        for opt, sdk in (("auth_type", "auth_type"), ("region_name", "region_name"), ("ca_cert", "cacert")):
+            if getattr(self, opt):
+                kw[sdk] = getattr(self, opt)
+        if self.interface:
+            kw["interface"] = self.interface
+        if self.validate_certs is not None:
+            kw["verify"] = bool(self.validate_certs)
+        from sco.provider.cloud import connect
+
+        kw.setdefault("api_timeout", self.api_timeout)  # no call waits for ever on a silent cloud
+        return connect(**kw)
+
+
+@dataclass(frozen=True)
+class HallOptions:
+    hall: str
+    state_dsn: str | None = None
+    bundle: str | None = None
+    trust: tuple[str, ...] = ()
+    trust_dir: str | None = None
+    run_id: int | None = None
+
+    @classmethod
+    def from_params(cls, p: Params) -> HallOptions:
+        return cls(
+            hall=str(p.get("hall") or ""),
+            state_dsn=p.get("state_dsn"),
+            bundle=p.get("bundle"),
+            trust=tuple(str(t) for t in p.get("trust") or ()),
+            trust_dir=p.get("trust_dir"),
+            run_id=p.get("run_id"),
+        )
+
+
+@dataclass(frozen=True)
+class DemandOptions:
+    hall: HallOptions
+    kubernetes: Mapping[str, Any] = field(default_factory=dict)
+    slurm: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_params(cls, p: Params) -> DemandOptions:
+        return cls(HallOptions.from_params(p), dict(p.get("kubernetes") or {}), dict(p.get("slurm") or {}))
+
+
+@dataclass(frozen=True)
+class ReconcileOptions:
+    hall: HallOptions
+    cloud: CloudOptions
+    concurrency: int = 8
+    lock_wait_s: float = 0.0
+
+    @classmethod
+    def from_params(cls, p: Params) -> ReconcileOptions:
+        return cls(
+            HallOptions.from_params(p),
+            CloudOptions.from_params(p),
+            int(_positive(p, "concurrency", 8)),
+            float(p.get("lock_wait") or 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    hall: HallOptions
+    cloud: CloudOptions
+    document: PlanDocument
+    """Pools, settings, reservations, the fleet override and the demand, checked (``sco.control.inputs``)."""
+    raw_document: Mapping[str, Any]
+    reservations_from: str = "options"
+    fleet_given: bool = False
+    """A ``fleet`` option overrides the fleet state (tests, what-if plans)."""
+
+    @classmethod
+    def from_params(cls, p: Params) -> PlanOptions:
+        demand = p.get("demand") or {}
+        doc: dict[str, Any] = {
+            "pools": p.get("pools") or [],
+            "settings": p.get("settings") or {},
+            "reservations": p.get("reservations") or [],
+            "demand": demand.get("report", demand) if isinstance(demand, Mapping) else demand,
+        }
+        if p.get("now") is not None:
+            doc["now"] = p["now"]
+        if p.get("fleet") is not None:
+            doc["fleet"] = p["fleet"]
+        return cls(
+            HallOptions.from_params(p),
+            CloudOptions.from_params(p),
+            parse(doc, "module options"),
+            doc,
+            str(p.get("reservations_from") or "options"),
+            p.get("fleet") is not None,
+        )
+
+
+@dataclass(frozen=True)
+class ArbitrateOptions:
+    plan: PlanOptions
+    plan_doc: Mapping[str, Any]
+    ceiling_per_hour: Decimal
+
+    @classmethod
+    def from_params(cls, p: Params) -> ArbitrateOptions:
+        from sco.control.loop import _amount
+
+        return cls(
+            PlanOptions.from_params(p),
+            _result(p.get("plan"), "plan", "plan"),
+            _amount(p.get("ceiling_per_hour"), "ceiling_per_hour"),
+        )
+
+
+@dataclass(frozen=True)
+class AcquireOptions:
+    plan: PlanOptions
+    plan_doc: Mapping[str, Any]
+    arbitration_doc: Mapping[str, Any]
+    signing_keys: tuple[str, ...] = ()
+    node_env: Mapping[str, str] = field(default_factory=dict)
+    concurrency: int = 8
+
+    @classmethod
+    def from_params(cls, p: Params) -> AcquireOptions:
+        # the acquirer plans nothing: the pools' configuration is read, no demand or fleet
+        base = PlanOptions.from_params({**p, "demand": {}, "fleet": []})
+        return cls(
+            base,
+            _result(p.get("plan"), "plan", "plan"),
+            _result(p.get("arbitration"), "arbitration", "arbitration"),
+            tuple(str(k) for k in p.get("signing_keys") or ()),
+            {str(k): str(v) for k, v in (p.get("node_env") or {}).items()},
+            int(_positive(p, "concurrency", 8)),
+        )
+
+
+PARSERS: dict[str, Any] = {
+    "demand": DemandOptions,
+    "reconcile": ReconcileOptions,
+    "plan": PlanOptions,
+    "arbitrate": ArbitrateOptions,
+    "acquire": AcquireOptions,
+}
+
+
+def parse_options(step: str, params: Params) -> Any:
+    return PARSERS[step].from_params(params)

@@ -1,0 +1,147 @@
+"""One reclaim run as ``sco reclaim`` and the collection's ``reclaim`` module both make it: the hall's lock, the
+notices, the deletes until Nova confirms them, and the outcome (an exception for what is not confirmed gone).
+
+Kept out of the CLI and the module so both say and do the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sco.contract.signing import PrivateKey
+from sco.errors import ConfigError, Problem
+from sco.provider.reclaimer import DrainFloor, Reclaimer, ReclaimIncomplete
+from sco.state.db import hall_lock
+from sco.state.fleet import FleetState
+
+
+@dataclass(frozen=True)
+class ReclaimSettings:
+    hall: str
+    nodes: tuple[str, ...]
+    window_s: float
+    nats_url: str
+    signing_keys: list[PrivateKey]
+    dsn: str
+    nats_auth: dict[str, Any] = field(default_factory=dict)
+    lock_wait_s: float = 0.0
+    wait: bool = True
+    """Wait for the deletes (else return once the notices are sent; a later run deletes)."""
+    floor: DrainFloor | None = None
+    """The hall's drain floor (from its bundle): a shorter window is refused."""
+    retry_for_s: float = 120.0
+    call_timeout_s: float = 30.0
+    lock_idle_s: float = 120.0
+    """The hall's lock ends with a run that stops talking to the fleet state for this long (a hung run)."""
+    before_leases: bool = False
+    """Also reclaim the hall's reclaimable instances on hosts a Blazar lease takes within a window (plus
+    ``lease_lookahead_s``), so they are gone ``lease_margin_s`` before it starts (Blazar would delete them)."""
+    lease_lookahead_s: float = 60.0
+    """How often the runs that look come (the control loop's period): a lease is seen at least a window early."""
+    lease_margin_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        import math
+
+        bad = [
+            f"{what}: expected {rule}, got {v}"
+            for what, v, ok, rule in (
+                ("retry_for", self.retry_for_s, 0 <= self.retry_for_s <= 86400, "0 to 86400 seconds"),
+                ("call_timeout", self.call_timeout_s, 0 < self.call_timeout_s <= 600, "more than 0 and at most 600 s"),
+                ("lock_wait", self.lock_wait_s, 0 <= self.lock_wait_s <= 3600, "0 to 3600 seconds"),
+            )
+            if not (math.isfinite(v) and ok)
+        ]
+        if bad:
+            raise ConfigError("; ".join(bad))
+
+
+async def reclaim(
+    s: ReclaimSettings, cloud: Any, *, on_notice: Callable[[Any], None] | None = None
+) -> list[dict[str, Any]]:
+    """Notice ``s.nodes`` (instances already under reclaim keep their T), then delete every instance of the hall
+    under reclaim at its T until Nova confirms it gone. Returns one dict per noticed instance; raises
+    ReclaimIncomplete (exit 9) naming every instance not confirmed gone and the cloud's last word on it."""
+    import asyncio
+
+    with (
+        FleetState(s.dsn, application="sco reclaim") as st,
+        hall_lock(st.conn, s.hall, wait_s=s.lock_wait_s, idle_timeout_s=s.lock_idle_s),
+    ):
+        r = Reclaimer(
+            cloud, st, s.nats_url, window_s=s.window_s, signing_keys=s.signing_keys, nats_auth=s.nats_auth,
+            retry_for_s=s.retry_for_s, call_timeout_s=s.call_timeout_s, floor=s.floor,
+        )  # fmt: skip
+        try:
+            nodes, gone_by = list(s.nodes), {}
+            if s.before_leases:
+                gone_by = await asyncio.wait_for(_before_leases(s, cloud, st, st.now()), 4 * s.call_timeout_s)
+                nodes += [n for n in gone_by if n not in nodes]
+            done = await r.notify(s.hall, nodes, gone_by=gone_by) if nodes else []
+            for rc in done:
+                if on_notice is not None:
+                    on_notice(rc)
+            if s.wait:
+                await r.run(s.hall)
+            out = [
+                {
+                    "name": rc.instance.name,
+                    "notice": rc.notice["id"],
+                    "terminate_at": rc.terminate_at,
+                    "published": rc.published_at is not None,
+                    "state": st.instance(rc.instance.id).state,
+                    # what the agent had reported when the delete went out (None: not deleted in this run)
+                    "agent": rc.agent_state,
+                }
+                for rc in done
+            ]
+            if r.unconfirmed:
+                names = {i.id: i.name for i in st.instances(s.hall, states=None)}
+                problems = [
+                    Problem(f"hall {s.hall}", names.get(iid, str(iid)), why) for iid, why in r.unconfirmed.items()
+                ]
+                first = problems[0]
+                raise ReclaimIncomplete(
+                    f"hall {s.hall}: {len(problems)} instance(s) not confirmed gone from Nova, left under reclaim"
+                    f" (the next run deletes them): {first.field}: {first.message}",
+                    problems,
+                )
+            return out
+        finally:
+            await r.close()
+
+
+async def _before_leases(s: ReclaimSettings, cloud: Any, st: FleetState, now: float) -> dict[str, tuple[float, str]]:
+    """The hall's active reclaimable instances on hosts a host lease takes within a window (plus the look-ahead):
+    name -> (when it must be gone, why)."""
+    import asyncio
+
+    from sco.provider.reservations import hosts_to_clear, read_allocations, read_reservations
+
+    leases = await asyncio.to_thread(read_reservations, cloud)
+    clearings = hosts_to_clear(
+        leases, await asyncio.to_thread(read_allocations, cloud), now, s.window_s + s.lease_lookahead_s
+    )
+    if not clearings:
+        return {}
+    by_host = {h: c for c in reversed(clearings) for h in c.hosts}  # the earliest lease wins a host
+
+    def servers() -> dict[str, tuple[str, ...]]:
+        found = cloud.compute.servers(details=True, all_projects=True, tags=f"sco-hall={s.hall}")
+        return {x.id: (x.compute_host or "", x.hypervisor_hostname or "") for x in found}
+
+    hosts_of = await asyncio.to_thread(servers)
+    reclaimable = {
+        p for p in {i.pool for i in st.instances(s.hall)} if (x := st.pool(s.hall, p)) and x.kind == "reclaimable"
+    }
+    out: dict[str, tuple[float, str]] = {}
+    for inst in st.instances(s.hall, states=("active",)):
+        if inst.pool not in reclaimable or not inst.server_id:
+            continue
+        c = next((by_host[h] for h in hosts_of.get(inst.server_id, ()) if h in by_host), None)
+        if c is not None:
+            why = f"lease {c.lease_name} ({c.lease_id}) takes host {', '.join(c.hosts)} at {c.start:.0f}"
+            out[inst.name] = (c.start - s.lease_margin_s, why)
+    return out

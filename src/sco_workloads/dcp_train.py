@@ -1,0 +1,394 @@
+"""A PyTorch training job that keeps its work across a reclaim (seed views 07 and 10): DCP checkpoints to the
+contract's checkpoint store (Ceph RGW over S3, or a local directory).
+
+- **Periodic**: a checkpoint every ``--every`` steps, so a node that dies without a notice costs at most that
+  many steps.
+- **On notice** (USR1/TERM from Slurm or kubelet, or a notice on the agent's checkpoint socket): the step in
+  progress is finished, a checkpoint saved, the agent told ``done`` with what it cost (``save_s``, ``step``), and
+  the process exits 75 (EX_TEMPFAIL: requeue me).
+- **Resume**: from the newest *complete* checkpoint: complete only once DCP's ``.metadata`` is written (DCP
+  writes it last, after every data file), so an interrupted save is never resumed from. The steps the last
+  attempt did past it (its progress marker) are the steps redone, said at registration on the socket.
+- **Retention**: the newest ``--keep`` complete checkpoints are kept; older ones, and incomplete ones older than
+  the newest complete one, are deleted after each save.
+
+Deterministic (seeded model, data seeded by step index, one thread, deterministic algorithms): a resumed run's
+final parameters are bitwise equal to an uninterrupted run's.
+
+    python -m sco_workloads.dcp_train --run job-7 --store s3://sco-ckpt-training/runs/ --steps 40 --every 10 \\
+        --contract training --out final.pt
+
+S3 credentials: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` and ``AWS_ENDPOINT_URL`` (or ``--endpoint``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sco.workload.checkpoint_client import CheckpointClient, CheckpointError, Notice
+
+EX_REQUEUE = 75  # EX_TEMPFAIL: checkpointed on a notice; run me again
+STEP_DIR = "step-"
+
+
+@dataclass
+class Config:
+    run: str
+    store: str  # s3://bucket/prefix/ or a local directory
+    steps: int = 40
+    every: int = 10
+    keep: int = 3
+    inputs: int = 64
+    hidden: int = 256
+    batch: int = 32
+    seed: int = 0
+    step_seconds: float = 0.0  # extra time per step (a slower job: gives a notice a step in progress)
+    threads: int = 4  # DCP's S3 writer threads
+    contract: str | None = None
+    socket: str | None = None  # None: $SCO_CHECKPOINT_SOCKET if set, else no socket
+    out: str | None = None  # the final parameters (torch.save), for comparison
+    endpoint: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+def emit(kind: str, **f: Any) -> None:
+    sys.stdout.write(json.dumps({"kind": kind, "t": time.time(), **f}) + "\n")
+    sys.stdout.flush()
+
+
+# --- the model and its data -------------------------------------------------------------------------
+
+
+def build(cfg: Config) -> tuple[Any, Any]:
+    import torch
+
+    torch.manual_seed(cfg.seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(cfg.inputs, cfg.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(cfg.hidden, cfg.inputs),
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def train_step(model: Any, optim: Any, step: int, cfg: Config) -> float:
+    import torch
+
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # the data of a step depends on its index only
+    x = torch.randn(cfg.batch, cfg.inputs, generator=g)
+    y = torch.roll(x, 1, dims=1)
+    optim.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optim.step()
+    if cfg.step_seconds:
+        time.sleep(cfg.step_seconds)
+    return float(loss.detach())
+
+
+def _deterministic() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
+def uninterrupted(cfg: Config) -> dict[str, Any]:
+    """The reference: the same job run straight through, in this process; its final parameters."""
+    _deterministic()
+    model, optim = build(cfg)
+    for step in range(cfg.steps):
+        train_step(model, optim, step, cfg)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class App:
+    """DCP ``Stateful``: model, optimizer (its state made to exist before an in-place load) and the step."""
+
+    def __init__(self, model: Any, optim: Any, step: int = 0) -> None:
+        self.model, self.optim, self.step = model, optim, step
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd, "step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.step = int(sd["step"])
+
+
+# --- the store ----------------------------------------------------------------------------------------
+
+
+class Store:
+    """Checkpoints of one run: ``<store>/<run>/step-NNNNNNNN/`` (DCP layout) and ``<store>/<run>/progress``."""
+
+    def __init__(self, cfg: Config) -> None:
+        import fsspec
+
+        self.cfg = cfg
+        self.s3 = cfg.store.startswith("s3://")
+        opts: dict[str, Any] = dict(cfg.storage_options)
+        if self.s3:
+            endpoint = cfg.endpoint or os.environ.get("AWS_ENDPOINT_URL")
+            # An S3 filesystem is cached by its arguments (one made before the credentials were set keeps
+            # failing): skip the cache, and no listing cache either (another attempt writes beside us).
+            opts.setdefault("skip_instance_cache", True)
+            opts.setdefault("use_listings_cache", False)
+            ck = opts.setdefault("client_kwargs", {})
+            ck.setdefault("region_name", os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+            if endpoint:
+                ck.setdefault("endpoint_url", endpoint)
+            opts.setdefault("config_kwargs", {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 4}})
+        self.opts = opts
+        self.fs, root = fsspec.core.url_to_fs(cfg.store, **opts)
+        self.root = root.rstrip("/") + "/" + cfg.run
+        self.url_root = cfg.store.rstrip("/") + "/" + cfg.run
+
+    def _url(self, step: int) -> str:
+        return f"{self.url_root}/{STEP_DIR}{step:08d}"
+
+    def _path(self, step: int) -> str:
+        return f"{self.root}/{STEP_DIR}{step:08d}"
+
+    def steps(self) -> tuple[list[int], list[int]]:
+        """(complete, incomplete) checkpoint steps, ascending."""
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return [], []
+        complete: list[int] = []
+        incomplete: list[int] = []
+        for n in names:
+            base = n.rstrip("/").rsplit("/", 1)[-1]
+            if not base.startswith(STEP_DIR):
+                continue
+            try:
+                step = int(base[len(STEP_DIR) :])
+            except ValueError:
+                continue
+            (complete if self.fs.exists(f"{self._path(step)}/.metadata") else incomplete).append(step)
+        return sorted(complete), sorted(incomplete)
+
+    def save(self, app: App) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        dcp.save({"app": app}, storage_writer=self._writer(app.step))
+        return time.perf_counter() - t0
+
+    def _writer(self, step: int) -> Any:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        if not self.s3:
+            return FileSystemWriter(self._path(step), sync_files=True, thread_count=self.cfg.threads)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # sync_files=False: s3fs files have no fileno(), DCP would os.sync() the whole machine per file.
+        w = FsspecWriter(self._url(step), sync_files=False, thread_count=self.cfg.threads, **self.opts)
+        # S3 has no directories, and s3fs's makedirs asks whether the bucket exists first: a user scoped to its
+        # prefix may not ask (HeadBucket needs a bucket-wide ListBucket), so s3fs tries to create the bucket.
+        w.fs.mkdir = lambda path: None
+        return w
+
+    def load(self, app: App, step: int) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        if self.s3:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            reader: Any = FsspecReader(self._url(step), **self.opts)
+        else:
+            from torch.distributed.checkpoint import FileSystemReader
+
+            reader = FileSystemReader(self._path(step))
+        dcp.load({"app": app}, storage_reader=reader)
+        return time.perf_counter() - t0
+
+    def prune(self, keep: int) -> list[int]:
+        complete, incomplete = self.steps()
+        if not complete:
+            return []
+        gone = complete[:-keep] + [s for s in incomplete if s < complete[-1]]
+        for s in gone:
+            self.fs.rm(self._path(s), recursive=True)
+        return gone
+
+    def progress(self) -> int | None:
+        try:
+            return int(json.loads(self.fs.cat_file(f"{self.root}/progress"))["step"])
+        except (FileNotFoundError, ValueError, KeyError):
+            return None
+
+    def set_progress(self, step: int) -> None:
+        self.fs.pipe_file(f"{self.root}/progress", json.dumps({"step": step}).encode())
+
+
+# --- the job ------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.store = Store(cfg)
+        self.notice_at: float | None = None
+        self.notice_via = ""
+        self._lock = threading.Lock()
+        self.client: CheckpointClient | None = None
+
+    def _noticed(self, via: str) -> None:
+        with self._lock:
+            if self.notice_at is None:
+                self.notice_at, self.notice_via = time.time(), via
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._noticed(signal.Signals(signum).name)
+
+    def _on_notice(self, n: Notice) -> None:
+        self._noticed("socket")  # the main loop finishes its step, saves and answers done itself
+
+    def run(self) -> int:
+        cfg = self.cfg
+        _deterministic()
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        model, optim = build(cfg)
+        app = App(model, optim)
+        complete, _ = self.store.steps()
+        resume: dict[str, Any] = {}
+        if complete:
+            load_s = self.store.load(app, complete[-1])
+            done_before = self.store.progress()
+            redone = max(0, (done_before or app.step) - app.step)
+            resume = {"from_step": app.step, "steps_redone": redone}
+            emit("resumed", from_step=app.step, steps_redone=redone, load_s=round(load_s, 4))
+        else:
+            emit("started")
+        self._connect(resume)
+        last_saved = app.step if complete else None
+        while app.step < cfg.steps:
+            train_step(model, optim, app.step, cfg)
+            app.step += 1
+            self.store.set_progress(app.step)
+            if self.notice_at is not None:
+                return self._checkpoint_and_go(app, last_saved)
+            if app.step % cfg.every == 0 and app.step < cfg.steps:
+                self._save(app, "periodic")
+                last_saved = app.step
+                if self.notice_at is not None:  # came during the save: it is on the store already
+                    return self._checkpoint_and_go(app, last_saved)
+        self._save(app, "final")
+        if cfg.out:
+            import torch
+
+            torch.save(model.state_dict(), cfg.out)
+        emit("finished", step=app.step)
+        if self.client is not None:
+            self.client.close()
+        return 0
+
+    def _connect(self, resume: dict[str, Any]) -> None:
+        path = self.cfg.socket or os.environ.get("SCO_CHECKPOINT_SOCKET")
+        if not path:
+            return
+        name = (os.environ.get("SLURM_JOB_ID") and f"{self.cfg.run}@job-{os.environ['SLURM_JOB_ID']}") or self.cfg.run
+        c = CheckpointClient(
+            name, contract=self.cfg.contract, on_notice=self._on_notice, path=path, auto_done=False, resume=resume
+        )
+        try:
+            c.connect()
+        except CheckpointError as e:  # no agent on this node: periodic checkpoints still cover a reclaim
+            emit("socket_unavailable", error=str(e))
+            return
+        self.client = c
+        emit("registered", id=c.id, budget_s=c.budget_s)
+
+    def _save(self, app: App, reason: str) -> float:
+        secs = self.store.save(app)
+        pruned = self.store.prune(self.cfg.keep)
+        emit("checkpoint", step=app.step, reason=reason, save_s=round(secs, 4), pruned=pruned)
+        return secs
+
+    def _checkpoint_and_go(self, app: App, last_saved: int | None) -> int:
+        assert self.notice_at is not None
+        secs = 0.0 if last_saved == app.step else self._save(app, "notice")
+        complete_ms = (time.time() - self.notice_at) * 1000
+        report = {"checkpointed": True, "save_s": round(secs, 3), "step": app.step}
+        emit("noticed", via=self.notice_via, notice_to_checkpoint_ms=round(complete_ms, 1), **report)
+        if self.client is not None:
+            try:
+                if self.client.notice is None:  # told by a signal first: the socket's notice may follow
+                    self.client.wait_notice(timeout=2)
+                if self.client.notice is not None:
+                    self.client.done(report)
+                    emit("acked", after_ms=round((time.time() - self.notice_at) * 1000, 1))
+            except CheckpointError as e:
+                emit("ack_failed", error=str(e))
+            self.client.close()
+        return EX_REQUEUE
+
+
+def parse(argv: list[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(prog="python -m sco_workloads.dcp_train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True, help="run name: its checkpoints live under STORE/RUN/")
+    p.add_argument("--store", required=True, help="s3://bucket/prefix/ or a local directory")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=10, help="a periodic checkpoint every N steps")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept (the contract's keep)")
+    p.add_argument("--inputs", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-seconds", type=float, default=0.0)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--contract")
+    p.add_argument("--socket")
+    p.add_argument("--out")
+    p.add_argument("--endpoint")
+    a = p.parse_args(argv)
+    for name in ("steps", "every", "keep", "inputs", "hidden", "batch", "threads"):
+        if getattr(a, name) <= 0:
+            p.error(f"--{name}: must be a positive integer, got {getattr(a, name)}")
+    return Config(
+        run=a.run,
+        store=a.store,
+        steps=a.steps,
+        every=a.every,
+        keep=a.keep,
+        inputs=a.inputs,
+        hidden=a.hidden,
+        batch=a.batch,
+        seed=a.seed,
+        step_seconds=a.step_seconds,
+        threads=a.threads,
+        contract=a.contract,
+        socket=a.socket,
+        out=a.out,
+        endpoint=a.endpoint,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return Trainer(parse(argv)).run()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    # Everything that matters is on the store (the checkpoint is complete, the agent has its answer): skip the
+    # interpreter's shutdown, which waits ~8 s here for s3fs's event-loop thread and its sessions to wind down,
+    # time a notice's grace does not have.
+    os._exit(code)

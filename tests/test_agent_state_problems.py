@@ -1,0 +1,109 @@
+"""Config, state and key problems (issue 20, defect 6): one line and the same exit code at ``check-config`` as
+at ``run`` (5 configuration or state, 4 a key file), never a traceback; a serial past the bound refused; a
+refused cached bundle named with its reason at start."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sco.agent.bundle_cache import BundleCache
+from sco.contract.bundle import MAX_SERIAL, Bundle
+from sco.contract.compiler import compile_repo
+from sco.contract.signing import Keyring, PrivateKey, generate, sign, write_keypair
+from sco.errors import BundleError, ContractError
+from tests.harness import BIN, sample_repo
+
+AGENT = str(BIN / "sco-agent")
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="sco-state-"))  # not under pytest's 0700 tmp: another user must reach it
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _config(root: Path, key: PrivateKey, trust: str = "trusted") -> Path:
+    (root / trust).mkdir(exist_ok=True)
+    write_keypair(key, root / "k.key", root / "trusted" / "k.pub")
+    for d in ("state", "state/spool", "state/bundle"):
+        (root / d).mkdir(exist_ok=True)
+        (root / d).chmod(0o777)
+    cfg = root / f"agent-{trust}.toml"
+    cfg.write_text(
+        f'[agent]\nhall = "local"\nnode = "n1"\nscheduler = "slurm"\nstate_dir = "{root}/state"\n'
+        f'trust_dir = "{root}/{trust}"\nnats_url = "nats://127.0.0.1:9"\ncheckpoint_socket = ""\n'
+    )
+    cfg.chmod(0o644)
+    return cfg
+
+
+def _run(argv: list[str], timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_state_file_this_user_cannot_read_is_one_line_and_exit_5_at_both(
+    root: Path, key: PrivateKey, node_wheelhouse: Path
+) -> None:
+    from tests.node_install import install_venv
+
+    # the agent as a node installs it, where another user can read it: a checkout may sit in a 0700 directory
+    # (CI's mktemp -d), out of that user's reach
+    agent = str(install_venv(node_wheelhouse, root / "venv") / "bin" / "sco-agent")
+    cfg = _config(root, key)
+    spool = root / "state" / "spool" / "events.spool"
+    spool.write_bytes(b"")
+    spool.chmod(0o600)  # root's: the agent runs as another user
+    for cmd in ("check-config", "run"):
+        p = _run([*NOBODY, agent, cmd, "--config", str(cfg)])
+        assert p.returncode == 5, (cmd, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in p.stderr, (cmd, p.stderr)
+        assert f"{spool}: this user (uid 65534) may not read and write it" in lines[0]
+
+
+def test_a_corrupt_trusted_key_is_exit_4_at_check_config_as_at_run(root: Path, key: PrivateKey) -> None:
+    cfg = _config(root, key)
+    (root / "trusted" / "zz-broken.pub").write_text("not a key\n")
+    for cmd in ("check-config", "run"):
+        p = _run([AGENT, cmd, "--config", str(cfg)])
+        assert p.returncode == 4, (cmd, p.returncode, p.stderr)
+        assert "zz-broken.pub: not a key file" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_refused_cached_bundle_is_named_with_its_reason(root: Path, key: PrivateKey) -> None:
+    cfg = _config(root, key)
+    (root / "state" / "bundle" / "bundle.json").write_bytes(sign(compile_repo(sample_repo()), [generate()]))
+    p = subprocess.Popen([AGENT, "run", "--config", str(cfg)], stderr=subprocess.PIPE, text=True)
+    try:
+        end, seen = time.monotonic() + 15, ""
+        assert p.stderr is not None
+        while time.monotonic() < end and "every NATS notice is refused" not in seen:
+            seen += p.stderr.readline()
+    finally:
+        p.kill()
+        p.wait()
+    assert "is refused (cached bundle does not verify:" in seen and "no bundle cached" not in seen, seen
+
+
+def test_a_serial_past_the_bound_is_refused_and_locks_nobody_out(tmp_path: Path, key: PrivateKey) -> None:
+    keyring = Keyring([key.public])
+    cache = BundleCache(tmp_path / "cache", keyring)
+    huge = sign({**compile_repo(sample_repo()), "serial": 10**40}, [key])
+    with pytest.raises(BundleError) as refused:
+        Bundle.from_bytes(huge, keyring)
+    assert any("serial: expected an integer from 1 to 9007199254740991" in line for line in refused.value.lines())
+    assert cache.offer(huge).outcome == "refused"
+    assert cache.offer(sign(compile_repo(sample_repo(), serial=2), [key])).outcome == "accepted"
+    assert Bundle.from_bytes(sign(compile_repo(sample_repo(), serial=MAX_SERIAL), [key]), keyring).serial == MAX_SERIAL
+    with pytest.raises(ContractError, match="--serial"):
+        compile_repo(sample_repo(), serial=MAX_SERIAL + 1)

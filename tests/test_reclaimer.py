@@ -1,0 +1,399 @@
+"""Reclaims that finish (issue 17, defects 13-15): deadlines on every OpenStack call and on the hall's lock, deletes
+retried until Nova confirms them gone, a fleet state lost mid-run, accounts of other notices, windows that cannot
+drain. Against a real PostgreSQL; the tests marked slow against the tests' real OpenStack too."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sco.contract.signing import generate, write_keypair
+from sco.provider.reclaimer import Reclaimer
+from sco.state.fleet import FleetState, Pool
+from tests.harness import free_port, wait_for
+
+SCO = [sys.executable, "-m", "sco.cli"]
+
+
+def _under_reclaim(st: FleetState, hall: str, names: list[str], *, window: float) -> list[Any]:
+    """Fleet-state rows of instances under reclaim (notified, T = now + window), as a reclaim leaves them."""
+    st.ensure_pool(Pool(hall, "spot", flavor="f", image="i"))
+    out = []
+    for slot, name in enumerate(names):
+        inst = st.request(hall, "spot", "e", slot, name)
+        st.transition(inst.id, "active", "instance.active", server_id=f"srv-{name}")
+        st.transition(inst.id, "notified", "reclaim.scheduled", reclaim_id=f"r-{name}", terminate_at=st.now() + window)
+        out.append(st.instance(inst.id))
+    return out
+
+
+def _active(st: FleetState, hall: str, name: str, server_id: str) -> Any:
+    st.ensure_pool(Pool(hall, "spot", flavor="f", image="i"))
+    inst = st.request(hall, "spot", "e", 0, name)
+    st.transition(inst.id, "active", "instance.active", server_id=server_id)
+    return st.instance(inst.id)
+
+
+def kinds(st: FleetState, iid: int) -> list[str]:
+    return [e["kind"] for e in st.events(instance_id=iid)]
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections and never answers (the kernel completes the handshake; nobody reads)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    yield int(s.getsockname()[1])
+    s.close()
+
+
+def _clouds_yaml(path: Path, auth_url: str, **extra: Any) -> Path:
+    auth = {"auth_url": auth_url, "username": "u", "password": "p", "project_name": "p",
+            "user_domain_name": "Default", "project_domain_name": "Default"}  # fmt: skip
+    path.write_text(yaml.safe_dump({"clouds": {"c": {"auth": auth, "region_name": "RegionOne", **extra}}}))
+    return path
+
+
+def _env(tmp_path: Path, dsn: str, clouds: Path) -> dict[str, str]:
+    key = generate()
+    write_keypair(key, tmp_path / "notice.key", tmp_path / "notice.pub")
+    relay = f"nats://127.0.0.1:{free_port()}"  # nobody listens: the notices go through the metadata only
+    return {**os.environ, "OS_CLIENT_CONFIG_FILE": str(clouds), "SCO_DB_DSN": dsn,
+            "SCO_NOTICE_KEY": str(tmp_path / "notice.key"), "SCO_NATS_URL": relay}  # fmt: skip
+
+
+# --- defect 15: what is folded, which windows are accepted ---------------------------------------------------
+
+
+def test_an_account_of_another_notice_is_recorded_but_not_taken_as_the_outcome(fleet_dsn: str) -> None:
+    """An agent event about another notice id (an earlier reclaim of a reused name, a replay) on the node's own
+    subject is kept in the record, but the instance's state follows only the notice it is under."""
+    with FleetState(fleet_dsn) as st:
+        (a,) = _under_reclaim(st, "local", ["a"], window=60)
+        r = Reclaimer(None, st, "nats://127.0.0.1:1", signing_keys=[generate()])
+        other = {"type": "drain.drained", "node": "a", "seq": 7, "at": 1.0, "notice": "reclaim-older"}
+        assert r.fold("local", other, "sco.events.local.a")  # recorded (not a duplicate)
+        assert st.instance(a.id).state == "notified"
+        assert "agent.drain.drained" in kinds(st, a.id)
+        unnamed = {"type": "drain.overrun", "node": "a", "seq": 8, "at": 2.0}  # no notice at all
+        r.fold("local", unnamed, "sco.events.local.a")
+        assert st.instance(a.id).state == "notified"
+        mine = {"type": "drain.drained", "node": "a", "seq": 9, "at": 3.0, "notice": "r-a"}
+        assert r.fold("local", mine, "sco.events.local.a")
+        assert st.instance(a.id).state == "drained"
+
+
+def test_a_window_the_halls_drains_cannot_fit_is_refused() -> None:
+    from sco.provider.reclaimer import drain_floor, window_problem
+
+    policy = {"noticeWindowSeconds": 120, "safetyMarginSeconds": 10}
+    contracts = {
+        "web": {"name": "web", "drainBudgetSeconds": 30, "finalWriteSeconds": 5},
+        "etl": {"name": "etl", "drainBudgetSeconds": 90, "finalWriteSeconds": 15},
+    }
+    floor = drain_floor(policy, contracts)
+    assert floor is not None and (floor.seconds, floor.contract) == (115, "etl")
+    assert window_problem("window", 120, floor) is None
+    msg = window_problem("window", 60, floor)
+    assert msg is not None and "etl" in msg and "115 s" in msg
+    for w in (0.001, 1, 2.9):  # no drain possible at all, whatever the contracts
+        assert window_problem("--window", w) is not None
+    with pytest.raises(Exception, match="leaves no time to drain"):
+        Reclaimer(None, None, "nats://x", window_s=0.001, signing_keys=[generate()])  # type: ignore[arg-type]
+
+
+def test_sco_reclaim_refuses_a_window_of_a_millisecond(tmp_path: Path, fleet_dsn: str) -> None:
+    env = _env(tmp_path, fleet_dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
+    with FleetState(fleet_dsn) as st:
+        inst = _active(st, "w", "w-0", "srv-w")
+        out = subprocess.run([*SCO, "reclaim", "--hall", "w", "--os-cloud", "c", "--window", "0.001", "w-0"],
+                             env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 5, out.stderr
+        assert "--window: 0.001 s leaves no time to drain" in out.stderr
+        assert st.instance(inst.id).state == "active"  # nothing noticed
+
+
+# --- defect 13: deadlines on OpenStack calls and on the hall's lock -----------------------------------------
+
+
+def test_connections_get_a_deadline_unless_the_cloud_sets_one(tmp_path: Path, monkeypatch: Any) -> None:
+    from sco.provider.cloud import API_TIMEOUT_S, connect
+
+    monkeypatch.setenv("OS_CLIENT_CONFIG_FILE", str(_clouds_yaml(tmp_path / "a.yaml", "http://127.0.0.1:1/v3")))
+    assert float(connect(cloud="c").config.config["api_timeout"]) == API_TIMEOUT_S
+    monkeypatch.setenv(
+        "OS_CLIENT_CONFIG_FILE", str(_clouds_yaml(tmp_path / "b.yaml", "http://127.0.0.1:1/v3", api_timeout=7))
+    )
+    assert float(connect(cloud="c").config.config["api_timeout"]) == 7
+    assert float(connect(cloud="c", api_timeout=3).config.config["api_timeout"]) == 3
+
+
+def test_a_silent_keystone_costs_failed_attempts_not_a_hung_reclaim(
+    tmp_path: Path, fleet_dsn: str, silent_port: int
+) -> None:
+    """Keystone accepts the connection and never answers (no api_timeout in the cloud's settings): the notice's
+    metadata write and every delete fail on their deadline, and the run ends with exit 9 naming the instance,
+    the hall's lock released."""
+    env = _env(tmp_path, fleet_dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{silent_port}/v3"))
+    with FleetState(fleet_dsn) as st:
+        inst = _active(st, "silent", "silent-0", "srv-silent")
+        # (a hung run would meet the subprocess timeout: the run ends after T + the retry budget + one deadline)
+        out = subprocess.run(
+            [*SCO, "reclaim", "--hall", "silent", "--os-cloud", "c", "--window", "3", "--retry-for", "2",
+             "--call-timeout", "2", "silent-0"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 9, out.stdout + out.stderr
+        assert "silent-0" in out.stderr and "did not answer" in out.stderr and "Traceback" not in out.stderr
+        k = kinds(st, inst.id)
+        assert "notice.metadata_failed" in k and "delete.failed" in k and k[-1] == "delete.pending"
+        assert st.instance(inst.id).state == "notified"  # still under reclaim: the next run deletes it
+        with st.writer("silent"):  # the lock went with the run
+            pass
+
+
+HOLDER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from sco.state.db import hall_lock
+    from sco.state.fleet import FleetState
+    st = FleetState(sys.argv[1])
+    with hall_lock(st.conn, "hung", idle_timeout_s=float(sys.argv[2])):
+        print("locked", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # a run that hangs (until the test lets it go on)
+        try:
+            st.event("hung", "woke.and.wrote")
+            print("wrote", flush=True)
+        except Exception as e:
+            print("cannot write:", type(e).__name__, flush=True)
+    """
+)
+
+
+def test_the_hall_lock_does_not_outlive_a_hung_or_killed_run(fleet_dsn: str) -> None:
+    from sco.state.db import HallBusy
+
+    def holder() -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, "-c", HOLDER, fleet_dsn, "2"], stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdout.readline().strip() == "locked"
+        return p
+
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool("hung", "spot", flavor="f", image="i"))
+        hung = holder()
+        try:
+            stat = Path(f"/proc/{hung.pid}/stat")
+            wait_for(lambda: stat.read_text().split()[2] == "T", 10, "the holder stopped")
+            with pytest.raises(HallBusy), st.writer("hung"):
+                pass
+            with st.writer("hung", wait_s=30):  # PostgreSQL ended the silent session (2 s), lock and all
+                pass
+            # the hung run wakes up: it lost its session, so it cannot write beside its successor
+            os.kill(hung.pid, signal.SIGCONT)
+            assert hung.stdout is not None
+            assert hung.stdout.readline().startswith("cannot write:")
+            assert hung.wait(10) == 0
+            assert "woke.and.wrote" not in [e["kind"] for e in st.events(hall="hung")]
+        finally:
+            if hung.poll() is None:
+                os.kill(hung.pid, signal.SIGCONT)
+                hung.kill()
+        killed = holder()
+        try:
+            killed.kill()
+            killed.wait(10)
+            with st.writer("hung", wait_s=5):  # a dead run's lock goes with its connection
+                pass
+        finally:
+            if killed.poll() is None:
+                killed.kill()
+
+
+# --- defect 15: PostgreSQL restarted mid-run --------------------------------------------------------------------
+
+
+def test_postgresql_restarted_mid_reclaim_exits_11_without_a_traceback(tmp_path: Path) -> None:
+    from sco.state.db import connect, migrate
+    from sco.state.embedded import EmbeddedPostgres
+
+    pg = EmbeddedPostgres().start()
+    try:
+        pg.create_database("fleet")
+        dsn = pg.dsn("fleet")
+        with connect(dsn) as c:
+            migrate(c)
+        with FleetState(dsn) as st:
+            _active(st, "pgr", "pgr-0", "srv-pgr")
+        # OpenStack refused at once (nobody listens): the run waits for T, talking to the fleet state
+        env = _env(tmp_path, dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
+        proc = subprocess.Popen(
+            [*SCO, "reclaim", "--hall", "pgr", "--os-cloud", "c", "--window", "8", "pgr-0"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "pgr-0: notice reclaim-" in line, line + (proc.stderr.read() if proc.stderr else "")
+        pg.stop()
+        pg.start()
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 11, out + err
+        assert "Traceback" not in err
+        assert "the fleet state went away mid-reclaim" in err and "run again" in err
+        with FleetState(dsn) as st:  # T was recorded first: the next run still deletes at T
+            (inst,) = st.instances("pgr")
+            assert inst.state == "notified" and inst.terminate_at is not None
+    finally:
+        pg.destroy()
+
+
+# --- defect 14 and 13 against the real OpenStack ---------------------------------------------------------------
+
+
+@pytest.fixture
+def cloud(openstack_cloud):  # type: ignore[no-untyped-def]
+    conn = openstack_cloud.connect()
+    yield conn
+    conn.close()
+
+
+def _member(openstack_cloud: Any, cloud: Any, tmp_path: Path) -> Path:
+    """A clouds.yaml entry for a user with only the member role in the admin project: Nova refuses it the delete
+    of a server an admin locked (409, "Instance ... is locked"), as it would refuse the reclaimer on a real cloud."""
+    ident = cloud.identity
+    name = f"reclaimer-{os.urandom(3).hex()}"
+    user = ident.create_user(name=name, password="sco-loopback", domain_id="default")
+    ident.assign_project_role_to_user(ident.find_project("admin"), user, ident.find_role("member"))
+    auth = {**openstack_cloud.cloud_config["auth"], "username": name}
+    path = tmp_path / "clouds.yaml"
+    path.write_text(yaml.safe_dump({"clouds": {"c": {**openstack_cloud.cloud_config, "auth": auth}}}))
+    return path
+
+
+@pytest.mark.slow
+def test_a_refused_delete_is_retried_with_backoff_exits_9_and_a_later_run_finishes(  # type: ignore[no-untyped-def]
+    openstack_cloud, cloud, fleet_dsn, tmp_path
+) -> None:
+    from sco.control.acquirer import Acquirer, PlanEntry
+
+    hall = "refused"
+    env = _env(tmp_path, fleet_dsn, _member(openstack_cloud, cloud, tmp_path))
+    sco = [*SCO, "reclaim", "--hall", hall, "--os-cloud", "c", "--call-timeout", "10"]
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        try:
+            Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "e1", 1))
+            (inst,) = st.instances(hall)
+            cloud.compute.lock_server(inst.server_id)
+
+            def failed() -> list[dict[str, Any]]:
+                return [e for e in st.events(instance_id=inst.id) if e["kind"] == "delete.failed"]
+
+            first = subprocess.run([*sco, "--window", "3", "--retry-for", "10", inst.name],
+                                   env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert first.returncode == 9, first.stdout + first.stderr
+            assert "is locked" in first.stderr and inst.name in first.stderr  # Nova's own words
+            tries = failed()
+            # backoff, not one DELETE every half second: ~10 s of retrying is a handful of attempts
+            assert 3 <= len(tries) <= 8, [e["detail"] for e in tries]
+            pauses = [e["detail"]["retry_in_s"] for e in tries]
+            assert pauses[-1] > 2 * pauses[0], pauses
+            gaps = [b["at"] - a["at"] for a, b in itertools.pairwise(tries)]
+            assert min(gaps) >= 0.2, gaps
+            assert st.instance(inst.id).state == "notified"
+            assert cloud.compute.get_server(inst.server_id).status == "ACTIVE"
+
+            # a later run, long past T: it deletes again at once (nothing is abandoned), and says so again
+            second = subprocess.run([*sco, "--retry-for", "1", inst.name],
+                                    env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert second.returncode == 9, second.stdout + second.stderr
+            assert len(failed()) > len(tries)
+
+            cloud.compute.unlock_server(inst.server_id)
+            third = subprocess.run([*sco, inst.name], env=env, capture_output=True, text=True, timeout=120)
+            assert third.returncode == 0, third.stdout + third.stderr
+            assert st.instance(inst.id).state == "deleted"
+            assert cloud.compute.find_server(inst.server_id, ignore_missing=True) is None
+            k = kinds(st, inst.id)
+            assert k.count("reclaim.scheduled") == 1 and k[-2:] == ["instance.delete_requested", "instance.deleted"]
+        finally:
+            for s in cloud.compute.servers(tags=f"sco-hall={hall}"):
+                cloud.compute.unlock_server(s.id)
+                cloud.compute.delete_server(s.id, ignore_missing=True)
+
+
+@pytest.mark.slow
+def test_a_silent_nova_never_hangs_the_reclaimer(openstack_cloud, cloud, fleet_dsn, silent_port) -> None:  # type: ignore[no-untyped-def]
+    """Keystone answers, Nova accepts and never answers: every call fails on its deadline, the run returns."""
+    import openstack
+
+    from sco.control.acquirer import Acquirer, PlanEntry
+
+    hall = "silentnova"
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        try:
+            Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "e1", 1))
+            (inst,) = st.instances(hall)
+            cfg = openstack_cloud.cloud_config
+            # no api_timeout: the reclaimer's own deadline on each call is what bounds it
+            mute = openstack.connect(
+                auth=cfg["auth"], region_name=cfg["region_name"], identity_api_version="3",
+                compute_endpoint_override=f"http://127.0.0.1:{silent_port}/v2.1",
+            )  # fmt: skip
+            r = Reclaimer(mute, st, "nats://127.0.0.1:1", window_s=3, signing_keys=[generate()], retry_for_s=2,
+                          call_timeout_s=2)  # fmt: skip
+
+            async def go() -> None:
+                try:
+                    await r.notify(hall, [inst.name])
+                    await asyncio.wait_for(r.run(hall, follow_events=False), 60)
+                finally:
+                    await r.close()
+
+            asyncio.run(go())  # (a hung run would meet wait_for's 60 s)
+            assert "did not answer" in r.unconfirmed[inst.id]
+            k = kinds(st, inst.id)
+            assert "notice.metadata_failed" in k and "delete.failed" in k and k[-1] == "delete.pending"
+            assert cloud.compute.get_server(inst.server_id).status == "ACTIVE"  # nothing was deleted behind it
+        finally:
+            for s in cloud.compute.servers(tags=f"sco-hall={hall}"):
+                cloud.compute.delete_server(s.id, ignore_missing=True)
+
+
+def test_the_reclaim_step_fails_with_the_clouds_words_while_an_instance_is_not_gone(  # type: ignore[no-untyped-def]
+    tmp_path: Path, fleet_dsn: str, silent_port: int, nats_server
+) -> None:
+    """The collection's reclaim module runs this step; a ScoError becomes fail_json(msg=...) with its message."""
+    from sco.control import loop
+    from sco.control.record import PgFleetStore
+    from sco.provider.reclaimer import ReclaimIncomplete
+
+    key = generate()
+    write_keypair(key, tmp_path / "notice.key", tmp_path / "notice.pub")
+    auth = {"auth_url": f"http://127.0.0.1:{silent_port}/v3", "username": "u", "password": "p", "project_name": "p",
+            "user_domain_name": "Default", "project_domain_name": "Default"}  # fmt: skip
+    with FleetState(fleet_dsn) as st:
+        inst = _active(st, "step", "step-0", "srv-step")
+    params = {"hall": "step", "nodes": ["step-0"], "window": 3, "retry_for": 1, "cloud": {"auth": auth,
+              "api_timeout": 2}, "nats_url": nats_server.url, "notice_keys": [str(tmp_path / "notice.key")],
+              "state_dsn": fleet_dsn}  # fmt: skip
+    with PgFleetStore(fleet_dsn) as store, pytest.raises(ReclaimIncomplete) as e:
+        loop.step_reclaim(params, False, store)
+    assert e.value.exit_code == 9
+    assert str(e.value).startswith("hall step: 1 instance(s) not confirmed gone from Nova")
+    assert "step-0" in str(e.value) and "timed out" in str(e.value)  # keystoneauth's own words
+    with FleetState(fleet_dsn) as st:
+        assert st.instance(inst.id).state == "notified"

@@ -1,0 +1,250 @@
+"""The checkpoint store (a real one-node Ceph RGW) and the PyTorch DCP workload against it, without a scheduler:
+per-contract users scoped to their prefix, an interrupted run resumed bitwise from the newest complete checkpoint
+(never from an interrupted save), retention of the last K, the contract's checkpoint size against the hall's
+store throughput, and lost work as figures on the checkpoint socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sco.contract.compiler import compile_repo
+from sco.errors import ContractError
+from sco.provider.checkpoint_store import ContractStore, StoreAdmin, stores_of
+from sco_devkit.devcluster.ceph import CephCluster
+from tests.conftest import WriteFn, contract_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--inputs", "32", "--hidden", "64", "--batch", "16", "--threads", "1"]
+
+
+def provision(ceph: CephCluster, contract: str, prefix: str = "runs/", keep: int = 2) -> dict[str, Any]:
+    return StoreAdmin(ceph.endpoint, ceph.access_key, ceph.secret_key).ensure(
+        ContractStore(contract, f"sco-ckpt-{contract}", prefix, keep)
+    )
+
+
+def workload_env(ceph: CephCluster, creds: dict[str, Any]) -> dict[str, str]:
+    return {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": creds["access_key"],
+        "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
+        "AWS_ENDPOINT_URL": ceph.endpoint,
+        "PYTHONPATH": str(ROOT / "src"),
+    }
+
+
+def reference(steps: int, *extra: str) -> dict[str, Any]:
+    from sco_workloads.dcp_train import parse, uninterrupted
+
+    return uninterrupted(parse(["--run", "ref", "--store", "/nonexistent", "--steps", str(steps), *extra]))
+
+
+def assert_bitwise(out: Path, ref: dict[str, Any]) -> None:
+    import torch
+
+    got = torch.load(out)
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), f"{k}: max abs diff {(got[k] - v).abs().max().item()}"
+
+
+def lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_store_user_is_scoped_to_its_contract_prefix(ceph: CephCluster) -> None:
+    from botocore.exceptions import ClientError
+
+    admin = StoreAdmin(ceph.endpoint, ceph.access_key, ceph.secret_key)
+    store = ContractStore("scoped-a", "sco-ckpt-scoped-a", "runs/", 2)
+    first = admin.ensure(store)
+    assert first["changed"] == ["user", "bucket", "policy", "lifecycle"] and first["access_key"]
+    again = admin.ensure(store)
+    assert again["changed"] == [] and again["access_key"] == first["access_key"]  # idempotent
+    other = admin.ensure(ContractStore("scoped-b", "sco-ckpt-scoped-b", "runs/", 2))
+    s3 = ceph.s3(first["access_key"], first["secret_key"])
+    s3.put_object(Bucket=store.bucket, Key="runs/x/obj", Body=b"ok")
+    assert s3.get_object(Bucket=store.bucket, Key="runs/x/obj")["Body"].read() == b"ok"
+    assert [o["Key"] for o in s3.list_objects_v2(Bucket=store.bucket, Prefix="runs/")["Contents"]] == ["runs/x/obj"]
+    ceph.s3().put_object(Bucket=store.bucket, Key="elsewhere/admin", Body=b"admin's")
+    denied = [
+        lambda: s3.put_object(Bucket=store.bucket, Key="elsewhere/obj", Body=b"no"),
+        lambda: s3.get_object(Bucket=store.bucket, Key="elsewhere/admin"),
+        lambda: s3.delete_object(Bucket=store.bucket, Key="elsewhere/admin"),
+        lambda: s3.list_objects_v2(Bucket=other["bucket"], Prefix="runs/"),
+        lambda: s3.put_object(Bucket=other["bucket"], Key="runs/x/obj", Body=b"no"),
+        lambda: s3.get_bucket_policy(Bucket=store.bucket),
+    ]
+    multi = s3.delete_objects(
+        Bucket=store.bucket, Delete={"Objects": [{"Key": "elsewhere/admin"}, {"Key": "runs/x/obj"}]}
+    )
+    assert [e["Key"] for e in multi["Errors"]] == ["elsewhere/admin"] and multi["Errors"][0]["Code"] == "AccessDenied"
+    assert [d["Key"] for d in multi["Deleted"]] == ["runs/x/obj"]
+    for call in denied:
+        with pytest.raises(ClientError) as e:
+            call()
+        assert e.value.response["Error"]["Code"] == "AccessDenied"
+    lc = ceph.s3().get_bucket_lifecycle_configuration(Bucket=store.bucket)["Rules"][0]
+    assert lc["Filter"] == {"Prefix": "runs/"} and lc["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == 1
+
+
+def test_check_mode_changes_nothing(ceph: CephCluster) -> None:
+    admin = StoreAdmin(ceph.endpoint, ceph.access_key, ceph.secret_key)
+    store = ContractStore("dry-run", "sco-ckpt-dry-run", "runs/", 2)
+    assert admin.ensure(store, check_mode=True)["changed"] == ["user", "bucket", "policy", "lifecycle"]
+    assert admin.user(store.uid) is None
+    assert "sco-ckpt-dry-run" not in [b["Name"] for b in ceph.s3().list_buckets()["Buckets"]]
+
+
+def test_killed_run_resumes_bitwise_from_the_newest_complete_checkpoint(ceph: CephCluster, tmp_path: Path) -> None:
+    """Killed (-9) after its checkpoint at step 10, with an interrupted save planted just after its last one
+    (data, no .metadata): the next attempt resumes from that last complete one, counts the steps redone, ends
+    bitwise equal to a straight run, and keeps only the last 2 complete checkpoints."""
+    creds = provision(ceph, "dcp-resume")
+    env = workload_env(ceph, creds)
+    store = f"s3://{creds['bucket']}/runs/"
+    argv = [sys.executable, "-m", "sco_workloads.dcp_train", "--run", "r1", "--store", store, "--steps", "20",
+            "--every", "5", "--keep", "2", "--step-seconds", "0.05", *SMALL,
+            "--out", str(tmp_path / "final.pt")]  # fmt: skip
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    assert p.stdout is not None
+    seen = []
+    for line in p.stdout:
+        seen.append(json.loads(line))
+        if seen[-1]["kind"] == "checkpoint" and seen[-1]["step"] == 10:
+            break
+    time.sleep(0.1)  # a step or two past the checkpoint, then the node dies
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    s3 = ceph.s3(creds["access_key"], creds["secret_key"])
+    progress = json.loads(s3.get_object(Bucket=creds["bucket"], Key="runs/r1/progress")["Body"].read())["step"]
+    listed = [o["Key"] for o in s3.list_objects_v2(Bucket=creds["bucket"], Prefix="runs/r1/")["Contents"]]
+    last = max(int(k.split("/")[2].removeprefix("step-")) for k in listed if k.endswith("/.metadata"))
+    assert last >= 10 and progress >= last
+    # an interrupted save just after it, the newest checkpoint directory: a data file, no .metadata
+    data = next(k for k in listed if k.startswith(f"runs/r1/step-{last:08d}/") and k.endswith(".distcp"))
+    s3.copy_object(Bucket=creds["bucket"], Key=f"runs/r1/step-{last + 1:08d}/__0_0.distcp",
+                   CopySource={"Bucket": creds["bucket"], "Key": data})  # fmt: skip
+    second = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = lines(second.stdout)
+    resumed = next(m for m in out if m["kind"] == "resumed")
+    assert resumed["from_step"] == last and resumed["steps_redone"] == progress - last
+    assert_bitwise(tmp_path / "final.pt", reference(20, *SMALL))
+    keys = {o["Key"].split("/")[2] for o in s3.list_objects_v2(Bucket=creds["bucket"], Prefix="runs/r1/")["Contents"]}
+    assert keys == {"progress", "step-00000015", "step-00000020"}  # the last 2; the interrupted save is gone
+
+
+def _server_and_client(sock: Path, report: dict[str, Any] | None, resume: dict[str, Any] | None) -> Any:
+    from sco.agent.checkpoint import CheckpointServer
+    from sco.agent.deadline import Deadline
+    from sco.workload.checkpoint_client import CheckpointClient
+
+    async def main() -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        srv = CheckpointServer(sock, budget_for={"train": 6.0}.get, on_event=lambda t, **f: events.append((t, f)))
+        await srv.start()
+        c = CheckpointClient("trainer", contract="train", path=str(sock), on_notice=lambda n: report, resume=resume)
+        await asyncio.to_thread(c.connect)
+        t0 = time.time()
+        srv.start_notice("n-1", Deadline(t0 + 20, 2, t0))
+        await srv.wait_settled(until=t0 + 5)
+        c.close()
+        out = srv.lost_work()
+        await srv.close()
+        return out, events
+
+    return asyncio.run(main())
+
+
+def test_lost_work_figures_on_the_socket() -> None:
+    with tempfile.TemporaryDirectory(prefix="sco-ck-") as d:
+        lost, events = _server_and_client(
+            Path(d) / "s.sock", {"checkpointed": True, "save_s": 0.8, "step": 40}, {"from_step": 30, "steps_redone": 3}
+        )
+    (w,) = lost
+    assert w["checkpointed"] is True and w["save_s"] == 0.8 and w["save_within_budget"] is True
+    assert w["budget_s"] == pytest.approx(6.0, abs=0.05) and w["step"] == 40
+    assert w["resumed_from_step"] == 30 and w["steps_redone"] == 3
+    assert dict(events)["checkpoint.registered"]["resume"] == {"from_step": 30, "steps_redone": 3}
+    assert dict(events)["checkpoint.done"]["report"]["save_s"] == 0.8
+
+
+def test_a_bad_report_is_refused_with_what_was_wrong() -> None:
+    from sco.agent.checkpoint import _REPORT_KEYS, ProtocolError, _figures
+
+    for bad, msg in (
+        ({"report": {"save_s": -1}}, "report.save_s: expected a non-negative number"),
+        ({"report": {"save_s": float("nan")}}, "report.save_s"),
+        ({"report": {"colour": 1}}, "report.colour: unknown field"),
+        ({"report": {"checkpointed": 1}}, "report.checkpointed: expected a boolean"),
+        ({"report": [1]}, "report: expected an object"),
+    ):
+        with pytest.raises(ProtocolError, match=msg.replace(".", r"\.")):
+            _figures(bad, "report", _REPORT_KEYS)
+
+
+HALL_STORE = "  checkpointStore: {endpoint: 'http://rgw.hall:7480', throughputMiBPerSecond: 80}\n"
+
+
+def test_compiler_refuses_a_budget_that_cannot_fit_the_save(repo: Path, write: WriteFn) -> None:
+    hall = (repo / "hall.yaml").read_text()
+    store = "{mode: signal, store: {prefix: runs/, sizeMiB: 1024, keep: 3}}"
+    write("contracts/train.yaml", contract_yaml("train", drainBudgetSeconds="10", checkpoint=store))
+    with pytest.raises(ContractError) as e:
+        compile_repo(repo)
+    assert "contracts/train.yaml: spec.checkpoint.store.sizeMiB: a 1024 MiB checkpoint cannot be checked" in "\n".join(
+        e.value.lines()
+    )
+    (repo / "hall.yaml").write_text(hall.replace("spec:\n", "spec:\n" + HALL_STORE, 1))
+    with pytest.raises(ContractError) as e:
+        compile_repo(repo)
+    (line,) = [x for x in e.value.lines() if "sizeMiB" in x]
+    assert line == (
+        "contracts/train.yaml: spec.checkpoint.store.sizeMiB: a 1024 MiB checkpoint takes 12.8 s at the hall's"
+        " measured store throughput of 80 MiB/s, more than the drain budget of 10 s (drainBudgetSeconds): raise"
+        " the budget to at least 13 s or make the checkpoint smaller than 800 MiB"
+    )
+    write("contracts/train.yaml", contract_yaml("train", drainBudgetSeconds="13", checkpoint=store))
+    payload = compile_repo(repo)
+    assert payload["policy"]["checkpointStore"]["throughputMiBPerSecond"] == 80
+    (st,) = stores_of({c["name"]: c for c in payload["contracts"]})
+    assert (st.bucket, st.prefix, st.keep) == ("sco-ckpt-train", "runs/", 3)
+    for bad in ("/abs/", "a/../b/", "no-slash"):
+        bad_store = f"{{mode: signal, store: {{prefix: '{bad}', sizeMiB: 1}}}}"
+        write("contracts/train.yaml", contract_yaml("train", checkpoint=bad_store))
+        with pytest.raises(ContractError) as e:
+            compile_repo(repo)
+        assert any("contracts/train.yaml: spec.checkpoint.store.prefix: " in x for x in e.value.lines()), bad
+
+
+def test_a_hall_without_a_store_keeps_its_bundle_bytes(repo: Path) -> None:
+    assert "checkpointStore" not in compile_repo(repo)["policy"]
+
+
+def test_workload_refuses_bad_arguments() -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "sco_workloads.dcp_train", "--run", "x", "--store", "/tmp/x", "--every", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert p.returncode == 2 and "--every: must be a positive integer, got 0" in p.stderr
+
+
+def test_workload_package_imports_only_the_client_library() -> None:
+    """Checked by import-linter too; here the running module's own imports of sco."""
+    code = "import sys, sco_workloads.dcp_train; print(sorted(m for m in sys.modules if m.startswith('sco.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert json.loads(out.stdout.replace("'", '"')) == ["sco.workload", "sco.workload.checkpoint_client"]
