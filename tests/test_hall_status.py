@@ -4,6 +4,7 @@ fleet-state code (FleetState, the control loop's PgFleetStore): what the on-call
 from __future__ import annotations
 
 import json
+import re
 from decimal import Decimal
 
 import pytest
@@ -123,7 +124,7 @@ def test_status_json_has_reclaim_overrun_runs_unavailable_and_silent_agent(
     assert set(under) == {"gpu-a-0", "gpu-a-1", "gpu-a-2"}
     r0 = under["gpu-a-0"]
     assert r0["state"] == "draining" and r0["notice"] == "reclaim-under-way"
-    assert 590 < r0["seconds_to_t"] <= 600 and r0["terminate_at"].endswith("Z")
+    assert 480 < r0["seconds_to_t"] <= 600 and r0["terminate_at"].endswith("Z")  # (a slow machine: not 600)
 
     assert [(o["instance"], o["notice"]) for o in st["overruns"]] == [("gpu-a-2", "reclaim-overrun")]
     assert st["overruns"][0]["reasons"] == ["job 4242: steps still on the node"]
@@ -147,7 +148,7 @@ def test_status_text_shows_time_to_t_overrun_reason_and_silent_agent(
     assert main(["hall", "status", "--dsn", fleet_dsn, "--hall", HALL]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "gpu-a-0" in x)
-    assert "reclaim-under-way" in line and "in 10m" in line
+    assert "reclaim-under-way" in line and re.search(r"\bin (8|9|10)m$", line), line
     assert "job 4242: steps still on the node" in out and "reclaim-overrun" in out
     silent = out.split("instances silent for 15m or more: 1", 1)[1]
     assert "gpu-a-3" in silent and "gpu-a-4" not in silent
@@ -166,6 +167,7 @@ def test_report_counts_outcomes_and_drain_percentiles(
 ) -> None:
     assert main(["hall", "report", "--since", "7d", "--json", "--dsn", fleet_dsn]) == 0
     rp = json.loads(capsys.readouterr().out)
+    assert set(rp) == {"hall", "since", "until", "reclaims", "total", "instance_hours", "on_demand"}
     a = rp["reclaims"]["gpu-a"]
     # gpu-a-0 is still draining: a reclaim without an outcome yet
     assert (a["reclaims"], a["drained"], a["overrun"], a["error"], a["no_outcome"]) == (3, 1, 1, 0, 1)

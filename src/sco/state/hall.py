@@ -34,7 +34,9 @@ def parse_duration(what: str, text: str) -> float:
     """Seconds of ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` (ConfigError naming ``what`` otherwise)."""
     m = _DURATION.match(text or "")
     if not m or float(m.group(1)) <= 0:
-        raise ConfigError(f"{what}: expected a duration such as 90s, 15m, 12h, 7d or 2w, got {text!r}")
+        raise ConfigError(
+            f"{what}: expected a duration above 0 such as 90s, 15m, 12h, 7d or 2w, got {str(text)[:80]!r}"
+        )
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
@@ -46,7 +48,7 @@ def parse_since(text: str, now: datetime) -> datetime:
         t = datetime.fromisoformat(text.strip())
     except (ValueError, AttributeError):
         raise ConfigError(
-            f"--since: expected an ISO 8601 time (2026-11-24T00:00:00Z) or a duration (7d, 12h), got {text!r}"
+            f"--since: expected an ISO 8601 time (2026-11-24T00:00:00Z) or a duration (7d, 12h), got {str(text)[:80]!r}"
         ) from None
     t = t if t.tzinfo is not None else t.replace(tzinfo=UTC)
     if t > now:
