@@ -53,6 +53,27 @@ LEFT_STATES = {
 }
 
 
+# slurmctld keeps a node's reason whole (22.05 was checked with 5000 characters), but slurmdbd records every
+# DRAIN in its event table's `reason` column, a MySQL TINYTEXT: 255 bytes. Kept within that, the accounting
+# record names the same notice and T as `scontrol show node`.
+SLURM_REASON_MAX_BYTES = 255
+_TRUNCATED = "..."
+
+
+def drain_reason(notice_id: str, terminate_at: float) -> str:
+    """The DRAIN reason: the notice and T (ISO 8601 UTC, whole seconds, rounded down so never later than T).
+
+    At most SLURM_REASON_MAX_BYTES of UTF-8: a notice id too long for it (ids may be 128 printable characters,
+    not all ASCII) is cut, never T. It starts and ends with a letter or digit, so scontrol strips no quote."""
+    gone = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(terminate_at))
+    head, tail = "sco reclaim ", f": instance gone at {gone}"
+    room = SLURM_REASON_MAX_BYTES - len(head.encode()) - len(tail.encode())
+    raw = notice_id.encode()
+    if len(raw) > room:
+        notice_id = raw[: room - len(_TRUNCATED)].decode("utf-8", "ignore") + _TRUNCATED
+    return f"{head}{notice_id}{tail}"
+
+
 def _sig(name: str) -> signal.Signals:
     return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
 
@@ -135,8 +156,7 @@ class SlurmDrain:
 
     @property
     def reason(self) -> str:
-        gone = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.notice.terminate_at))
-        return f"sco reclaim {self.notice.id}: instance gone at {gone}"
+        return drain_reason(self.notice.id, self.notice.terminate_at)
 
     def _budget_end(self, js: JobState) -> float:
         return self.deadline.budget_end(js.drain_s)

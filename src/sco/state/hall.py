@@ -1,0 +1,298 @@
+"""What the fleet state says of one hall, read-only: ``sco hall status`` and ``sco hall report``.
+
+Every time is PostgreSQL's (``clock_timestamp()``), the clock the records were written with, so ages and
+seconds to T do not depend on the reader's clock. Results are plain dicts of JSON types with stable keys (the
+``--json`` output; docs/RUNBOOK.md lists them); times are ISO 8601 UTC strings.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sco.errors import ConfigError
+from sco.state.fleet import LIVE, RECLAIMING
+
+# States in which a node's agent runs and should be heard from (a drained/overrun node has said its last word).
+AGENT_STATES = ("active", "notified", "draining")
+# The agent's drain outcomes as the reclaimer folds them into lifecycle_event (kind "agent." + the agent's type).
+OUTCOMES = {"agent.drain.drained": "drained", "agent.drain.overrun": "overrun", "agent.drain.error": "error"}
+# Instances that no longer hold capacity: their lifetime ended at their last update.
+ENDED = ("deleted", "failed", "lost")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def iso(ts: datetime | None) -> str | None:
+    return None if ts is None else ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_duration(what: str, text: str) -> float:
+    """Seconds of ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` (ConfigError naming ``what`` otherwise)."""
+    m = _DURATION.match(text or "")
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(
+            f"{what}: expected a duration above 0 such as 90s, 15m, 12h, 7d or 2w, got {str(text)[:80]!r}"
+        )
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def parse_since(text: str, now: datetime) -> datetime:
+    """``--since``: a duration back from ``now`` (``7d``) or an ISO 8601 time (no zone: UTC)."""
+    if _DURATION.match(text or ""):
+        return now - timedelta(seconds=parse_duration("--since", text))
+    try:
+        t = datetime.fromisoformat(text.strip())
+    except (ValueError, AttributeError):
+        raise ConfigError(
+            f"--since: expected an ISO 8601 time (2026-11-24T00:00:00Z) or a duration (7d, 12h), got {str(text)[:80]!r}"
+        ) from None
+    t = t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+    if t > now:
+        raise ConfigError(f"--since: {iso(t)} is in the future (the fleet state's clock says {iso(now)})")
+    return t
+
+
+def db_now(conn: Any) -> datetime:
+    now: datetime = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+    return now
+
+
+def halls(conn: Any) -> list[str]:
+    return [str(r[0]) for r in conn.execute("SELECT name FROM hall ORDER BY name")]
+
+
+def resolve_hall(conn: Any, hall: str | None, where: str) -> str:
+    """The hall asked for, or the only one there is; ConfigError naming the halls the fleet state has."""
+    known = halls(conn)
+    listed = ", ".join(known) or "none"
+    if hall is None:
+        if len(known) == 1:
+            return known[0]
+        if not known:
+            raise ConfigError(f"fleet state at {where}: no hall recorded yet (no control-loop run or launch)")
+        raise ConfigError(f"fleet state at {where} has several halls ({listed}): give --hall NAME")
+    if hall not in known:
+        raise ConfigError(f"hall {hall!r}: no such hall in the fleet state at {where} (halls: {listed})")
+    return hall
+
+
+def _reasons(detail: dict[str, Any]) -> list[str]:
+    """An overrun's reasons as the agent gave them: Kubernetes drains list ``reasons``; Slurm drains list the
+    ``remaining`` jobs, each with why it is still there."""
+    given = detail.get("reasons")
+    if isinstance(given, list) and given:
+        return [str(r) for r in given]
+    out = []
+    for r in detail.get("remaining") or []:
+        if isinstance(r, dict):
+            what = next((f"{k} {r[k]}" for k in ("job", "pod") if k in r), "item")
+            out.append(f"{what}: {r.get('why', 'still there')}")
+    return out or ["(the agent gave no reason)"]
+
+
+def status(conn: Any, hall: str, *, stale_s: float, recent_s: float, runs: int = 5) -> dict[str, Any]:
+    """The hall now: pools and their instances, reclaims under way, recent overruns, the last control runs,
+    pools unavailable, and instances no one has heard of for ``stale_s``."""
+    now = db_now(conn)
+    counts: dict[str, dict[str, int]] = {}
+    for pool, state, n in conn.execute(
+        "SELECT pool, state, count(*) FROM instance WHERE hall = %s AND state = ANY(%s) GROUP BY pool, state"
+        " ORDER BY pool, state",
+        (hall, [*LIVE, "lost"]),
+    ):
+        counts.setdefault(pool, {})[state] = int(n)
+    pools = []
+    unavailable = []
+    for name, kind, flavor, az, platform, until, reason in conn.execute(
+        "SELECT name, kind, flavor, availability_zone, platform, unavailable_until, unavailable_reason FROM pool"
+        " WHERE hall = %s ORDER BY name",
+        (hall,),
+    ):
+        down = None
+        if until is not None and until > now:
+            down = {
+                "pool": name,
+                "reason": reason or "unavailable",
+                "until": iso(until),
+                "seconds_left": round((until - now).total_seconds(), 1),
+            }
+            unavailable.append(down)
+        pools.append(
+            {
+                "name": name,
+                "kind": kind,
+                "flavor": flavor,
+                "availability_zone": az,
+                "platform": platform,
+                "instances": counts.pop(name, {}),
+                "available": down is None,
+            }
+        )
+    reclaims = [
+        {
+            "instance": name,
+            "pool": pool,
+            "state": state,
+            "notice": reclaim_id,
+            "terminate_at": iso(t),
+            "seconds_to_t": None if t is None else round((t - now).total_seconds(), 1),
+        }
+        for name, pool, state, reclaim_id, t in conn.execute(
+            "SELECT name, pool, state, reclaim_id, terminate_at FROM instance WHERE hall = %s AND state = ANY(%s)"
+            " ORDER BY terminate_at NULLS LAST, name",
+            (hall, [*RECLAIMING, "deleting"]),
+        )
+    ]
+    overruns = [
+        {"at": iso(at), "instance": node or "", "pool": pool, "notice": notice, "reasons": _reasons(detail)}
+        for at, node, pool, notice, detail in conn.execute(
+            "SELECT at, detail ->> 'node', pool, detail ->> 'notice', detail FROM lifecycle_event"
+            " WHERE hall = %s AND kind = 'agent.drain.overrun' AND at >= %s ORDER BY at DESC, id DESC LIMIT 20",
+            (hall, now - timedelta(seconds=recent_s)),
+        )
+    ]
+    last_runs = [
+        {
+            "id": int(rid),
+            "started_at": iso(started),
+            "finished_at": iso(finished),
+            "status": st,
+            "duration_s": round(((finished or now) - started).total_seconds(), 1),
+        }
+        for rid, started, finished, st in conn.execute(
+            "SELECT id, started_at, finished_at, status FROM control_run WHERE hall = %s"
+            " ORDER BY started_at DESC, id DESC LIMIT %s",
+            (hall, runs),
+        )
+    ]
+    # The fleet state hears from an agent only through the events the reclaimer folds in (and the acquirer's own
+    # records of the instance): an instance nothing was recorded about for stale_s is one to look at.
+    stale = [
+        {
+            "instance": name,
+            "pool": pool,
+            "state": state,
+            "last_event": kind,
+            "last_event_at": iso(at or created),
+            "silent_s": round((now - (at or created)).total_seconds(), 1),
+        }
+        for name, pool, state, kind, at, created in conn.execute(
+            "SELECT i.name, i.pool, i.state, e.kind, e.at, i.created_at FROM instance i LEFT JOIN LATERAL ("
+            " SELECT kind, at FROM lifecycle_event WHERE instance_id = i.id ORDER BY at DESC, id DESC LIMIT 1) e"
+            " ON true WHERE i.hall = %s AND i.state = ANY(%s) AND coalesce(e.at, i.created_at) < %s"
+            " ORDER BY coalesce(e.at, i.created_at), i.name",
+            (hall, list(AGENT_STATES), now - timedelta(seconds=stale_s)),
+        )
+    ]
+    return {
+        "hall": hall,
+        "now": iso(now),
+        "stale_after_s": stale_s,
+        "recent_s": recent_s,
+        "pools": pools,
+        "reclaims": reclaims,
+        "overruns": overruns,
+        "runs": last_runs,
+        "unavailable_pools": unavailable,
+        "stale_agents": stale,
+    }
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (a value that occurred, never an interpolation); None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def _tally() -> dict[str, Any]:
+    return {"reclaims": 0, "drained": 0, "overrun": 0, "error": 0, "no_outcome": 0, "_drain": []}
+
+
+def _close(t: dict[str, Any]) -> dict[str, Any]:
+    d = t.pop("_drain")
+    t["drain_s"] = {"n": len(d), "p50": percentile(d, 50), "p99": percentile(d, 99)}
+    return t
+
+
+def report(conn: Any, hall: str, since: datetime) -> dict[str, Any]:
+    """The hall since ``since``: reclaims per pool with their outcomes and drain times, instance-hours per pool
+    and flavor, and the fallback arbiter's on-demand grants and refusals."""
+    now = db_now(conn)
+    per_pool: dict[str, dict[str, Any]] = {}
+    total = _tally()
+    # A reclaim is its reclaim.scheduled record (the notice, at T - window); its outcome the first drain outcome
+    # the agent reported for that notice. Drain time: notice recorded -> outcome recorded, both on one clock.
+    for pool, outcome, drain_s in conn.execute(
+        "SELECT s.pool, o.kind, extract(epoch FROM o.at - s.at) FROM lifecycle_event s"
+        " JOIN instance i ON i.id = s.instance_id"
+        " LEFT JOIN LATERAL (SELECT kind, at FROM lifecycle_event o WHERE o.instance_id = s.instance_id"
+        "  AND o.kind = ANY(%s) AND o.at >= s.at AND o.detail ->> 'notice' = i.reclaim_id ORDER BY o.at, o.id"
+        "  LIMIT 1) o ON true"
+        " WHERE s.hall = %s AND s.kind = 'reclaim.scheduled' AND s.detail ->> 'state' = 'notified'"
+        " AND s.at >= %s ORDER BY s.at",
+        (list(OUTCOMES), hall, since),
+    ):
+        for t in (per_pool.setdefault(pool or "", _tally()), total):
+            t["reclaims"] += 1
+            t[OUTCOMES.get(outcome, "no_outcome")] += 1
+            if outcome in ("agent.drain.drained", "agent.drain.overrun"):
+                t["_drain"].append(round(float(drain_s), 3))
+    # Capacity held: from the record's creation to its end (deleted, failed or lost: its last update), cut to
+    # the window. It counts the launch too, the time the cloud bills for.
+    hours = [
+        {"pool": pool, "kind": kind, "flavor": flavor, "instances": int(n), "instance_hours": round(float(h), 3)}
+        for pool, kind, flavor, n, h in conn.execute(
+            "SELECT i.pool, p.kind, p.flavor, count(*), sum(extract(epoch FROM"
+            "  least(CASE WHEN i.state = ANY(%s) THEN i.updated_at ELSE %s END, %s) - greatest(i.created_at, %s)"
+            " )) / 3600.0 FROM instance i JOIN pool p ON p.hall = i.hall AND p.name = i.pool"
+            " WHERE i.hall = %s AND i.created_at < %s"
+            " AND (NOT i.state = ANY(%s) OR i.updated_at > %s)"
+            " GROUP BY i.pool, p.kind, p.flavor ORDER BY i.pool",
+            (list(ENDED), now, now, since, hall, now, list(ENDED), since),
+        )
+    ]
+    grants = [
+        {
+            "contract": contract,
+            "pool": pool,
+            "grants": int(n),
+            "instances": int(inst),
+            "cost_per_hour_granted": str(cost),
+        }
+        for contract, pool, n, inst, cost in conn.execute(
+            "SELECT contract, pool, count(*), sum(instances), sum(cost_per_hour) FROM arbitration_record"
+            " WHERE hall = %s AND outcome = 'grant' AND created_at >= %s GROUP BY contract, pool"
+            " ORDER BY contract, pool",
+            (hall, since),
+        )
+    ]
+    refusals = {
+        str(contract): int(n)
+        for contract, n in conn.execute(
+            "SELECT contract, count(*) FROM arbitration_record WHERE hall = %s AND outcome = 'refuse'"
+            " AND created_at >= %s GROUP BY contract ORDER BY contract",
+            (hall, since),
+        )
+    }
+    return {
+        "hall": hall,
+        "since": iso(since),
+        "until": iso(now),
+        "reclaims": {pool: _close(t) for pool, t in sorted(per_pool.items())},
+        "total": _close(total),
+        "instance_hours": hours,
+        "on_demand": {
+            "grants": grants,
+            "refusals": refusals,
+            # Neither arbitration_record nor plan_record keeps a contract's tier or its spend authority
+            # (fallback.spendCapPerHour), and no record keeps a price per instance-hour: spend against authority
+            # cannot be told from the fleet state.
+            "spend_against_authority": None,
+        },
+    }
