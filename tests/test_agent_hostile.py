@@ -245,7 +245,7 @@ def test_agent_uses_its_own_nats_identity(tmp_path: Path, kube: KubeApiStandIn, 
 
         asyncio.run(reclaim())
         out = env.outcome(WINDOW)
-        assert out["type"] == "drain.drained"
+        assert out["type"] == "drain.drained", (out, env.logtext()[-4000:])
         events = wait_for(
             lambda: (e := asyncio.run(stream_events(admin))) and e[-1]["seq"] >= out["seq"] and e, 15, "events"
         )

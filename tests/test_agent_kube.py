@@ -46,7 +46,7 @@ def test_notice_over_nats_drains_inside_the_deadline(agent: AgentEnv, kube: Kube
     agent.start().wait_subscribed()
     t0 = agent.send(agent.notice("n-1", WINDOW))
     out = agent.outcome(WINDOW)
-    assert out["type"] == "drain.drained"
+    assert out["type"] == "drain.drained", (out, agent.logtext()[-4000:])
     assert out["at"] < t0 + WINDOW and out["deadline_in_s"] > 0
     assert out["pods"] == 4  # the DaemonSet pod is left to kubelet, the other node's pod untouched
     tainted = agent.of("node.tainted")[0]
@@ -230,7 +230,7 @@ def test_nats_outage_mid_drain_events_replayed_in_order(
     wait_for(lambda: agent.of("eviction.requested"), 5, "evictions")
     nats_server.stop()
     out = agent.outcome(WINDOW)
-    assert out["type"] == "drain.drained"
+    assert out["type"] == "drain.drained", (out, agent.logtext()[-4000:])
     nats_server.start()
     spooled = [e["seq"] for e in agent.events()]
 
@@ -375,7 +375,7 @@ def test_defect3_taint_value_is_a_label_value_and_the_id_an_annotation(agent: Ag
     agent.start().wait_subscribed()
     agent.send(agent.notice(nid, 10))
     out = agent.outcome(12)
-    assert out["type"] == "drain.drained"
+    assert out["type"] == "drain.drained", (out, agent.logtext()[-4000:])
     node = kube.cluster.nodes[agent.node]
     (taint,) = [t for t in node["spec"]["taints"] if t["key"] == "sco.dev/reclaim"]
     assert re.fullmatch(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", taint["value"]) and len(taint["value"]) <= 63
