@@ -366,6 +366,58 @@ def test_surplus_is_deleted_in_parallel_until_gone(openstack_cloud, cloud, fleet
     assert not tagged(cloud, "par")  # the acquirer returned once Nova no longer listed them
 
 
+def test_a_create_still_inside_nova_when_its_run_died_is_waited_for_not_failed(
+    openstack_cloud, cloud, fleet_dsn
+) -> None:  # type: ignore[no-untyped-def]
+    from sco.control.acquirer import Acquirer, PlanEntry
+    from sco.control.nova import TAG, Meter
+    from sco.control.reconcile import Reconciler
+    from sco.state.fleet import FleetState, Pool
+
+    flavor, image = openstack_cloud.flavors["sco.small"], openstack_cloud.image_id
+    entry = PlanEntry("flight", "spot", "e1", 1)
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool("flight", "spot", flavor=flavor, image=image))
+        # What a run killed between recording a create and Nova's answer leaves: a requested record, and the server
+        # nova-api creates moments later all the same (it finishes a request whose client went away).
+        rec = st.request("flight", "spot", "e1", 0, entry.name(0))
+
+        def late_create() -> None:
+            time.sleep(3)
+            conn = openstack_cloud.connect()
+            try:
+                conn.compute.create_server(
+                    name=entry.name(0), flavor_id=flavor, image_id=image, networks="none",
+                    tags=[*entry.tags(), TAG.format("slot", 0)],
+                )  # fmt: skip
+            finally:
+                conn.close()
+
+        t = threading.Thread(target=late_create)
+        t.start()
+        try:
+            with st.writer("flight"):
+                r = Reconciler(cloud, st, Meter(st)).hall("flight")
+            t.join()
+            assert [a["name"] for a in r.adopted] == [entry.name(0)] and not r.never_launched, r.to_dict()
+            (inst,) = st.instances("flight")
+            assert inst.id == rec.id and inst.state == "active" and inst.server_id in tagged(cloud, "flight")
+            out = Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(entry)
+            assert out.launched == 0 and len(tagged(cloud, "flight")) == 1
+            assert drift(cloud, fleet_dsn, "flight") == []
+            # past its window, a requested record with no server never reached Nova: failed, its slot free
+            late = st.request("flight", "spot", "e1", 1, entry.name(1))
+            with psycopg.connect(fleet_dsn) as c:
+                c.execute("UPDATE instance SET updated_at = now() - interval '2 minutes' WHERE id = %s", (late.id,))
+            with st.writer("flight"):
+                r = Reconciler(cloud, st, Meter(st)).hall("flight")
+            assert [x["name"] for x in r.never_launched] == [entry.name(1)], r.to_dict()
+            assert st.instance(late.id).state == "failed"
+        finally:
+            t.join()
+            cleanup(cloud, "flight")
+
+
 # --- launch parameters, the preflight, and what the modules say -------------------------------------------------------
 
 
@@ -381,21 +433,30 @@ def test_launch_parameters_reach_nova_and_anti_affinity_no_valid_host_is_told(  
         "networks": "none", "keyName": kp, "availabilityZone": "nova",
         "serverGroup": {"name": group, "policy": "anti-affinity"},
     }  # fmt: skip
-    hall.pods(2, cpu="1")  # two 1-unit instances; the loopback cloud has one compute host
+    # One launch first, then a second: two creates at once into an anti-affinity group race in Nova (each may pass
+    # the scheduler before the other has a host, and the compute host's late check then refuses one or both), so
+    # the refusal is made certain by launching the second once the first is ACTIVE.
+    hall.pods(1, cpu="1")
     try:
         out = hall.run()
         acq = out["acquire"]
         assert "failed" not in acq and "skipped" not in acq, acq  # no key Ansible reads as the task's status
-        assert acq["launched"] == 2 and acq["launch_failures"] == 1, acq
-        # the compute host refuses the second (the group's policy), and the retries find no other host
-        assert any("Exhausted all hosts" in e or "No valid host" in e for e in acq["errors"]), acq["errors"]
-        assert any("no launches for" in w and "no host" in w.lower() for w in acq["warnings"]), acq["warnings"]
-        assert acq["unavailable"] and acq["preflight"]["spot"]["flavor_id"] == openstack_cloud.flavors["sco.small"]
+        assert acq["launched"] == 1 and acq["launch_failures"] == 0, acq
         (srv,) = tagged(cloud, "params").values()
         assert srv.status == "ACTIVE" and srv.key_name == kp and srv.availability_zone == "nova"
         assert srv.image.id == openstack_cloud.image_id and srv.flavor.original_name == "sco.small"
         (g,) = [x for x in cloud.compute.server_groups() if x.name == group]
         assert srv.id in g.member_ids and (g.policy or g.policies[0]) == "anti-affinity"
+        # a second unit: the loopback cloud has one compute host, which holds the group's member already
+        hall.pods(1, cpu="1", start=1)
+        acq = hall.run()["acquire"]
+        assert acq["launched"] == 1 and acq["launch_failures"] == 1, acq
+        assert any("Exhausted all hosts" in e or "No valid host" in e for e in acq["errors"]), acq["errors"]
+        # the scheduler's filter refuses it (NoValidHost), or the compute host's late check after retries
+        said = [w.lower() for w in acq["warnings"] if "no launches for" in w]
+        assert any("no valid host" in w or "no host left" in w for w in said), acq["warnings"]
+        assert acq["unavailable"] and acq["preflight"]["spot"]["flavor_id"] == openstack_cloud.flavors["sco.small"]
+        assert list(tagged(cloud, "params")) == [srv.id]
         # the next run: the pool is unavailable for now (the plan sees it so): nothing launched into it
         again = hall.run()["acquire"]
         assert again["launched"] == 0 and len(tagged(cloud, "params")) == 1, again

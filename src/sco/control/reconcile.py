@@ -8,7 +8,10 @@ One tagged list call (``sco-hall=<hall>``) is compared with the hall's records:
   ``failed`` and the server deleted, with Nova's fault as the reason);
 * a record whose server Nova no longer lists is **lost** (why, when it was last listed, an ``instance.lost``
   event): deleted by an operator, or by Blazar's own preemption when a host lease starts. Lost is no capacity;
-* a ``requested`` record with no server that Nova does not have either never reached Nova: ``failed``;
+* a ``requested`` record with no server that Nova does not have either never reached Nova: ``failed``, once its
+  create window (``create_window_s`` from the record's write) is over. Inside it the create may still be in Nova's
+  API (a run killed mid-call: nova-api finishes the request), so the hall's reconciliation lists again until the
+  server shows or the window ends, and the record keeps its slot meanwhile (nothing is launched into it);
 * a record the product deleted whose server is still listed, a failed launch's server, or a second server in one
   slot is **surplus**: deleted, all at once, and waited for until Nova no longer lists it.
 
@@ -28,6 +31,9 @@ from sco.control.nova import Meter, delete_all, hall_servers, slot_of, tag_value
 from sco.state.fleet import LIVE, LOST, RECLAIMING, FleetState, Instance
 
 SETTLING = ("requested", "launching")
+# How long after a create was recorded its server may still appear: a killed run's POST finishes inside nova-api
+# (the loop's calls have a 10-30 s deadline; nova-api's own request handling is bounded by its workers' timeouts).
+CREATE_WINDOW_S = 60.0
 
 
 def _fault(server: Any) -> str:
@@ -102,9 +108,11 @@ class Reconciler:
         concurrency: int = 8,
         delete_timeout_s: float = 120.0,
         settle_timeout_s: float = 300.0,
+        create_window_s: float = CREATE_WINDOW_S,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.settle_timeout_s = settle_timeout_s
+        self.create_window_s = create_window_s
         self.cloud = cloud
         self.state = state
         self.meter = meter
@@ -116,6 +124,8 @@ class Reconciler:
         """Reconcile the whole hall (the loop's ``reconcile`` step). The caller holds the hall's writer lock."""
         calls0 = self.meter.calls
         servers = hall_servers(self.cloud, self.meter, hall)
+        if not check:
+            servers = self._await_in_flight(hall, servers)
         records = self.state.instances(hall, states=(*LIVE, LOST))
         out = self.apply(hall, servers, records, check=check)
         if not check:
@@ -124,6 +134,31 @@ class Reconciler:
         if not check:
             self.state.record_reconcile(hall, run_id, out.listed, out.drift, out.to_dict())
         return out
+
+    def _await_in_flight(self, hall: str, servers: list[Any]) -> list[Any]:
+        """Creates recorded but not answered (their run died mid-call) are listed again until their server shows
+        in its slot or their window ends, so this run settles them instead of failing a record whose server then
+        lands, and the plan counts them. One list call per poll, at ``next_poll``'s pace."""
+        window = self.state.in_flight(hall, self.create_window_s)
+        if not window:
+            return servers
+        recs = {r.id: (r.pool, r.plan_entry, r.slot) for r in self.state.instances(hall, states=("requested",))}
+        want = {iid: recs[iid] for iid in window if iid in recs}
+        started = time.monotonic()
+        got = [servers]
+
+        def poll() -> tuple[int, int]:
+            slots = {(tag_value(s, "pool"), tag_value(s, "entry"), slot_of(s)) for s in got[0]}
+            now = time.monotonic() - started
+            waiting = [i for i, slot in want.items() if slot not in slots and window[i] > now]
+            if waiting:
+                got[0] = hall_servers(self.cloud, self.meter, hall)
+                slots = {(tag_value(s, "pool"), tag_value(s, "entry"), slot_of(s)) for s in got[0]}
+                waiting = [i for i in waiting if want[i] not in slots]
+            return len(want) - len(waiting), len(want)
+
+        wait_until(poll, started=started, timeout_s=max(window.values()), sleep=self.sleep, cap=2.0)
+        return got[0]
 
     def _settle_builds(self, hall: str, out: Reconciliation) -> None:
         """Records still ``launching`` (their server building) are waited for, so the plan that follows counts
@@ -160,6 +195,9 @@ class Reconciler:
         # slot -> the record holding it (live, not lost): who owns a slot when a second server turns up in it
         holder = {(r.pool, r.plan_entry, r.slot): r for r in records if r.state in LIVE}
         delete: dict[str, dict[str, Any]] = {}
+        in_flight = st.in_flight(hall, self.create_window_s) if any(
+            r.state == "requested" and r.server_id is None for r in records
+        ) else {}  # fmt: skip
 
         for s in sorted(servers, key=lambda s: (s.created_at or "", s.id)):
             rec = by_sid.get(s.id)
@@ -225,7 +263,12 @@ class Reconciler:
             if r.state == LOST or (r.server_id and r.server_id in listed):
                 continue
             if r.server_id is None:
-                if r.state == "requested" and not any(
+                if r.id in in_flight:
+                    out.warnings.append(
+                        f"{r.name}: its create may still be inside Nova ({in_flight[r.id]:.0f} s of its window"
+                        " left): it keeps its slot, and a later run settles it"
+                    )
+                elif r.state == "requested" and not any(
                     a["pool"] == r.pool and a["entry"] == r.plan_entry and a["slot"] == r.slot for a in out.adopted
                 ):
                     out.never_launched.append({"name": r.name, "slot": r.slot})

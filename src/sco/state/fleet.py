@@ -158,6 +158,17 @@ class FleetState:
             args.append(names)
         return [_inst(r) for r in self.conn.execute(q + " ORDER BY pool, plan_entry, slot, id", args)]
 
+    def in_flight(self, hall: str, window_s: float) -> dict[int, float]:
+        """``requested`` records with no server written less than ``window_s`` ago (the database's clock): their
+        create may still be inside Nova's API (a run killed mid-call). {record id: seconds left of the window}."""
+        rows = self.conn.execute(
+            "SELECT id, %s - extract(epoch FROM clock_timestamp() - updated_at) FROM instance"
+            " WHERE hall = %s AND state = 'requested' AND server_id IS NULL"
+            " AND updated_at > clock_timestamp() - make_interval(secs => %s)",
+            (window_s, hall, window_s),
+        )
+        return {int(r[0]): max(0.0, float(r[1])) for r in rows}
+
     def instance(self, iid: int) -> Instance:
         return _inst(self.conn.execute(f"SELECT {_ICOLS} FROM instance WHERE id = %s", (iid,)).fetchone())
 
