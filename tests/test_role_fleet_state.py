@@ -236,14 +236,14 @@ def test_cli_migrate_check_applies_nothing(postgres: Any, names: dict[str, str])
     assert out.strip() == "fleet state up to date"
 
 
-def test_installs_the_collections_release_with_the_control_extra() -> None:
+def test_installs_the_collections_release_with_the_state_extra() -> None:
     coll = REPO / "collections" / "ansible_collections" / "sco" / "orchestrator"
     release = str(yaml.safe_load((coll / "galaxy.yml").read_text())["version"])
     defaults = yaml.safe_load((coll / "roles" / "fleet_state" / "defaults" / "main.yml").read_text())
     # the release comes with the hall-wide settings (role hall: sco_version, which an inventory may pin)
     hall = yaml.safe_load((coll / "roles" / "hall" / "defaults" / "main.yml").read_text())
     assert hall["fleet_state_version"] == "{{ sco_version }}" and str(hall["sco_version"]) == release
-    assert defaults["fleet_state_package"] == "spot-capacity-orchestrator[control]=={{ fleet_state_version }}"
+    assert defaults["fleet_state_package"] == "spot-capacity-orchestrator[state]=={{ fleet_state_version }}"
     spec = yaml.safe_load((coll / "roles" / "fleet_state" / "meta" / "argument_specs.yml").read_text())
     options = spec["argument_specs"]["main"]["options"]
     # every default (the role's own and the ones role hall maps) is documented in the argument spec, and nothing is
@@ -255,10 +255,10 @@ def test_installs_the_collections_release_with_the_control_extra() -> None:
 
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """spot-capacity-orchestrator with its control extra as wheels: what an air-gapped control host installs."""
+    """spot-capacity-orchestrator with its state extra as wheels: what an air-gapped database host installs."""
     from sco_devkit import wheels
 
-    w = wheels.build(tmp_path_factory.mktemp("wheelhouse"), f"{REPO}[control]")
+    w = wheels.build(tmp_path_factory.mktemp("wheelhouse"), f"{REPO}[state]")
     return w
 
 
@@ -288,6 +288,10 @@ def test_installs_the_product_then_creates_the_fleet_state(
         [str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True
     ).stdout.lower()
     assert "spot-capacity-orchestrator==" in pkgs and "psycopg==" in pkgs
+    # the database host gets what it runs: no cloud, scheduler or runner client, no solver
+    assert not {"openstacksdk", "kubernetes", "ansible-runner", "highspy", "pydantic"} & {
+        line.split("==")[0] for line in pkgs.splitlines()
+    }, pkgs
     with connect(postgres.dsn(names["db"])) as c:
         assert [row[0] for row in c.execute("SELECT version FROM schema_migration ORDER BY 1")] == [
             m.version for m in migrations()

