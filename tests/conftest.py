@@ -37,6 +37,14 @@ _CLOUD_GROUP = {
 }
 
 
+# The other long tests (Ansible runs, Spark, training: 1-10 min each, measured by make unit's --durations) come next,
+# so no worker picks one up near the end while the others sit idle (longest first shortens the run).
+_HEAVY = {
+    "test_role_fleet_state", "test_roles", "test_roles_spark_kubelet", "test_local_hall", "test_spark",
+    "test_workload_dcp", "test_workload_dcp_kube",
+}  # fmt: skip
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups into node id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # on the workers, where xdist reads the groups off the collected items (its own dist option says "no" there)
@@ -44,11 +52,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     rank = {}
     for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if _CLOUD_FIXTURES & set(getattr(item, "fixturenames", ())):
-            group = _CLOUD_GROUP.get(item.module.__name__.rsplit(".", 1)[-1] if item.module else "", "cloud-a")
+            group = _CLOUD_GROUP.get(module, "cloud-a")
             item.add_marker(pytest.mark.xdist_group(name=group))
             rank[item.nodeid] = 0 if group == "cloud-a" else 1
-    items.sort(key=lambda i: rank.get(i.nodeid, 2))  # stable: each file's own order stays
+        elif module in _HEAVY:
+            rank[item.nodeid] = 2
+    items.sort(key=lambda i: rank.get(i.nodeid, 3))  # stable: each file's own order stays
 
 
 @pytest.fixture
