@@ -3,16 +3,17 @@
 # prepare, converge, idempotence, verify, destroy) against network-namespace SSH test hosts. Prints each scenario's
 # time. Needs root (network namespaces, chroot).
 #
-# MOLECULE_JOBS=N runs N scenarios at once (default 2; 1: one after another, output live). They share nothing but
-# the wheelhouse, built here first: each has its own namespaces (scom-<scenario>-<host>), files
-# (/var/tmp/sco-molecule/<scenario>/) and, below, its own SSH ControlMaster sockets (two scenarios' hosts may have the
-# same ansible_host, and OpenSSH keys a master by host, port and user: it would carry one's commands to the other).
+# MOLECULE_JOBS=N runs N scenarios at once (default 3: the three at once, so make test waits for the longest, not
+# for two in a row; 1: one after another, output live). They share nothing but the wheelhouse, built here first:
+# each has its own namespaces (scom-<scenario>-<host>), files (/var/tmp/sco-molecule/<scenario>/) and, below, its
+# own SSH ControlMaster sockets (two scenarios' hosts may have the same ansible_host, and OpenSSH keys a master by
+# host, port and user: it would carry one's commands to the other).
 # Each scenario's output goes to .work/molecule/<scenario>.log, printed whole when it ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH" ANSIBLE_FORCE_COLOR=0 PY_COLORS=0 NO_COLOR=1
-jobs=${MOLECULE_JOBS:-2}
+jobs=${MOLECULE_JOBS:-3}
 [[ $jobs =~ ^[1-9][0-9]*$ ]] || { echo "molecule: MOLECULE_JOBS=$jobs: expected a positive integer" >&2; exit 2; }
 scenarios=("$@")
 if [ ${#scenarios[@]} -eq 0 ]; then
