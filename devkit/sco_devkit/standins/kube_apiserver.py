@@ -35,7 +35,8 @@ Implemented:
   shortens a running termination; the pod then leaves the API (finalizers keep it until cleared);
 - grace 0 removes the pod object at once, as the real server does, while its containers keep running up to
   the pod's own grace (at least 2 s): ``Cluster.ghosts()`` lists such containers for tests;
-- optional TLS (``tls=(certfile, keyfile)``) and bearer-token authentication: ``tokens`` maps a token to an
+- optional TLS (``tls=(certfile, keyfile)``) and bearer-token authentication (every 401 answered is kept in
+  ``unauthorized``, every request let in in ``authenticated``; ``revoke`` drops a token): ``tokens`` maps a token to an
   :class:`Identity` (401 for a missing or unknown token). An identity is node-bound when its user is
   ``system:node:<name>`` (the kubelet's identity) or its ``extra`` carries
   ``authentication.kubernetes.io/node-name`` (a bound service-account token): as with NodeRestriction, it gets
@@ -452,6 +453,13 @@ class Identity:
             tuple((k, tuple(v)) for k, v in (doc.get("extra") or {}).items()),
             tuple(doc.get("deny") or ()),
         )
+
+
+def _token_id(token: str) -> str:
+    """A short hash naming a token in the stand-in's logs (the token itself is a secret there too)."""
+    import hashlib
+
+    return hashlib.sha256(token.encode()).hexdigest()[:12] if token else ""
 
 
 def load_token_auth_file(path: str) -> dict[str, Identity]:
@@ -1198,9 +1206,13 @@ class _Handler(BaseHTTPRequestHandler):
         if tokens is None or path == "/version":
             return
         auth = self.headers.get("Authorization", "")
-        ident = tokens.get(auth[7:].strip()) if auth.startswith("Bearer ") else None
+        token = auth[7:].strip() if auth.startswith("Bearer ") else ""
+        ident = tokens.get(token) if token else None
+        seen = {"at": time.time(), "method": self.command, "path": path, "token": _token_id(token)}
         if ident is None:
+            self.server.unauthorized.append(seen)  # list.append is atomic: handler threads share it
             raise ApiError(401, "Unauthorized", "Unauthorized")
+        self.server.authenticated.append({**seen, "user": ident.user})
         self.identity = ident
 
     def _authorize(self, verb: str, resource: str, name: str, ns: str = "", pod_node: str | None = None) -> None:
@@ -1498,6 +1510,10 @@ class KubeApiStandIn(ThreadingHTTPServer):
         self._listening = threading.Event()
         self._listening.set()
         self.tokens = tokens  # None: no authentication (any or no token is accepted)
+        # every request answered 401 and every one authenticated: {"at", "method", "path", "token"} (a short
+        # hash of the token, never the token), "user" for the latter; tests assert "no 401" on these
+        self.unauthorized: list[Obj] = []
+        self.authenticated: list[Obj] = []
         self.bookmark_interval_s = bookmark_interval_s
         super().__init__(address, _Handler)
         self.tls = tls is not None
@@ -1551,6 +1567,12 @@ class KubeApiStandIn(ThreadingHTTPServer):
 
         threading.Thread(target=reopen, name="kube-standin-restart", daemon=True).start()
         return self._listening
+
+    def revoke(self, token: str) -> None:
+        """Test hook: the token stops authenticating at once (a deleted service account or Secret, a rotated
+        static token); requests with it get 401 from now on."""
+        if self.tokens is not None:
+            self.tokens.pop(token, None)
 
     def go_silent(self, seconds: float = 3600.0) -> None:
         """Test hook: from now on, answer nothing (every request waits ``seconds``; watches go quiet)."""

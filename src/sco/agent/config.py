@@ -71,7 +71,7 @@ class AgentConfig:
     kube_url: str = ""
     """Kubernetes API server URL (kubernetes scheduler)."""
     kube_token_file: str = ""
-    """Bearer token file, read again every minute (bound tokens are rotated in place) and after a 401."""
+    """Bearer token file, read again once it changed (a stat before each request), every minute and after a 401."""
     kube_ca_file: str = ""
     """The cluster's CA (PEM); "system" trusts the system store. Required with an https kube_url."""
     kube_kubeconfig: str = ""
@@ -421,7 +421,7 @@ nats_url = "nats://127.0.0.1:4222"
 nats_creds_file = ""                # e.g. /etc/sco/nats/node-1.creds
 metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
 kube_url = "https://127.0.0.1:6443"
-kube_token_file = ""                # a node-bound token (read again every minute): its own node only
+kube_token_file = ""                # a node-bound token (read again once it changes): its own node only
 kube_ca_file = ""                   # the cluster's CA; "system" for the system store (required with https)
 # kube_kubeconfig = "/etc/sco/kubeconfig"   # or: a kubeconfig's current context
 # kube_in_cluster = 1                       # or: KUBERNETES_SERVICE_HOST/PORT and the service account
