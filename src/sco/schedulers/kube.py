@@ -455,6 +455,40 @@ class KubeClient:
         finally:
             writer.close()
 
+    async def request_token(
+        self,
+        ns: str,
+        service_account: str,
+        *,
+        seconds: int,
+        audiences: list[str] | None = None,
+        bound_node: tuple[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[str, float]:
+        """TokenRequest (authentication.k8s.io/v1) for ``ns/service_account``, bound to the Node ``(name, uid)``:
+        the token dies with that node object. (token, expiry as Unix time, from ``status.expirationTimestamp``:
+        the server may issue a shorter lifetime than asked)."""
+        spec: Obj = {"expirationSeconds": int(seconds)}
+        if audiences:
+            spec["audiences"] = list(audiences)
+        if bound_node is not None:
+            spec["boundObjectRef"] = {"kind": "Node", "apiVersion": "v1", "name": bound_node[0], "uid": bound_node[1]}
+        q = urllib.parse.quote
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+        path = f"/api/v1/namespaces/{q(ns)}/serviceaccounts/{q(service_account)}/token"
+        data = await self._ok("POST", path, body, timeout=timeout)
+        st = data.get("status") or {}
+        token, when = st.get("token"), st.get("expirationTimestamp")
+        if not isinstance(token, str) or not token or not isinstance(when, str):
+            raise KubeError(500, "TokenRequest: the answer holds no status.token and expirationTimestamp")
+        from datetime import datetime
+
+        try:
+            exp = datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            raise KubeError(500, f"TokenRequest: expirationTimestamp {when[:40]!r} is not RFC 3339") from None
+        return token, exp
+
     async def create_event(self, ns: str, event: Obj, timeout: float | None = None) -> Obj:
         """POST a core/v1 Event (``create events`` is all the credential needs for it)."""
         return await self._ok("POST", f"/api/v1/namespaces/{urllib.parse.quote(ns)}/events", event, timeout=timeout)
