@@ -21,6 +21,7 @@ from sco.agent.kube_credential import NotRenewable, jwt_claims, token_info
 from sco.schedulers.kube import KubeClient, KubeCredentialError, KubeError
 from sco_devkit.standins.kube_apiserver import Identity, KubeApiStandIn, _token_id
 from tests.harness import BIN, AgentEnv, NatsServer, add_pod, wait_for
+from tests.kyverno_engine import agent_request, apply_rule, load_policies, rule
 from tests.test_metrics_agent import samples, scrape
 
 NS, SA = "sco-system", "sco-agent"
@@ -55,6 +56,18 @@ def test_the_agent_renews_its_token_bound_to_its_own_node_before_it_expires(
             assert r["spec"]["boundObjectRef"] == {"kind": "Node", "apiVersion": "v1", "name": "node-1", "uid": uid}
             assert r["spec"]["expirationSeconds"] == 600  # the lifetime asked: the API server's minimum
             assert r["spec"]["audiences"] == ["https://kube.example"]  # the first token's, kept
+        # the agent's own TokenRequest, as admission sees it, passes the own-node policy for node-1's token and
+        # is refused for a token bound to another node
+        pol = rule(load_policies(), "sco-agent-own-node-only", "agent-requests-tokens-only-for-its-node")
+        for r in kube.token_requests:
+            obj = {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "metadata": {"name": SA, "namespace": NS},
+                "spec": r["spec"],
+            }
+            assert apply_rule(pol, agent_request("CREATE", obj, node="node-1")).status == "pass"
+            assert apply_rule(pol, agent_request("CREATE", obj, node="node-2")).status == "fail"
         # each renewal was asked before the token in use expired, not after a 401
         issued = sorted(kube.issued.items(), key=lambda kv: kv[1]["exp"])
         asked = sorted(r["at"] for r in kube.token_requests)
