@@ -244,3 +244,5 @@ def test_token_info_refuses_what_it_cannot_renew() -> None:
         token_info(jwt({"sub": "system:serviceaccount:a:b"}), 0)
     i = token_info(jwt({"sub": "system:serviceaccount:a:b", "iat": 100, "exp": 200, "aud": "x"}), 0)
     assert (i.renew_at, i.lifetime, i.audiences, i.bound_node) == (180, 600, ("x",), None)
+    ext = {"sub": "system:serviceaccount:a:b", "iat": 0, "exp": 31536000, "kubernetes.io": {"warnafter": 3607}}
+    assert token_info(jwt(ext), 0).expiry == 3607  # an extended token is renewed as if it expired at warnafter

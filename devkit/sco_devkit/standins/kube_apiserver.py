@@ -46,11 +46,23 @@ Implemented:
   ``--token-auth-file`` (upstream's CSV: ``token,user,uid,"group1,group2"``) or ``--tokens-json``
   (``{"<token>": {"user": ..., "groups": [...], "extra": {...}, "deny": ["patch nodes"]}}``).
 
+TokenRequest (``POST /api/v1/namespaces/NS/serviceaccounts/SA/token``, authentication.k8s.io/v1): the
+account must exist (``add_serviceaccount``; 404), ``expirationSeconds`` at least 600 and at most 2^32 (422),
+``boundObjectRef`` of kind Node (Pod and Secret: 400 here, not modelled), its node existing (404) with the uid
+given (409 otherwise); the lifetime is clamped to ``max_token_expiration_s`` (upstream
+``--service-account-max-token-expiration``; tests set seconds, far below what a real server allows) and the
+answer's ``status.expirationTimestamp`` says it. Issued tokens (``issue_token`` makes one as ``kubectl create
+token`` would) are JWTs with ``iat``/``exp``/``sub`` and the ``kubernetes.io`` claims, authenticate as the
+service account with the node's name and uid in ``extra``, and get 401 once expired, once their Node is gone or
+replaced by another object of the name, or once the account is gone. Every TokenRequest is kept in
+``token_requests`` (its spec) and every issued token in ``issued``.
+
 core/v1 Events: create (the API server's namespace rules: an event about a Node lives in ``default``, one about a pod
 in its namespace; 422 otherwise, 403 when ``deny`` has "create events") and list (with involvedObject field
 selectors, as ``kubectl describe`` asks), kept in ``Cluster.events``, apart from ``audit``.
 
-Not implemented: other resources, server-side apply, protobuf, field managers, RBAC beyond ``deny``.
+Not implemented: other resources (TokenRequest bound to a Pod or Secret among them), server-side apply,
+protobuf, field managers, RBAC beyond ``deny``.
 ``/_standin/*`` does not exist: test hooks are methods (``Cluster.compact``, ``ghosts``, ``reads``, ``audit``).
 """
 
@@ -1695,7 +1707,9 @@ class KubeApiStandIn(ThreadingHTTPServer):
                 ns, name, node=node, seconds=seconds, audiences=spec.get("audiences"), deny=deny
             )
         self.token_requests.append({"at": time.time(), "namespace": ns, "name": name, "spec": copy.deepcopy(spec)})
-        status_spec = {**spec, "expirationSeconds": int(seconds)}
+        # as upstream: the answer's spec says the audiences and lifetime issued (the API server's audiences when
+        # none were asked; the clamped lifetime)
+        status_spec = {**spec, "audiences": spec.get("audiences") or self.audiences, "expirationSeconds": int(seconds)}
         return {
             "kind": "TokenRequest",
             "apiVersion": "authentication.k8s.io/v1",

@@ -86,6 +86,9 @@ def token_info(token: str, issued_fallback: float) -> TokenInfo:
         raise NotRenewable("the token has no exp: it does not expire, nothing to renew")
     iat = claims.get("iat")
     issued = float(iat) if isinstance(iat, int | float) and not isinstance(iat, bool) else issued_fallback
+    warn = (claims.get("kubernetes.io") or {}).get("warnafter")
+    if isinstance(warn, int | float) and not isinstance(warn, bool) and warn < exp:
+        exp = warn  # an "extended" token: the API server warns about it from here on, so renew by this date
     aud = claims.get("aud") or []
     audiences = (aud,) if isinstance(aud, str) else tuple(str(a) for a in aud)
     node = ((claims.get("kubernetes.io") or {}).get("node") or {}).get("name")
