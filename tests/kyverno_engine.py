@@ -71,7 +71,9 @@ _GVK = {
     "Job": ("batch", "v1", "jobs"),
     "Eviction": ("policy", "v1", "pods"),
     "Event": ("", "v1", "events"),
+    "TokenRequest": ("authentication.k8s.io", "v1", "serviceaccounts"),  # POST serviceaccounts/NAME/token
 }
+_SUBRESOURCE = {"Eviction": "eviction", "TokenRequest": "token"}
 
 
 def request(
@@ -92,8 +94,8 @@ def request(
     req: Obj = {
         "uid": "00000000-0000-0000-0000-000000000000",
         "kind": {"group": group, "version": version, "kind": kind},
-        "resource": {"group": "" if kind == "Eviction" else group, "version": "v1", "resource": resource},
-        "subResource": "eviction" if kind == "Eviction" else "",
+        "resource": {"group": "" if kind in _SUBRESOURCE else group, "version": "v1", "resource": resource},
+        "subResource": _SUBRESOURCE.get(kind, ""),
         "name": md.get("name", ""),
         "namespace": md.get("namespace", ""),
         "operation": operation,
@@ -148,7 +150,9 @@ def matches(r: Obj, req: Obj) -> bool:
         raise Unsupported("exclude")
     kind = req["kind"]["kind"]
     if req["subResource"]:
-        kind = {"pods": "Pod"}[req["resource"]["resource"]] + "/" + req["subResource"]
+        kind = (
+            {"pods": "Pod", "serviceaccounts": "ServiceAccount"}[req["resource"]["resource"]] + "/" + req["subResource"]
+        )
     obj = req["object"] if req["object"] is not None else req["oldObject"]
     labels = (obj.get("metadata") or {}).get("labels") or {} if req["subResource"] == "" else {}
     for f in m["any"]:

@@ -427,6 +427,51 @@ def test_defect5_a_rotated_token_is_read_again(tmp_path: Path, nats_server: Nats
         kube.stop()
 
 
+def test_a_rotation_revoking_the_old_token_mid_drain_costs_no_401(tmp_path: Path, nats_server: NatsServer) -> None:
+    """Issue 18 item 5: the token file rewritten and the old token revoked at the same moment, while a drain
+    retries an eviction a PDB blocks: the next request carries the new token (the file is stat'ed before each
+    request), the stand-in answers no 401 and the drain finishes."""
+    import os
+
+    from sco_devkit.standins.kube_apiserver import NODE_NAME_EXTRA, Identity, _token_id
+
+    def sa() -> Identity:
+        return Identity("system:serviceaccount:sco-system:sco-agent", extra=((NODE_NAME_EXTRA, ("node-1",)),))
+
+    kube = KubeApiStandIn(tokens={"old-token": sa()}).start()
+    tok = tmp_path / "token"
+    tok.write_text("old-token\n")
+    env = AgentEnv(tmp_path / "a", kube, nats_server, kube_token_file=str(tok))
+    try:
+        add_pod(kube, "web", "w-0", env.node, prestop=0.2)
+        add_pod(kube, "guarded", "g-0", env.node, labels={"app": "g"}, prestop=0.2)
+        kube.cluster.create_pdb(
+            "guarded",
+            {"metadata": {"name": "g"}, "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "g"}}}},
+        )
+        env.start().wait_subscribed()
+        env.send(env.notice("rot-mid", WINDOW))
+        wait_for(lambda: env.of("eviction.blocked"), 8, "the PDB's 429")
+        new = tmp_path / "token.new"
+        new.write_text("new-token\n")
+        kube.tokens["new-token"] = sa()  # type: ignore[index]
+        os.replace(new, tok)  # as an atomic writer (or kubelet's ..data swap) does
+        kube.revoke("old-token")
+        rotated_at = time.time()
+        time.sleep(1.5)  # eviction retries go on, blocked, with the new token
+        with kube.cluster.lock:
+            del kube.cluster.pdbs[("guarded", "g")]
+        out = env.outcome(WINDOW)
+        assert out["type"] == "drain.drained", out
+        assert kube.unauthorized == [], kube.unauthorized
+        after = [a for a in kube.authenticated if a["at"] > rotated_at]
+        assert any(a["path"].endswith("/pods/g-0/eviction") for a in after), after
+        assert {a["token"] for a in after} == {_token_id("new-token")}
+    finally:
+        env.stop()
+        kube.stop()
+
+
 def test_defect5_tls_needs_a_ca_and_a_wrong_one_is_a_credential_problem(
     tmp_path: Path, nats_server: NatsServer
 ) -> None:

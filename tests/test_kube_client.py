@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,8 +110,11 @@ def test_token_file_is_read_again_after_a_minute_or_a_401(tls_kube, tmp_path: Pa
             await kube.get_node("n1")
             assert kube.http.headers["Authorization"] == "Bearer tok-2"  # the periodic re-read
             srv.tokens = {"tok-3": Identity("system:node:n1")}
-            tok.write_text("tok-3")
+            st = tok.stat()
+            tok.write_text("tok-3")  # same inode and size; the mtime put back: the stat cannot see the change
+            os.utime(tok, ns=(st.st_atime_ns, st.st_mtime_ns))
             await kube.get_node("n1")  # 401, read again, retried once
+            assert len(srv.unauthorized) == 1
             srv.tokens = {}
             with pytest.raises(KubeCredentialError) as e:
                 await kube.get_node("n1")
@@ -119,6 +123,43 @@ def test_token_file_is_read_again_after_a_minute_or_a_401(tls_kube, tmp_path: Pa
             await kube.close()
 
     asyncio.run(go())
+
+
+def test_a_rotation_that_revokes_the_old_token_costs_no_401(tls_kube, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The file is stat'ed before each request: a new token is used on the very next call, long before the
+    minute's re-read, whether written in place or renamed over the file (kubelet swaps a symlink)."""
+    srv, ca = tls_kube
+    tok = tmp_path / "tok"
+    tok.write_text("tok-1")
+
+    async def go() -> None:
+        kube = KubeClient(Credentials(srv.url, token_file=tok, ca_file=str(ca)), token_reread_s=3600)
+        try:
+            await kube.get_node("n1")
+            tok.write_text("tok-2b")  # in place, same inode
+            srv.tokens["tok-2b"] = Identity("system:node:n1")
+            srv.revoke("tok-1")
+            await kube.get_node("n1")
+            new = tmp_path / "tok.new"
+            new.write_text("tok-3")
+            srv.tokens["tok-3"] = Identity("system:node:n1")
+            os.replace(new, tok)  # atomic: a new inode
+            srv.revoke("tok-2b")
+            await kube.list_pods("n1")
+            _, rv = await kube.pods_on_node("n1")
+            srv.tokens["tok-4"] = Identity("system:node:n1")
+            tok.write_text("tok-4")
+            srv.revoke("tok-3")
+            async for _ in kube.watch_pods("n1", rv, timeout_s=1):
+                pass  # the watch's own connection sends the new token too (an ERROR event would raise)
+            assert kube.token_changes == 3
+        finally:
+            await kube.close()
+
+    asyncio.run(go())
+    assert srv.unauthorized == []
+    assert [a["user"] for a in srv.authenticated] == ["system:node:n1"] * len(srv.authenticated)
+    assert len({a["token"] for a in srv.authenticated}) == 4
 
 
 def test_paged_list_and_watch_with_410(tmp_path: Path) -> None:

@@ -456,3 +456,31 @@ def test_token_auth_file_in_upstream_csv(tmp_path) -> None:  # type: ignore[no-u
     j = tmp_path / "tokens.json"
     j.write_text(json.dumps({"t3": {"user": "sa", "extra": {"authentication.kubernetes.io/node-name": ["n7"]}}}))
     assert load_tokens_json(str(j))["t3"].node == "n7"
+
+
+def test_token_request_with_the_official_client() -> None:
+    """The official client's create_namespaced_service_account_token deserialises the stand-in's TokenRequest
+    (spec.audiences is required in its model: the answer says the audiences issued, as upstream does)."""
+    srv = KubeApiStandIn(tokens={}).start()
+    try:
+        srv.cluster.add_node("n1")
+        uid = srv.cluster.nodes["n1"]["metadata"]["uid"]
+        boot, _ = srv.issue_token("sco-system", "sco-agent", node="n1", seconds=60)
+        cfg = client.Configuration()
+        cfg.host = srv.url
+        cfg.api_key = {"authorization": f"Bearer {boot}"}
+        with client.ApiClient(cfg) as cli:
+            core = client.CoreV1Api(cli)
+            ref = client.V1BoundObjectReference(kind="Node", api_version="v1", name="n1", uid=uid)
+            body = client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600, bound_object_ref=ref)
+            )
+            out = core.create_namespaced_service_account_token("sco-agent", "sco-system", body)
+            assert out.status.token in srv.issued and out.spec.audiences == srv.audiences
+            assert out.status.expiration_timestamp.timestamp() == pytest.approx(time.time() + 3600, abs=5)
+            with pytest.raises(ApiException) as e:
+                body.spec.expiration_seconds = 60
+                core.create_namespaced_service_account_token("sco-agent", "sco-system", body)
+            assert e.value.status == 422 and "less than 10 minutes" in _status(e)["message"]
+    finally:
+        srv.stop()

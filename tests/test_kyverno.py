@@ -187,6 +187,30 @@ def test_agent_clusterrole_is_the_smallest_the_drain_needs() -> None:
     }
 
 
+def test_the_agent_may_create_tokens_for_its_own_account_only() -> None:
+    """sco.agent.kube_credential renews its token (TokenRequest): a Role in the account's namespace, the
+    account named (resourceNames), create only; bound to that account alone."""
+    docs = [d for f in sorted((KYVERNO / "rbac").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "sco-agent-token"]
+    (role,) = roles
+    assert role["metadata"]["namespace"] == "sco-system"
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["serviceaccounts/token"], "resourceNames": ["sco-agent"], "verbs": ["create"]}
+    ]
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"] == "sco-agent-token"]
+    assert binding["metadata"]["namespace"] == "sco-system" and binding["roleRef"]["kind"] == "Role"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sco-agent", "namespace": "sco-system"}]
+    # nothing else grants it serviceaccounts/token (a ClusterRole would reach every namespace's accounts)
+    others = [
+        d
+        for d in docs
+        if d["kind"] in ("Role", "ClusterRole") and d is not role
+        for r in d["rules"]
+        if any("serviceaccounts" in x for x in r["resources"])
+    ]
+    assert others == []
+
+
 # --- rule cases ----------------------------------------------------------------------------------
 
 REQUIRE = ("sco-require-contract", "reclaimable-pods-name-a-contract")
@@ -195,12 +219,30 @@ NODES = ("sco-agent-own-node-only", "agent-changes-only-its-node")
 DELETES = ("sco-agent-own-node-only", "agent-deletes-only-pods-on-its-node")
 EVICTIONS = ("sco-agent-own-node-only", "agent-evicts-only-pods-on-its-node")
 EVENTS = ("sco-agent-own-node-only", "agent-creates-events-only-about-its-node")
+TOKENS = ("sco-agent-own-node-only", "agent-requests-tokens-only-for-its-node")
 DIRECT = ("sco-require-contract", "pods-bound-to-reclaimable-nodes-tolerate-the-taint")
 DRIVERS = ("sco-require-contract", "spark-drivers-stay-off-reclaimable-nodes")
 
 
 def _evict(ns: str = "ci", name: str = "p") -> Obj:
     return {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}}
+
+
+def _token_request(bound: Obj | None, sa: str = "sco-agent", ns: str = "sco-system") -> Obj:
+    """A TokenRequest as sco.agent.kube_credential sends it (the API server names it after the account)."""
+    spec: Obj = {"expirationSeconds": 86400}
+    if bound is not None:
+        spec["boundObjectRef"] = bound
+    return {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "metadata": {"name": sa, "namespace": ns},
+        "spec": spec,
+    }
+
+
+def _node_ref(name: str) -> Obj:
+    return {"kind": "Node", "apiVersion": "v1", "name": name, "uid": f"uid-{name}"}
 
 
 def _kevent(kind: str, name: str, ns: str) -> Obj:
@@ -573,6 +615,52 @@ CASES += [
         "of node ''",
     ),
     ("others-events-skipped", EVENTS, request("CREATE", _kevent("Node", "node-b", "default")), API, "skip", ""),
+]
+
+
+CASES += [
+    ("agent-token-own-node", TOKENS, agent_request("CREATE", _token_request(_node_ref("node-a"))), CMS, "pass", ""),
+    (
+        "agent-token-other-node",  # the agent of node A asks for node B's credential
+        TOKENS,
+        agent_request("CREATE", _token_request(_node_ref("node-b"))),
+        CMS,
+        "fail",
+        "may request only tokens bound to its own Node; this one is bound to Node node-b",
+    ),
+    (
+        "agent-token-unbound",
+        TOKENS,
+        agent_request("CREATE", _token_request(None)),
+        CMS,
+        "fail",
+        "bound to nothing",
+    ),
+    (
+        "agent-token-bound-to-a-pod",
+        TOKENS,
+        agent_request("CREATE", _token_request({"kind": "Pod", "apiVersion": "v1", "name": "node-a"})),
+        CMS,
+        "fail",
+        "bound to Pod node-a",
+    ),
+    (
+        "agent-token-for-another-account",
+        TOKENS,
+        agent_request("CREATE", _token_request(_node_ref("node-a"), sa="cluster-admin-sa", ns="kube-system")),
+        CMS,
+        "fail",
+        "only for its own ServiceAccount sco-system/sco-agent, not kube-system/cluster-admin-sa",
+    ),
+    (
+        "unbound-agent-token-asks",
+        TOKENS,
+        agent_request("CREATE", _token_request(_node_ref("node-a")), node=None),
+        CMS,
+        "fail",
+        "not bound to a node",
+    ),
+    ("others-tokens-skipped", TOKENS, request("CREATE", _token_request(_node_ref("node-b"))), CMS, "skip", ""),
 ]
 
 

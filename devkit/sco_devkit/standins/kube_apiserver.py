@@ -35,7 +35,8 @@ Implemented:
   shortens a running termination; the pod then leaves the API (finalizers keep it until cleared);
 - grace 0 removes the pod object at once, as the real server does, while its containers keep running up to
   the pod's own grace (at least 2 s): ``Cluster.ghosts()`` lists such containers for tests;
-- optional TLS (``tls=(certfile, keyfile)``) and bearer-token authentication: ``tokens`` maps a token to an
+- optional TLS (``tls=(certfile, keyfile)``) and bearer-token authentication (every 401 answered is kept in
+  ``unauthorized``, every request let in in ``authenticated``; ``revoke`` drops a token): ``tokens`` maps a token to an
   :class:`Identity` (401 for a missing or unknown token). An identity is node-bound when its user is
   ``system:node:<name>`` (the kubelet's identity) or its ``extra`` carries
   ``authentication.kubernetes.io/node-name`` (a bound service-account token): as with NodeRestriction, it gets
@@ -45,11 +46,23 @@ Implemented:
   ``--token-auth-file`` (upstream's CSV: ``token,user,uid,"group1,group2"``) or ``--tokens-json``
   (``{"<token>": {"user": ..., "groups": [...], "extra": {...}, "deny": ["patch nodes"]}}``).
 
+TokenRequest (``POST /api/v1/namespaces/NS/serviceaccounts/SA/token``, authentication.k8s.io/v1): the
+account must exist (``add_serviceaccount``; 404), ``expirationSeconds`` at least 600 and at most 2^32 (422),
+``boundObjectRef`` of kind Node (Pod and Secret: 400 here, not modelled), its node existing (404) with the uid
+given (409 otherwise); the lifetime is clamped to ``max_token_expiration_s`` (upstream
+``--service-account-max-token-expiration``; tests set seconds, far below what a real server allows) and the
+answer's ``status.expirationTimestamp`` says it. Issued tokens (``issue_token`` makes one as ``kubectl create
+token`` would) are JWTs with ``iat``/``exp``/``sub`` and the ``kubernetes.io`` claims, authenticate as the
+service account with the node's name and uid in ``extra``, and get 401 once expired, once their Node is gone or
+replaced by another object of the name, or once the account is gone. Every TokenRequest is kept in
+``token_requests`` (its spec) and every issued token in ``issued``.
+
 core/v1 Events: create (the API server's namespace rules: an event about a Node lives in ``default``, one about a pod
 in its namespace; 422 otherwise, 403 when ``deny`` has "create events") and list (with involvedObject field
 selectors, as ``kubectl describe`` asks), kept in ``Cluster.events``, apart from ``audit``.
 
-Not implemented: other resources, server-side apply, protobuf, field managers, RBAC beyond ``deny``.
+Not implemented: other resources (TokenRequest bound to a Pod or Secret among them), server-side apply,
+protobuf, field managers, RBAC beyond ``deny``.
 ``/_standin/*`` does not exist: test hooks are methods (``Cluster.compact``, ``ghosts``, ``reads``, ``audit``).
 """
 
@@ -452,6 +465,13 @@ class Identity:
             tuple((k, tuple(v)) for k, v in (doc.get("extra") or {}).items()),
             tuple(doc.get("deny") or ()),
         )
+
+
+def _token_id(token: str) -> str:
+    """A short hash naming a token in the stand-in's logs (the token itself is a secret there too)."""
+    import hashlib
+
+    return hashlib.sha256(token.encode()).hexdigest()[:12] if token else ""
 
 
 def load_token_auth_file(path: str) -> dict[str, Identity]:
@@ -1123,6 +1143,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
         ("POST", r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets$", "create_pdb"),
         ("GET", r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets/([^/]+)$", "get_pdb"),
         ("DELETE", r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets/([^/]+)$", "delete_pdb"),
+        ("POST", r"^/api/v1/namespaces/([^/]+)/serviceaccounts/([^/]+)/token$", "token_request"),
         ("GET", r"^/api/v1/namespaces/([^/]+)/configmaps$", "list_configmaps"),
         ("POST", r"^/api/v1/namespaces/([^/]+)/events$", "create_event"),
         ("GET", r"^/api/v1/namespaces/([^/]+)/events$", "list_events"),
@@ -1198,9 +1219,16 @@ class _Handler(BaseHTTPRequestHandler):
         if tokens is None or path == "/version":
             return
         auth = self.headers.get("Authorization", "")
-        ident = tokens.get(auth[7:].strip()) if auth.startswith("Bearer ") else None
+        token = auth[7:].strip() if auth.startswith("Bearer ") else ""
+        ident = tokens.get(token) if token else None
+        seen = {"at": time.time(), "method": self.command, "path": path, "token": _token_id(token)}
+        issued = self.server.issued.get(token) if ident is not None else None
+        if issued is not None and not self.server.issued_valid(issued):
+            ident = None  # expired, or its node is gone (deleted, or recreated under the name: another uid)
         if ident is None:
+            self.server.unauthorized.append(seen)  # list.append is atomic: handler threads share it
             raise ApiError(401, "Unauthorized", "Unauthorized")
+        self.server.authenticated.append({**seen, "user": ident.user})
         self.identity = ident
 
     def _authorize(self, verb: str, resource: str, name: str, ns: str = "", pod_node: str | None = None) -> None:
@@ -1436,6 +1464,26 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(404, "NotFound", f'poddisruptionbudgets.policy "{name}" not found')
         self._json(200, status_obj(200, "", ""))
 
+    def h_token_request(self, q: dict[str, str], ns: str, name: str) -> None:
+        body = self._body()
+        self._authorize("create", "serviceaccounts/token", name, ns)
+        spec = body.get("spec") or {}
+        seconds = spec.get("expirationSeconds", 3600)
+        ref = spec.get("boundObjectRef")
+        if not isinstance(seconds, int) or isinstance(seconds, bool) or seconds < 600 or seconds > 1 << 32:
+            why = "may not specify a duration less than 10 minutes" if isinstance(seconds, int) else "must be an int"
+            if isinstance(seconds, int) and seconds > 1 << 32:
+                why = "may not specify a duration larger than 2^32 seconds"
+            raise ApiError(
+                422,
+                "Invalid",
+                f'TokenRequest.authentication.k8s.io "{name}" is invalid: spec.expirationSeconds: Invalid value:'
+                f" {seconds}: {why}",
+                {"name": name, "group": "authentication.k8s.io", "kind": "TokenRequest"},
+            )
+        resp = self.server.token_request(ns, name, spec, ref)
+        self._json(201, resp)
+
     def h_list_configmaps(self, q: dict[str, str], ns: str) -> None:
         with self.c.lock:
             items = [copy.deepcopy(c) for (cns, _), c in sorted(self.c.configmaps.items()) if cns == ns]
@@ -1498,6 +1546,18 @@ class KubeApiStandIn(ThreadingHTTPServer):
         self._listening = threading.Event()
         self._listening.set()
         self.tokens = tokens  # None: no authentication (any or no token is accepted)
+        # every request answered 401 and every one authenticated: {"at", "method", "path", "token"} (a short
+        # hash of the token, never the token), "user" for the latter; tests assert "no 401" on these
+        self.unauthorized: list[Obj] = []
+        self.authenticated: list[Obj] = []
+        # TokenRequest: the service accounts that exist ((namespace, name) -> uid), what each issued token is
+        # ({"exp", "node", "node_uid", "sa"}), every TokenRequest answered (spec kept, for tests), and the
+        # longest lifetime issued (upstream --service-account-max-token-expiration; None: as requested)
+        self.serviceaccounts: dict[tuple[str, str], str] = {}
+        self.issued: dict[str, Obj] = {}
+        self.token_requests: list[Obj] = []
+        self.max_token_expiration_s: float | None = None
+        self.audiences = ["https://kubernetes.default.svc.cluster.local"]
         self.bookmark_interval_s = bookmark_interval_s
         super().__init__(address, _Handler)
         self.tls = tls is not None
@@ -1551,6 +1611,118 @@ class KubeApiStandIn(ThreadingHTTPServer):
 
         threading.Thread(target=reopen, name="kube-standin-restart", daemon=True).start()
         return self._listening
+
+    def add_serviceaccount(self, ns: str, name: str) -> str:
+        uid = self.serviceaccounts.setdefault((ns, name), str(uuid.uuid4()))
+        return uid
+
+    def issue_token(
+        self,
+        ns: str,
+        sa: str,
+        *,
+        node: str | None = None,
+        seconds: float = 3600,
+        audiences: list[str] | None = None,
+        deny: tuple[str, ...] = (),
+    ) -> tuple[str, float]:
+        """A service-account token as the TokenRequest API issues it (``kubectl create token SA
+        --bound-object-kind Node --bound-object-name NODE``): a JWT with ``iat``/``exp``/``sub`` and the
+        ``kubernetes.io`` claims, refused with 401 once expired or once its node is gone. (token, exp)."""
+        sa_uid = self.add_serviceaccount(ns, sa)
+        now = time.time()
+        exp = now + seconds
+        node_uid = None
+        claims: Obj = {
+            "iss": "https://kubernetes.default.svc.cluster.local",
+            "sub": f"system:serviceaccount:{ns}:{sa}",
+            "aud": audiences or self.audiences,
+            "iat": int(now),
+            "nbf": int(now),
+            "exp": int(exp),
+            "jti": str(uuid.uuid4()),
+            "kubernetes.io": {"namespace": ns, "serviceaccount": {"name": sa, "uid": sa_uid}},
+        }
+        extra: list[tuple[str, tuple[str, ...]]] = [("authentication.kubernetes.io/credential-id", (claims["jti"],))]
+        if node is not None:
+            node_uid = self.cluster.get_node(node)["metadata"]["uid"]
+            claims["kubernetes.io"]["node"] = {"name": node, "uid": node_uid}
+            extra += [(NODE_NAME_EXTRA, (node,)), ("authentication.kubernetes.io/node-uid", (node_uid,))]
+
+        def b64(doc: Obj) -> str:
+            return base64.urlsafe_b64encode(json.dumps(doc).encode()).rstrip(b"=").decode()
+
+        # signed by nobody: the stand-in is the only verifier and it looks the token up
+        token = f"{b64({'alg': 'RS256', 'kid': 'standin'})}.{b64(claims)}.{uuid.uuid4().hex}"
+        groups = ("system:serviceaccounts", f"system:serviceaccounts:{ns}", "system:authenticated")
+        if self.tokens is None:
+            self.tokens = {}
+        self.tokens[token] = Identity(claims["sub"], groups, tuple(extra), deny)
+        self.issued[token] = {"exp": int(exp), "node": node, "node_uid": node_uid, "sa": (ns, sa)}
+        return token, float(int(exp))
+
+    def issued_valid(self, issued: Obj) -> bool:
+        if time.time() >= issued["exp"]:
+            return False
+        if issued["node"] is not None:
+            node = self.cluster.nodes.get(issued["node"])
+            if node is None or node["metadata"]["uid"] != issued["node_uid"]:
+                return False
+        return issued["sa"] in self.serviceaccounts
+
+    def token_request(self, ns: str, name: str, spec: Obj, ref: Obj | None) -> Obj:
+        """POST .../serviceaccounts/NAME/token, after authorization and validation (upstream's token REST)."""
+        if (ns, name) not in self.serviceaccounts:
+            raise ApiError(
+                404, "NotFound", f'serviceaccounts "{name}" not found', {"name": name, "kind": "serviceaccounts"}
+            )
+        node = None
+        if ref:
+            kind, api = ref.get("kind"), ref.get("apiVersion", "v1")
+            if kind not in ("Pod", "Node", "Secret") or api != "v1":
+                raise ApiError(400, "BadRequest", f"cannot bind token for object of kind {api}, Kind={kind}")
+            if kind != "Node":
+                raise ApiError(400, "BadRequest", f"stand-in: binding to a {kind} is not implemented")
+            with self.cluster.lock:
+                target = self.cluster.nodes.get(str(ref.get("name")))
+                if target is None:
+                    raise ApiError(404, "NotFound", f'nodes "{ref.get("name")}" not found', {"kind": "nodes"})
+                if ref.get("uid") and ref["uid"] != target["metadata"]["uid"]:
+                    raise ApiError(
+                        409,
+                        "Conflict",
+                        f'Operation cannot be fulfilled on Node "{ref.get("name")}": the UID in the bound object'
+                        f" reference ({ref['uid']}) does not match the UID in record. The object might have been"
+                        " deleted and then recreated",
+                    )
+            node = str(ref["name"])
+        seconds = float(spec.get("expirationSeconds", 3600))
+        if self.max_token_expiration_s is not None:
+            seconds = min(seconds, self.max_token_expiration_s)
+        user = f"system:serviceaccount:{ns}:{name}"
+        # the account's RBAC-like denials carry over to its new token (they are the account's, not the token's)
+        with self.cluster.lock:  # one issuer at a time: the token map is read and grown here
+            deny = next((ident.deny for ident in list((self.tokens or {}).values()) if ident.user == user), ())
+            token, exp = self.issue_token(
+                ns, name, node=node, seconds=seconds, audiences=spec.get("audiences"), deny=deny
+            )
+        self.token_requests.append({"at": time.time(), "namespace": ns, "name": name, "spec": copy.deepcopy(spec)})
+        # as upstream: the answer's spec says the audiences and lifetime issued (the API server's audiences when
+        # none were asked; the clamped lifetime)
+        status_spec = {**spec, "audiences": spec.get("audiences") or self.audiences, "expirationSeconds": int(seconds)}
+        return {
+            "kind": "TokenRequest",
+            "apiVersion": "authentication.k8s.io/v1",
+            "metadata": {"name": name, "namespace": ns, "creationTimestamp": None},
+            "spec": status_spec,
+            "status": {"token": token, "expirationTimestamp": _now_iso(exp)},
+        }
+
+    def revoke(self, token: str) -> None:
+        """Test hook: the token stops authenticating at once (a deleted service account or Secret, a rotated
+        static token); requests with it get 401 from now on."""
+        if self.tokens is not None:
+            self.tokens.pop(token, None)
 
     def go_silent(self, seconds: float = 3600.0) -> None:
         """Test hook: from now on, answer nothing (every request waits ``seconds``; watches go quiet)."""

@@ -71,7 +71,10 @@ class AgentConfig:
     kube_url: str = ""
     """Kubernetes API server URL (kubernetes scheduler)."""
     kube_token_file: str = ""
-    """Bearer token file, read again every minute (bound tokens are rotated in place) and after a 401."""
+    """Bearer token file, read again once it changed (a stat before each request), every minute and after a 401."""
+    kube_token_renew: int = 1
+    """1: renew the service-account token in kube_token_file through TokenRequest once 80% of its lifetime has
+    passed, bound to this node (sco.agent.kube_credential); 0: something else rewrites the file."""
     kube_ca_file: str = ""
     """The cluster's CA (PEM); "system" trusts the system store. Required with an https kube_url."""
     kube_kubeconfig: str = ""
@@ -116,6 +119,9 @@ class AgentConfig:
     metrics_listen: str = "127.0.0.1:9469"
     """host:port of the Prometheus /metrics endpoint (docs/METRICS.md); empty: off. Loopback by default (a
     node-local scraper or a proxy); the node's own address to let a hall Prometheus scrape it directly."""
+    preflight_seconds: float = 300.0
+    """How often the preflight (node known, credential may patch it and list its pods) runs again; it also
+    runs at once whenever the credential file changes."""
     metrics_probe_seconds: float = 60.0
     """How often the agent reads its node from the scheduler API for sco_agent_scheduler_api_up."""
     checkpoint_socket: str = "/run/sco/checkpoint.sock"
@@ -302,6 +308,10 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.safety_margin_seconds", "expected -1 (from the bundle) or 0 to 600"))
     if not 0.05 <= cfg.rearm_check_seconds <= 300:
         p.append(Problem(where, "agent.rearm_check_seconds", "expected 0.05 to 300 seconds"))
+    if cfg.kube_token_renew not in (0, 1):
+        p.append(Problem(where, "agent.kube_token_renew", f"expected 0 or 1, got {cfg.kube_token_renew}"))
+    if not 1 <= cfg.preflight_seconds <= 86400:
+        p.append(Problem(where, "agent.preflight_seconds", "expected 1 to 86400 seconds"))
     if not 1 <= cfg.metrics_probe_seconds <= 3600:
         p.append(Problem(where, "agent.metrics_probe_seconds", "expected 1 to 3600 seconds"))
     if not 0.01 <= cfg.spool_sync_interval <= 60:
@@ -421,7 +431,8 @@ nats_url = "nats://127.0.0.1:4222"
 nats_creds_file = ""                # e.g. /etc/sco/nats/node-1.creds
 metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
 kube_url = "https://127.0.0.1:6443"
-kube_token_file = ""                # a node-bound token (read again every minute): its own node only
+kube_token_file = ""                # e.g. /var/lib/sco/kube-token: a node-bound token, its own node only (renewed)
+kube_token_renew = 1                # renew that token (TokenRequest, bound to this node) at 80% of its life
 kube_ca_file = ""                   # the cluster's CA; "system" for the system store (required with https)
 # kube_kubeconfig = "/etc/sco/kubeconfig"   # or: a kubeconfig's current context
 # kube_in_cluster = 1                       # or: KUBERNETES_SERVICE_HOST/PORT and the service account

@@ -113,6 +113,8 @@ class Agent:
         self._wake_publisher = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.kube: Any = None
+        self.preflight: dict[str, Any] | None = None  # the last preflight: {"at", "ok", "problems"}
+        self.renewer: Any = None  # the bound token's renewal (kube_credential), when the agent renews it
         self.slurm: Any = None
         self.checkpoint: CheckpointServer | None = None
 
@@ -390,6 +392,7 @@ class Agent:
         checked = checked or st.accepted_at
         creds = getattr(self.kube, "creds", None)
         expiry = agent_metrics.token_expiry(getattr(creds, "token_file", None))
+        renewal = self.renewer.state()["renewal"] if self.renewer is not None else None
         nc = self.nc
         return [
             (
@@ -427,6 +430,26 @@ class Agent:
                 "sco_agent_credential_expiry_timestamp_seconds",
                 "Expiry (exp) of the scheduler API bearer token.",
                 expiry,
+            ),
+            (
+                "sco_agent_scheduler_preflight_ok",
+                "1 if the last preflight found nothing that would stop a drain (node known, credential allowed).",
+                None if self.preflight is None else float(self.preflight["ok"]),
+            ),
+            (
+                "sco_agent_scheduler_preflight_timestamp_seconds",
+                "When the last preflight ran (at start, every preflight_seconds, when the credential changes).",
+                None if self.preflight is None else float(self.preflight["at"]),
+            ),
+            (
+                "sco_agent_credential_renew_timestamp_seconds",
+                "When the agent renews its bound token (80% of its lifetime); absent when it does not renew it.",
+                renewal["renew_at"] if renewal else None,
+            ),
+            (
+                "sco_agent_credential_renewal_failures",
+                "Token renewals failed in a row (0 after a success); absent when the agent does not renew it.",
+                float(renewal["failures"]) if renewal else None,
             ),
             ("sco_agent_draining", "1 while a drain runs.", 1.0 if self.drain is not None else 0.0),
         ]
@@ -672,6 +695,22 @@ class Agent:
             )
         except (KubeConfigError, OSError) as e:  # no CA for https, an unreadable kubeconfig
             raise ConfigError(f"kubernetes credentials: {e}") from None
+        if (
+            self.cfg.kube_token_file
+            and self.cfg.kube_token_renew
+            and not (self.cfg.kube_in_cluster or self.cfg.kube_kubeconfig)
+        ):
+            # in-cluster and kubeconfig tokens are kubelet's or a person's to renew; the agent's own file is its
+            from sco.agent.kube_credential import TokenRenewer
+
+            self.renewer = TokenRenewer(
+                self.kube,
+                Path(self.cfg.kube_token_file),
+                self.cfg.node,
+                self.spool,
+                timeout=max(2.0, self.api_timeout),
+                on_change=self._write_scheduler_state,
+            )
         # Spark executors first, a driver last; around a silent API server, logind and kubelet (kube_node).
         return KubeNodePath(
             kube=self.kube,
@@ -685,14 +724,65 @@ class Agent:
             shutdown=self.cfg.kube_fallback,
         )
 
-    async def _preflight(self) -> None:
-        """Say at start-up what would stop a drain (unknown node, refused credential): fix it before a notice."""
+    def _credential_signature(self) -> Any:
+        sig = getattr(self.kube, "token_file_signature", None)
+        return sig() if sig is not None else None
+
+    async def _preflight_once(self) -> None:
+        """One preflight: what would stop a drain (unknown node, refused credential). Spooled when its answer
+        changes (problems found, other problems, all well again), never every run; the last answer is in
+        ``scheduler.json`` for `sco-agent status` and in the metrics."""
         assert self.path is not None
         problems = await self.path.preflight()
-        for p in problems:
-            log.error("preflight: %s", p)
-        if problems:
-            self.spool.append("scheduler.preflight", CRITICAL, problems=problems)
+        prev = self.preflight
+        self.preflight = {"at": round(self.clock(), 3), "ok": not problems, "problems": problems}
+        if prev is None or prev["problems"] != problems:
+            for p in problems:
+                log.error("preflight: %s", p)
+            if problems:
+                self.spool.append("scheduler.preflight", CRITICAL, problems=problems)
+            elif prev is not None:
+                log.info("preflight: all well again")
+                self.spool.append("scheduler.preflight_ok", ROUTINE)
+        self._write_scheduler_state()
+
+    async def _preflight(self) -> None:
+        """The preflight at start, every ``preflight_seconds`` and at once when the credential file changes (a
+        rotated or renewed token is checked before a notice needs it, not at the next start)."""
+        loop = asyncio.get_running_loop()
+        while not self._stop.is_set():
+            sig = self._credential_signature()
+            try:
+                await self._preflight_once()
+            except Exception as e:  # a bug here must not end the repeats (nor the agent)
+                log.error("preflight: %s", e)
+            until = loop.time() + self.cfg.preflight_seconds
+            while not self._stop.is_set() and loop.time() < until:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), min(1.0, max(0.0, until - loop.time())))
+                if self._credential_signature() != sig:
+                    break  # the credential file changed: check the new credential now
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        creds = getattr(self.kube, "creds", None)
+        tf = getattr(creds, "token_file", None)
+        out: dict[str, Any] = {"preflight": self.preflight}
+        if tf is not None:
+            out["credential"] = {"token_file": str(tf), "expiry": agent_metrics.token_expiry(tf)}
+            if self.renewer is not None:
+                out["credential"].update(self.renewer.state())
+        return out
+
+    def _write_scheduler_state(self) -> None:
+        """``scheduler.json`` beside the spool: the last preflight and the credential's expiry, for `sco-agent
+        status` (which reads the state directory only). A failure to write is logged: never a reason to stop."""
+        from sco._fs import atomic_write
+
+        try:
+            data = json.dumps(self._scheduler_state(), sort_keys=True).encode()
+            atomic_write(self.cfg.state_dir / "scheduler.json", data)
+        except OSError as e:
+            log.warning("%s: %s", self.cfg.state_dir / "scheduler.json", e)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -735,7 +825,9 @@ class Agent:
             self._spawn(self._bundle_refresh(), "bundle-refresh")
         self._spawn(self._publisher(), "publisher")
         self._spawn(self._housekeeping(), "housekeeping")
-        self._spawn(self._preflight(), "preflight")  # says what would stop a drain, once
+        self._spawn(self._preflight(), "preflight")  # says what would stop a drain; again every few minutes
+        if self.renewer is not None:
+            self._spawn(self.renewer.run(self._stop), "token-renew")
         await self._start_metrics()
         self._ready()
         await self._stop.wait()

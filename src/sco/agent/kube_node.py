@@ -134,6 +134,7 @@ class KubeNodePath(KubePath):
         super().__init__(kube=kube, spool=spool, **kwargs)
         self.logind, self.checkpoint, self.shutdown = logind, checkpoint, shutdown
         self._reporting: set[str] = set()
+        self._fallback_said: list[str] = []
 
     def drain(self, notice: Notice, deadline: Deadline, record: DrainRecord | None) -> KubeNodeDrain:
         return KubeNodeDrain(
@@ -159,10 +160,11 @@ class KubeNodePath(KubePath):
                 )
         except InhibitError as e:
             mine.append(f"{e}: the fallback around a silent API server cannot take a shutdown inhibitor")
-        if mine:
+        if mine and mine != self._fallback_said:  # the preflight repeats: said when it changes, not each time
             for m in mine:
                 log.error("preflight: %s", m)
             self.spool.append("fallback.preflight", CRITICAL, problems=mine)
+        self._fallback_said = mine
         return problems
 
     def follow_ups(self, stop: asyncio.Event) -> list[tuple[str, Coroutine[Any, Any, None]]]:

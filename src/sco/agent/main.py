@@ -8,7 +8,8 @@
     sco-agent events --state-dir DIR [--after N] [--unpublished]
                                                    the spooled events, one JSON object per line; the
                                                    unpublished backlog on stderr
-    sco-agent status --state-dir DIR               spool, publication backlog and bundle state as JSON
+    sco-agent status --state-dir DIR               spool, publication backlog, bundle state, the last
+                                                   preflight and the credential's expiry as JSON
 
 Every flag has an environment fallback: --config is $SCO_AGENT_CONFIG.
 """
@@ -61,7 +62,12 @@ def status(state_dir: Path) -> dict[str, Any]:
         bundle = {k: bundle.get(k) for k in ("serial", "last_outcome", "last_error", "refused", "accepted_at")}
     except (OSError, ValueError):
         bundle = None
+    try:  # the running agent's last preflight and its credential's expiry (written by it at each preflight)
+        scheduler = json.loads((state_dir / "scheduler.json").read_text())
+    except (OSError, ValueError):
+        scheduler = None
     return {
+        "scheduler": scheduler,
         "spool": {"records": records, "last_seq": last, "bytes": size, "last_unwritable": unwritable},
         "events": {"published_seq": published, "unpublished": unpublished},
         "bundle": bundle,
@@ -117,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--state-dir", default=os.environ.get("SCO_AGENT_STATE_DIR", "/var/lib/sco"))
     e.add_argument("--after", type=int, default=0, help="only events with a higher seq")
     e.add_argument("--unpublished", action="store_true", help="only events JetStream has not acknowledged")
-    st = sub.add_parser("status", help="spool, publication backlog and bundle state as JSON")
+    st = sub.add_parser(
+        "status", help="spool, publication backlog, bundle state, last preflight and credential expiry as JSON"
+    )
     st.add_argument("--state-dir", default=os.environ.get("SCO_AGENT_STATE_DIR", "/var/lib/sco"))
     args = p.parse_args(argv)
     unknown = config.unknown_env() if args.cmd in ("run", "check-config") else []

@@ -6,9 +6,10 @@ Credentials as client-go finds them: an explicit URL with a bearer-token file an
 (current context: server, CA, token or token file, client certificate); or in-cluster discovery
 (``KUBERNETES_SERVICE_HOST``/``PORT`` and the service account's ``token`` and ``ca.crt``). The token file is
 read again every minute (as client-go's cached file token source does: bound tokens expire and the kubelet
-rotates the file) and at once after a 401. With https a CA is required; trusting the system store must be
-said explicitly (``ca_file="system"``). TLS failures and 401/403 are :class:`KubeCredentialError`, never
-"unreachable": retrying does not fix them, a person must.
+rotates the file), at once after a 401, and before any request once the file changed (a stat of its inode,
+mtime and size: a rotation that revokes the old token at the same moment costs no 401). With https a CA is
+required; trusting the system store must be said explicitly (``ca_file="system"``). TLS failures and 401/403
+are :class:`KubeCredentialError`, never "unreachable": retrying does not fix them, a person must.
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ class KubeClient:
         self.timeout = timeout
         self._token_reread_s = token_reread_s
         self._token_read_at = -1e18
+        self._token_sig: tuple[int, int, int, int] | None = None
+        self.token_changes = 0  # how many times a different token was read from the file (preflight again)
         self._refresh_token(force=True)
 
     # --- credentials -------------------------------------------------------------------------------
@@ -209,14 +212,34 @@ class KubeClient:
                 self.http.headers["Authorization"] = f"Bearer {self.creds.token}"
             return
         now = time.monotonic()
-        if not force and now - self._token_read_at < self._token_reread_s:
+        sig = self.token_file_signature()
+        if not force and sig == self._token_sig and now - self._token_read_at < self._token_reread_s:
             return
         self._token_read_at = now
         try:
             token = Path(tf).read_text().strip()
         except OSError:
             return  # keep the last token; the API's 401 will say what is wrong
-        self.http.headers["Authorization"] = f"Bearer {token}"
+        if not token:
+            return  # caught between a truncate and a write: keep the last token, read again next time
+        self._token_sig = sig
+        header = f"Bearer {token}"
+        if self.http.headers.get("Authorization") not in (None, header):
+            self.token_changes += 1
+        self.http.headers["Authorization"] = header
+
+    def token_file_signature(self) -> tuple[int, int, int, int] | None:
+        """(device, inode, mtime in ns, size) of the token file (following symlinks, as kubelet's projected
+        volume swaps a ``..data`` link): one stat before each request, so a token rotated and the old one
+        revoked at once never costs a 401. None without a token file or when it cannot be stat'ed."""
+        tf = self.creds.token_file
+        if tf is None:
+            return None
+        try:
+            st = os.stat(tf)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
     async def close(self) -> None:
         await self.http.close()
@@ -431,6 +454,40 @@ class KubeClient:
             raise KubeUnreachable(f"watch: {e}") from None
         finally:
             writer.close()
+
+    async def request_token(
+        self,
+        ns: str,
+        service_account: str,
+        *,
+        seconds: int,
+        audiences: list[str] | None = None,
+        bound_node: tuple[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[str, float]:
+        """TokenRequest (authentication.k8s.io/v1) for ``ns/service_account``, bound to the Node ``(name, uid)``:
+        the token dies with that node object. (token, expiry as Unix time, from ``status.expirationTimestamp``:
+        the server may issue a shorter lifetime than asked)."""
+        spec: Obj = {"expirationSeconds": int(seconds)}
+        if audiences:
+            spec["audiences"] = list(audiences)
+        if bound_node is not None:
+            spec["boundObjectRef"] = {"kind": "Node", "apiVersion": "v1", "name": bound_node[0], "uid": bound_node[1]}
+        q = urllib.parse.quote
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+        path = f"/api/v1/namespaces/{q(ns)}/serviceaccounts/{q(service_account)}/token"
+        data = await self._ok("POST", path, body, timeout=timeout)
+        st = data.get("status") or {}
+        token, when = st.get("token"), st.get("expirationTimestamp")
+        if not isinstance(token, str) or not token or not isinstance(when, str):
+            raise KubeError(500, "TokenRequest: the answer holds no status.token and expirationTimestamp")
+        from datetime import datetime
+
+        try:
+            exp = datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            raise KubeError(500, f"TokenRequest: expirationTimestamp {when[:40]!r} is not RFC 3339") from None
+        return token, exp
 
     async def create_event(self, ns: str, event: Obj, timeout: float | None = None) -> Obj:
         """POST a core/v1 Event (``create events`` is all the credential needs for it)."""
