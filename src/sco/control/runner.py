@@ -9,16 +9,23 @@ What ``sco-control-loop.service`` (role ``sco.orchestrator.control_loop``) runs 
    ``ansible_runner.run``, passing the run's id as ``sco_run_id`` so every step records under it;
 3. summarises the run from the runner's events - what was demanded, planned, launched, deleted, granted and
    refused - into ``control_run.summary`` and on stdout (one line per item, then the summary as JSON).
+
+No secret reaches ansible-runner's files: it writes the environment it hands the playbook into
+``artifacts/<id>/command`` on every run, so the playbook gets the DSN without its password and ``PGPASSFILE``
+naming a 0600 libpq password file that lives only for the run (``_secretless``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +106,32 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pgpass_field(v: str) -> str:
+    return v.replace("\\", "\\\\").replace(":", "\\:")  # libpq's passfile escapes
+
+
+@contextlib.contextmanager
+def _secretless(dsn: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """(the DSN without its password, the environment that supplies it): a libpq password file, 0600 in a 0700
+    directory of its own, removed when the run ends. A DSN without a password is passed as it is."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    params = {k: str(v) for k, v in conninfo_to_dict(dsn).items()}
+    password = params.pop("password", "")
+    if not password:
+        yield dsn, {}
+        return
+    user = params.get("user") or os.environ.get("PGUSER") or ""
+    d = Path(tempfile.mkdtemp(prefix="sco-pgpass-"))  # 0700
+    try:
+        fd = os.open(d / "pgpass", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:  # any host, port and database of the DSN (a Patroni DSN lists several)
+            f.write(f"*:*:*:{_pgpass_field(user) if user else '*'}:{_pgpass_field(password)}\n")
+        yield make_conninfo(**params), {"PGPASSFILE": str(d / "pgpass")}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def run_loop(
     private_data_dir: Path, hall: str, dsn: str, *, playbook: str = "control_loop.yml", lock_wait_s: float = 0.0
 ) -> tuple[int, dict[str, Any]]:
@@ -120,14 +153,19 @@ def run_loop(
         summary: dict[str, Any] = {"run_id": run_id}
         status = "failed"
         try:
-            r = ansible_runner.run(
-                private_data_dir=str(private_data_dir),
-                playbook=playbook,
-                extravars={"sco_run_id": run_id, "sco_hall": hall},
-                # systemd gives the unit a bare PATH: ansible-playbook is beside this interpreter, in the venv
-                envvars={"SCO_DB_DSN": dsn, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"},
-                quiet=True,
-            )
+            with _secretless(dsn) as (run_dsn, secret_env):
+                r = ansible_runner.run(
+                    private_data_dir=str(private_data_dir),
+                    playbook=playbook,
+                    extravars={"sco_run_id": run_id, "sco_hall": hall},
+                    # systemd gives the unit a bare PATH: ansible-playbook is beside this interpreter, in the venv
+                    envvars={
+                        "SCO_DB_DSN": run_dsn,
+                        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                        **secret_env,
+                    },
+                    quiet=True,
+                )
             summary.update(summarise(r.events))
             summary["runner_ident"] = str(r.config.ident)
             status = "ok" if r.rc == 0 else "failed"
