@@ -10,6 +10,8 @@ real Nova (fake virt driver) with their signed contract subset -> a second run c
 from __future__ import annotations
 
 import base64
+import getpass
+import grp
 import json
 import os
 import shlex
@@ -227,6 +229,10 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
                 "control_loop_settings": {"shares": {1: "1/2", 2: "1/2", 3: 1}, "idleGraceSeconds": 0},
                 "control_loop_ceiling_per_hour": "3.00",
                 "control_loop_timer_enabled": False,
+                # the test runs the loop itself, as this user: no system user made on the test machine
+                "control_loop_user": getpass.getuser(),
+                "control_loop_group": grp.getgrgid(os.getgid()).gr_name,
+                "control_loop_create_user": False,
                 "_control_loop_unit_dir": str(tmp_path / "units"),
                 "_control_loop_env_file": str(tmp_path / "etc" / "control-loop.env"),
             },
