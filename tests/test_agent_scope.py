@@ -184,7 +184,10 @@ def test_the_agent_of_node_a_can_touch_nothing_on_node_b(tmp_path: Path, nats_se
             own.start().wait_subscribed()
             own.send(own.notice("own-1", WINDOW))
             assert own.outcome(WINDOW)["type"] == "drain.drained"
-            assert not own.of("scheduler.preflight")  # its token may do everything its drain needs
+            # its token may do everything its drain needs (a preflight the loaded API server did not answer in time
+            # says nothing of the token; the preflight repeats)
+            denied = [p for e in own.of("scheduler.preflight") for p in e["problems"] if "did not answer" not in p]
+            assert not denied, own.of("scheduler.preflight")
         finally:
             own.stop()
         assert ("web", "near") not in kube.cluster.pods

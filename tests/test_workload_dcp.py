@@ -128,7 +128,16 @@ def test_killed_run_resumes_bitwise_from_the_newest_complete_checkpoint(ceph: Ce
     p.send_signal(signal.SIGKILL)
     p.wait()
     s3 = ceph.s3(creds["access_key"], creds["secret_key"])
-    progress = json.loads(s3.get_object(Bucket=creds["bucket"], Key="runs/r1/progress")["Body"].read())["step"]
+
+    def progress_now() -> int:
+        return int(json.loads(s3.get_object(Bucket=creds["bucket"], Key="runs/r1/progress")["Body"].read())["step"])
+
+    # a progress PUT the killed process had sent may still land in RGW after the kill (seen under load): read until
+    # two reads a second apart agree
+    progress, prev = progress_now(), -1
+    while progress != prev:
+        time.sleep(1.0)
+        prev, progress = progress, progress_now()
     listed = [o["Key"] for o in s3.list_objects_v2(Bucket=creds["bucket"], Prefix="runs/r1/")["Contents"]]
     last = max(int(k.split("/")[2].removeprefix("step-")) for k in listed if k.endswith("/.metadata"))
     assert last >= 10 and progress >= last
