@@ -19,6 +19,8 @@ final parameters are bitwise equal to an uninterrupted run's.
         --contract training --out final.pt
 
 S3 credentials: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` and ``AWS_ENDPOINT_URL`` (or ``--endpoint``).
+The contract's credentials file (role ``checkpoint_store``) also names its store and retention:
+``SCO_CHECKPOINT_STORE`` and ``SCO_CHECKPOINT_KEEP`` are the defaults of ``--store`` and ``--keep``.
 """
 
 from __future__ import annotations
@@ -344,10 +346,15 @@ class Trainer:
 def parse(argv: list[str] | None = None) -> Config:
     p = argparse.ArgumentParser(prog="python -m sco_workloads.dcp_train", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="run name: its checkpoints live under STORE/RUN/")
-    p.add_argument("--store", required=True, help="s3://bucket/prefix/ or a local directory")
+    env_store, env_keep = os.environ.get("SCO_CHECKPOINT_STORE"), os.environ.get("SCO_CHECKPOINT_KEEP")
+    p.add_argument(
+        "--store", default=env_store, help="s3://bucket/prefix/ or a local directory ($SCO_CHECKPOINT_STORE)"
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10, help="a periodic checkpoint every N steps")
-    p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept (the contract's keep)")
+    p.add_argument(
+        "--keep", type=int, help="complete checkpoints kept (the contract's keep; $SCO_CHECKPOINT_KEEP, else 3)"
+    )
     p.add_argument("--inputs", type=int, default=64)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
@@ -359,6 +366,15 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--out")
     p.add_argument("--endpoint")
     a = p.parse_args(argv)
+    if not a.store:
+        p.error("--store: not given, and $SCO_CHECKPOINT_STORE is not set (the contract's credentials file names it)")
+    if a.keep is None:
+        try:
+            a.keep = int(env_keep or 3)
+        except ValueError:
+            a.keep = 0
+        if a.keep <= 0:
+            p.error(f"$SCO_CHECKPOINT_KEEP: expected a positive integer, got {env_keep!r}")
     for name in ("steps", "every", "keep", "inputs", "hidden", "batch", "threads"):
         if getattr(a, name) <= 0:
             p.error(f"--{name}: must be a positive integer, got {getattr(a, name)}")

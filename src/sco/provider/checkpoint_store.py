@@ -233,6 +233,7 @@ class StoreAdmin:
             "contract": store.contract,
             "bucket": store.bucket,
             "prefix": store.prefix,
+            "keep": store.keep,
             "user": store.uid,
             "access_key": keys[0].get("access_key"),
             "secret_key": keys[0].get("secret_key"),
@@ -241,13 +242,15 @@ class StoreAdmin:
 
 
 def credentials_file(result: dict[str, Any], endpoint: str) -> str:
-    """What a workload of the contract reads: its own keys, the endpoint, and where its checkpoints go."""
+    """What a workload of the contract reads: its own keys, the endpoint, where its checkpoints go and how many
+    complete ones it keeps (``sco_workloads.dcp_train`` defaults ``--store`` and ``--keep`` to these two)."""
     return (
         f"# sco checkpoint store credentials of contract {result['contract']} (scoped to its prefix)\n"
         f"AWS_ACCESS_KEY_ID={result['access_key']}\n"
         f"AWS_SECRET_ACCESS_KEY={result['secret_key']}\n"
         f"AWS_ENDPOINT_URL={endpoint}\n"
         f"SCO_CHECKPOINT_STORE=s3://{result['bucket']}/{result['prefix']}\n"
+        f"SCO_CHECKPOINT_KEEP={result['keep']}\n"
     )
 
 
