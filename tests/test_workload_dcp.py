@@ -257,3 +257,32 @@ def test_workload_package_imports_only_the_client_library() -> None:
     code = "import sys, sco_workloads.dcp_train; print(sorted(m for m in sys.modules if m.startswith('sco.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert json.loads(out.stdout.replace("'", '"')) == ["sco.workload", "sco.workload.checkpoint_client"]
+
+
+def test_the_drill_report_says_each_workloads_lost_work() -> None:
+    """The drain outcome's ``workloads`` (the agent's, per workload on the socket) in the drill report's JSON and in
+    its HTML table; a node's figures that are not numbers are left blank, its names escaped."""
+    from sco.control.drill import DrillReport, fold, render_html
+
+    t0 = 1_764_400_000.0
+    saved = {"workload": "trainer@job-7", "contract": "genomics-ckpt", "state": "done", "checkpointed": True,
+             "save_s": 0.42, "budget_s": 6.0, "save_within_budget": True, "step": 17, "resumed_from_step": 8,
+             "steps_redone": 3}  # fmt: skip
+    silent = {"workload": "<b>etl</b>", "contract": None, "state": "silent", "checkpointed": False, "save_s": "slow",
+              "budget_s": 6.0}  # fmt: skip
+    events = [
+        {"type": "notice.accepted", "notice": "n-1", "at": t0, "seq": 1, "received_at": t0, "terminate_at": t0 + 120},
+        {"type": "drain.drained", "notice": "n-1", "at": t0 + 4, "seq": 2, "workloads": [saved, silent, "junk"]},
+    ]
+    tl = fold("n1", events, notice="n-1")
+    report = DrillReport("local", "d-1", t0, t0 + 120, {"n1": tl}, finished=True)
+    assert report.as_json()["nodes"]["n1"]["workloads"] == [saved, silent]
+    page = render_html(report)
+    row = page.split('<tr data-workload="trainer@job-7">', 1)[1].split("</tr>", 1)[0]
+    assert row == (
+        '<td>n1</td><td>trainer@job-7</td><td>genomics-ckpt</td><td class="ok">yes (done)</td>'
+        '<td class="num">0.42 s</td><td class="num">6 s</td><td class="num">17</td><td class="num">3 (from step 8)</td>'
+    )
+    row = page.split('<tr data-workload="&lt;b&gt;etl&lt;/b&gt;">', 1)[1].split("</tr>", 1)[0]
+    assert '<td class="bad">no (silent)</td><td class="num"></td><td class="num">6 s</td>' in row
+    assert "<b>etl" not in page

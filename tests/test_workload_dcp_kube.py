@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sco.control.drill import fold
 from sco_devkit.devcluster.ceph import CephCluster
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from sco_devkit.standins.logind import LogindStandIn, PrivateBus
@@ -135,6 +136,7 @@ def _through_a_reclaim(
         (lost,) = out["workloads"]
         assert lost["checkpointed"] and lost["save_within_budget"] and lost["state"] == "done"
         assert lost["save_s"] < lost["budget_s"]
+        assert fold(env.node, env.events(), notice=f"dcp-{run}").workloads == [lost]  # the drill report's figures
         # a new pod on another node (no agent there: no socket) resumes from that checkpoint
         if kubelet is not None:
             kubelet.close()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sco.control.drill import fold
 from sco_devkit.devcluster.ceph import CephCluster
 from sco_devkit.devcluster.slurm import SlurmCluster
 from tests.harness import NatsServer, wait_for
@@ -113,6 +114,7 @@ def test_notice_saves_requeues_and_resumes_bitwise_elsewhere(
             (lost,) = out["workloads"]
             assert lost["checkpointed"] is True and lost["save_within_budget"] is True
             assert lost["save_s"] == noticed["save_s"] and lost["step"] == noticed["step"]
+            assert fold("n1", env.events(), notice="dcp-slurm-1").workloads == [lost]  # the drill report's figures
             wait_for(lambda: _finished(c, jid), 90, "the requeued job to finish", 0.2)
             resumed = _kinds(c, jid, "resumed")[0]
             assert resumed["from_step"] == noticed["step"] and resumed["steps_redone"] == 0

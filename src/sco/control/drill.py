@@ -195,6 +195,13 @@ class NodeTimeline:
         return round(self.terminate_at - self.finished_at, 3)
 
     @property
+    def workloads(self) -> list[dict[str, Any]]:
+        """Lost work per workload on the node's checkpoint socket, as the drain outcome says it: checkpointed or
+        not, its save against its budget, the steps it redid when it resumed (agent/CHECKPOINT-PROTOCOL.md)."""
+        ws = self.final.get("workloads")
+        return [dict(w) for w in ws if isinstance(w, Mapping)] if isinstance(ws, list) else []
+
+    @property
     def refusals(self) -> int:
         return sum(i.refusals for i in self.items.values())
 
@@ -243,6 +250,7 @@ class NodeTimeline:
             "pods": self.pods_total,
             "forced": self.forced,
             "pdb_refusals": self.refusals,
+            "workloads": self.workloads,
             "instance": self.instance,
             "malformed_events": self.malformed,
             "final": self.final,
@@ -548,6 +556,30 @@ def render_html(report: DrillReport) -> str:
             f"{_node_svg(t, t0, sc, term_of[n])}</section>"
         )
     legend = "".join(f'<span><i style="background:{COLORS[k]}"></i>{esc(v)}</span>' for k, v in LEGEND)
+    work = []
+    for n in sorted(report.nodes):
+        for w in report.nodes[n].workloads:
+            ok = w.get("checkpointed") is True
+            redone, frm = _num(w.get("steps_redone")), _num(w.get("resumed_from_step"))
+            resumed = "" if redone is None else f"{redone:g}" + ("" if frm is None else f" (from step {frm:g})")
+            cells = [
+                f"<td>{esc(n)}</td>",
+                f"<td>{esc(str(w.get('workload', '')))}</td>",
+                f"<td>{esc(str(w.get('contract') or ''))}</td>",
+                f'<td class="{"ok" if ok else "bad"}">{"yes" if ok else "no"} ({esc(str(w.get("state", "")))})</td>',
+                f'<td class="num">{_fmt(_num(w.get("save_s")), " s")}</td>',
+                f'<td class="num">{_fmt(_num(w.get("budget_s")), " s")}</td>',
+                f'<td class="num">{_fmt(_num(w.get("step")), "")}</td>',
+                f'<td class="num">{resumed}</td>',
+            ]
+            work.append(f'<tr data-workload="{esc(str(w.get("workload", "")))}">{"".join(cells)}</tr>')
+    work_table = (
+        '<table class="workloads"><thead><tr><th>node</th><th>workload (checkpoint socket)</th><th>contract</th>'
+        "<th>checkpointed</th><th>save</th><th>budget</th><th>at step</th><th>steps redone when it resumed</th>"
+        f"</tr></thead><tbody>{''.join(work)}</tbody></table>"
+        if work
+        else ""
+    )
     state = "finished" if report.finished else "in progress"
     gen = f", written {_t(report.generated_at)}" if report.generated_at else ""
     return (
@@ -560,9 +592,14 @@ def render_html(report: DrillReport) -> str:
         '<table class="outcomes"><thead><tr><th>node</th><th>outcome</th><th>notice to taint</th>'
         "<th>notice to drained</th><th>left at T</th><th>pods/jobs gone</th><th>PDB refusals</th>"
         "<th>forced deletes</th><th>instance</th><th>why</th></tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table>"
+        f"<tbody>{''.join(rows)}</tbody></table>{work_table}"
         f'<p class="legend">{legend}</p>{"".join(sections)}</body></html>\n'
     )
+
+
+def _num(v: Any) -> float | None:
+    """A figure a node reported, if it is one (its words are shown, never trusted to be numbers)."""
+    return float(v) if _finite(v) else None
 
 
 def _fmt(v: float | None, unit: str) -> str:
