@@ -17,6 +17,7 @@ import hashlib
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -30,6 +31,7 @@ from sco.contract.signing import Keyring
 from sco.errors import BundleError, RollbackError
 
 BUNDLE_NAME = "bundle.json"
+SHED_WAIT_S = 1.0  # for a shed connection's thread to give its slot back (it is woken at once)
 _PATH = re.compile(r"^/v1/halls/([a-z0-9]([-a-z0-9]*[a-z0-9])?)/bundle\.json$")
 
 
@@ -168,6 +170,7 @@ class _Deadlines:
         self._by_conn: dict[socket.socket, float] = {}
         self._stop = threading.Event()
         self.reaped = 0
+        self.shed = 0  # shut early to make room for a new connection
         threading.Thread(target=self._reap, args=(period,), name="distributor-deadlines", daemon=True).start()
 
     def arm(self, conn: socket.socket, at: float) -> None:
@@ -177,6 +180,18 @@ class _Deadlines:
     def disarm(self, conn: socket.socket) -> None:
         with self._lock:
             self._by_conn.pop(conn, None)
+
+    def shed_oldest(self) -> bool:
+        """Shut the connection that has waited longest for its request's headers (False: none is waiting)."""
+        with self._lock:
+            if not self._by_conn:
+                return False
+            conn = min(self._by_conn, key=self._by_conn.__getitem__)
+            del self._by_conn[conn]
+        self.shed += 1
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        return True
 
     def _reap(self, period: float) -> None:
         while not self._stop.wait(period):
@@ -198,7 +213,10 @@ class DistributorServer(ThreadingHTTPServer):
     """One thread per connection: at most ``max_connections`` at once and ``max_per_client`` from one address
     (more are closed at once: a node retries at its next refresh, and one client cannot take every slot); a
     request's line and headers must arrive within ``header_timeout`` seconds in all (a slowloris trickling a
-    byte at a time is cut off), and no read or write waits more than ``idle_timeout``."""
+    byte at a time is cut off), and no read or write waits more than ``idle_timeout``. With every slot taken, a
+    new connection takes the slot of the one that has waited longest for its headers (a slowloris from many
+    addresses holds them all; a node sends its GET within milliseconds, so it is never the oldest); only when
+    every slot is sending an answer is a new connection closed at once."""
 
     daemon_threads = True
     request_queue_size = 128
@@ -267,10 +285,17 @@ class DistributorServer(ThreadingHTTPServer):
             n = self._per_client.get(client, 0)
             if n >= self.max_per_client:
                 return False
-            if not self._slots.acquire(blocking=False):
-                return False
             self._per_client[client] = n + 1
+        # Outside the lock: the shed connection's thread takes it to give its slot back.
+        if self._slots.acquire(blocking=False) or (
+            self.deadlines.shed_oldest() and self._slots.acquire(timeout=SHED_WAIT_S)
+        ):
             return True
+        with self._per_client_lock:
+            n = self._per_client.pop(client, 1) - 1
+            if n > 0:
+                self._per_client[client] = n
+        return False
 
     def _give(self, client: str) -> None:
         with self._per_client_lock:
@@ -296,6 +321,11 @@ class DistributorServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._give(str(client_address[0]))
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return  # a connection cut (by us at its deadline or to make room, or by the peer): nothing to report
+        super().handle_error(request, client_address)
 
     def server_close(self) -> None:
         self.deadlines.close()
