@@ -1,0 +1,84 @@
+"""The node_agent role's agent.toml template: the agent's settings it has variables for land in the config the
+agent loads (rendered by Ansible's own template module with the role's defaults and vars)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sco.agent.config import load
+from sco.contract.signing import generate, write_keypair
+from sco.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+ROLE = REPO / "collections/ansible_collections/sco/orchestrator/roles/node_agent"
+BIN = Path(sys.executable).parent
+
+RENDER = """
+- name: Render agent.toml with the role's template
+  hosts: localhost
+  gather_facts: false
+  vars_files: ["{{ role }}/defaults/main.yml", "{{ role }}/vars/main.yml"]
+  tasks:
+    - name: Render
+      ansible.builtin.template:
+        src: "{{ role }}/templates/agent.toml.j2"
+        dest: "{{ out }}"
+        mode: "0600"
+"""
+
+# what role sco.orchestrator.hall maps from the hall-wide settings
+HALL = {
+    "node_agent_hall": "local",
+    "node_agent_bundle_url": "http://127.0.0.1:8470/v1/halls/local/bundle.json",
+    "node_agent_nats_url": "nats://127.0.0.1:4222",
+    "node_agent_nats_password": "",
+    "node_agent_metadata_url": "",
+    "node_agent_kube_url": "http://127.0.0.1:6443",
+    "node_agent_kube_ca_file": "",
+}
+
+
+def render(tmp: Path, **extravars: Any) -> Path:
+    play, out = tmp / "render.yml", tmp / "agent.toml"
+    play.write_text(RENDER)
+    (tmp / "etc/trusted").mkdir(parents=True)
+    write_keypair(generate(), tmp / "hall.key", tmp / "etc/trusted/hall.pub")  # the agent needs a trusted key
+    ev = {"role": str(ROLE), "out": str(out), "ansible_python_interpreter": sys.executable, **HALL,
+          "node_agent_config_dir": str(tmp / "etc"), "node_agent_state_dir": str(tmp / "state"),
+          **extravars}  # fmt: skip
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    r = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(play), "-e", json.dumps(ev)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+@pytest.mark.parametrize(
+    ("extravars", "renew", "preflight"),
+    [
+        ({}, 1, 300.0),  # the role's defaults are the agent's own
+        ({"node_agent_kube_token_renew": False, "node_agent_preflight_seconds": 45}, 0, 45.0),
+        ({"node_agent_kube_token_renew": "yes", "node_agent_preflight_seconds": 2.5}, 1, 2.5),
+    ],
+)
+def test_token_renewal_and_preflight_period_reach_the_agents_config(
+    tmp_path: Path, extravars: dict[str, Any], renew: int, preflight: float
+) -> None:
+    cfg = load(render(tmp_path, **extravars), env={})
+    assert (cfg.kube_token_renew, cfg.preflight_seconds) == (renew, preflight)
+
+
+def test_a_preflight_period_the_agent_refuses_is_named_by_check_config(tmp_path: Path) -> None:
+    # the role's validate step (sco-agent check-config) names the setting rather than starting a broken agent
+    with pytest.raises(ConfigError) as e:
+        load(render(tmp_path, node_agent_preflight_seconds=0.5), env={})
+    assert [p.field for p in e.value.problems] == ["agent.preflight_seconds"], e.value.problems
