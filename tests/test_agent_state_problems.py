@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,24 +51,57 @@ def _run(argv: list[str], timeout: float = 20) -> subprocess.CompletedProcess[st
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_state_file_this_user_cannot_read_is_one_line_and_exit_5_at_both(
-    root: Path, key: PrivateKey, node_wheelhouse: Path
-) -> None:
+@pytest.fixture(scope="module")
+def node_agent(node_wheelhouse: Path) -> Iterator[str]:
+    """The agent as a node installs it, where another user can read it: a checkout may sit in a 0700 directory
+    (CI's mktemp -d), out of that user's reach."""
     from tests.node_install import install_venv
 
-    # the agent as a node installs it, where another user can read it: a checkout may sit in a 0700 directory
-    # (CI's mktemp -d), out of that user's reach
-    agent = str(install_venv(node_wheelhouse, root / "venv") / "bin" / "sco-agent")
-    cfg = _config(root, key)
+    d = Path(tempfile.mkdtemp(prefix="sco-agent-venv-"))
+    d.chmod(0o755)
+    yield str(install_venv(node_wheelhouse, d / "venv") / "bin" / "sco-agent")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _unreadable_spool(root: Path) -> str:
     spool = root / "state" / "spool" / "events.spool"
     spool.write_bytes(b"")
     spool.chmod(0o600)  # root's: the agent runs as another user
+    return f"{spool}: this user (uid 65534) may not read and write it"
+
+
+def _unreadable_state_dir(root: Path) -> str:
+    (root / "state").chmod(0o700)  # root's: nothing inside can even be looked at (was a traceback at both)
+    return f"{root / 'state'}: this user (uid 65534) may not use it"
+
+
+def _bundle_file_a_directory(root: Path) -> str:
+    (root / "state" / "bundle" / "bundle.json").mkdir()  # check-config said ok, run exit 5
+    return f"{root / 'state' / 'bundle' / 'bundle.json'}: expected a file"
+
+
+@pytest.mark.parametrize("spoil", [_unreadable_spool, _unreadable_state_dir, _bundle_file_a_directory])
+def test_a_state_problem_is_one_line_and_exit_5_at_both(
+    root: Path, key: PrivateKey, node_agent: str, spoil: Callable[[Path], str]
+) -> None:
+    cfg = _config(root, key)
+    said = spoil(root)
     for cmd in ("check-config", "run"):
-        p = _run([*NOBODY, agent, cmd, "--config", str(cfg)])
+        p = _run([*NOBODY, node_agent, cmd, "--config", str(cfg)])
         assert p.returncode == 5, (cmd, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in p.stderr, (cmd, p.stderr)
-        assert f"{spool}: this user (uid 65534) may not read and write it" in lines[0]
+        assert said in lines[0], (cmd, lines[0])
+
+
+def test_a_trust_dir_this_user_cannot_read_is_named_so(root: Path, key: PrivateKey, node_agent: str) -> None:
+    """It was "holds no *.pub key" (glob finds nothing where it may not look): the fix is a chmod, not a key."""
+    cfg = _config(root, key)
+    (root / "trusted").chmod(0o700)
+    for cmd in ("check-config", "run"):
+        p = _run([*NOBODY, node_agent, cmd, "--config", str(cfg)])
+        assert p.returncode == 5 and "Traceback" not in p.stderr, (cmd, p.stderr)
+        assert f"{root / 'trusted'}: this user (uid 65534) may not read it" in p.stderr, (cmd, p.stderr)
 
 
 def test_a_corrupt_trusted_key_is_exit_4_at_check_config_as_at_run(root: Path, key: PrivateKey) -> None:

@@ -326,7 +326,10 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
     p += _check_state_dir(cfg, where)
     if cfg.log_level not in ("debug", "info", "warning", "error"):
         p.append(Problem(where, "agent.log_level", "expected debug, info, warning or error"))
-    if not cfg.trust_dir.is_dir() or not any(cfg.trust_dir.glob("*.pub")):
+    if cfg.trust_dir.is_dir() and not os.access(cfg.trust_dir, os.R_OK | os.X_OK):
+        # glob finds nothing in a directory it may not read: say so, not "holds no key"
+        p.append(Problem(where, "agent.trust_dir", f"{cfg.trust_dir}: this user (uid {os.geteuid()}) may not read it"))
+    elif not cfg.trust_dir.is_dir() or not any(cfg.trust_dir.glob("*.pub")):
         p.append(Problem(where, "agent.trust_dir", f"{cfg.trust_dir} holds no *.pub key: no bundle could verify"))
     for name in ("kube_token_file", "kube_ca_file"):
         value = getattr(cfg, name)
@@ -370,27 +373,44 @@ def _check_nats_auth(cfg: AgentConfig, where: str) -> list[Problem]:
 
 def _check_state_dir(cfg: AgentConfig, where: str) -> list[Problem]:
     """The spool must be writable with room for its bound: found now, not as a traceback at the first notice."""
+    try:
+        return _state_dir_problems(cfg, where)
+    except OSError as e:  # a directory on the way this user may not search: one line, as run gives
+        return [Problem(where, "agent.state_dir", f"{e.filename or cfg.state_dir}: {e.strerror or e}")]
+
+
+def _state_dir_problems(cfg: AgentConfig, where: str) -> list[Problem]:
+    from sco.agent.bundle_cache import BUNDLE_FILE, STATE_FILE
+    from sco.agent.spool import CURSOR_FILE, ID_FILE, SPOOL_FILE
+
     d = cfg.state_dir
     existing = d
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         return [Problem(where, "agent.state_dir", f"{existing} is not a directory")]
-    for sub in (d, d / "spool", d / "bundle"):
-        if sub.exists() and not sub.is_dir():
-            return [Problem(where, "agent.state_dir", f"{sub} is not a directory")]
+    files = {d / "spool": (SPOOL_FILE, CURSOR_FILE, ID_FILE), d / "bundle": (BUNDLE_FILE, STATE_FILE)}
     # Everything already there must be this user's to read and write (a state dir left by another user, or by
-    # root, is found now: run would stop with the same line)
-    for sub in (d / "spool", d / "bundle"):
-        if not sub.is_dir():
+    # root, is found now: run would stop with the same line). The state dir itself first: what is inside it
+    # cannot even be looked at without it.
+    for sub in (d, d / "spool", d / "bundle"):
+        if not sub.exists():
             continue
+        if not sub.is_dir():
+            return [Problem(where, "agent.state_dir", f"{sub} is not a directory")]
         if not os.access(sub, os.R_OK | os.W_OK | os.X_OK):
             return [Problem(where, "agent.state_dir", f"{sub}: this user (uid {os.geteuid()}) may not use it")]
+        if sub == d:
+            continue
         try:
             entries = sorted(sub.iterdir())
         except OSError as e:
             return [Problem(where, "agent.state_dir", f"{sub}: cannot list: {e.strerror or e}")]
         for f in entries:
+            if f.name in files[sub] and not f.is_file():
+                return [
+                    Problem(where, "agent.state_dir", f"{f}: expected a file (the agent's own), found another kind")
+                ]
             if f.is_file() and not os.access(f, os.R_OK | os.W_OK):
                 return [
                     Problem(where, "agent.state_dir", f"{f}: this user (uid {os.geteuid()}) may not read and write it")
