@@ -110,7 +110,10 @@ def start_relay(tmp_path: Path, nodes: list[str]) -> tuple[RoleRelay, Path]:
          "--password-file", str(creds / "relay-admin"), "--hall", "local"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert json.loads(stream.stdout) == {"stream": "SCO_EVENTS", "action": "created"}, stream.stderr
+    assert [json.loads(x) for x in stream.stdout.splitlines()] == [
+        {"stream": "SCO_EVENTS", "action": "created"},
+        {"stream": "SCO_HEARTBEATS", "action": "created"},
+    ], stream.stderr
     return srv, creds
 
 

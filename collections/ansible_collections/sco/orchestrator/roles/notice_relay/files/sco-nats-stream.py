@@ -1,7 +1,9 @@
-"""Create or update the hall's event stream on the local relay (idempotent; the relay unit's ExecStartPost).
+"""Create or update the hall's streams on the local relay (idempotent; the relay unit's ExecStartPost): the agents'
+events, and their heartbeats (the last one per node, in memory: sco.provider.heartbeats reads them).
 
-Prints one JSON line: {"stream": NAME, "action": "created" | "updated" | "unchanged"}. Waits up to --wait seconds for
-the server that has just started; exits non-zero with a message when it cannot reach it or JetStream refuses.
+Prints one JSON line per stream: {"stream": NAME, "action": "created" | "updated" | "unchanged"}. Waits up to --wait
+seconds for the server that has just started; exits non-zero with a message when it cannot reach it or JetStream
+refuses.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 
 import nats
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 
@@ -29,12 +31,25 @@ def wanted(args: argparse.Namespace) -> StreamConfig:
     )
 
 
+def heartbeats_wanted(args: argparse.Namespace) -> StreamConfig:
+    # One message per node (the last), whatever the hall's size; a restart loses them until the next beats.
+    return StreamConfig(
+        name=args.heartbeat_stream,
+        subjects=[f"sco.heartbeat.{args.hall}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY,
+        max_msgs_per_subject=1,
+        max_age=float(args.heartbeat_max_age),
+        discard=DiscardPolicy.OLD,
+    )
+
+
 def differs(have: StreamConfig, want: StreamConfig) -> bool:
-    fields = ("subjects", "retention", "storage", "max_age", "max_bytes", "duplicate_window")
-    return any(getattr(have, f) != getattr(want, f) for f in fields)
+    fields = ("subjects", "retention", "storage", "max_age", "max_bytes", "duplicate_window", "max_msgs_per_subject")
+    return any(getattr(have, f) != getattr(want, f) for f in fields if getattr(want, f) is not None)
 
 
-async def ensure(args: argparse.Namespace) -> str:
+async def ensure(args: argparse.Namespace) -> list[tuple[str, str]]:
     password = Path(args.password_file).read_text().strip()
     nc = None
     loop = asyncio.get_running_loop()
@@ -50,16 +65,20 @@ async def ensure(args: argparse.Namespace) -> str:
             await asyncio.sleep(0.3)
     try:
         js = nc.jetstream(timeout=5)
-        want = wanted(args)
-        try:
-            have = (await js.stream_info(args.stream)).config
-        except NotFoundError:
-            await js.add_stream(want)
-            return "created"
-        if differs(have, want):
-            await js.update_stream(want)
-            return "updated"
-        return "unchanged"
+        done = []
+        for want in [wanted(args)] + ([heartbeats_wanted(args)] if args.heartbeat_stream else []):
+            try:
+                have = (await js.stream_info(want.name)).config
+            except NotFoundError:
+                await js.add_stream(want)
+                done.append((want.name, "created"))
+                continue
+            if differs(have, want):
+                await js.update_stream(want)
+                done.append((want.name, "updated"))
+            else:
+                done.append((want.name, "unchanged"))
+        return done
     finally:
         await nc.close()
 
@@ -74,15 +93,18 @@ def main() -> None:
     p.add_argument("--max-age", type=float, default=14 * 86400)
     p.add_argument("--max-bytes", type=int, default=512 * 2**20)
     p.add_argument("--duplicate-window", type=float, default=120)
+    p.add_argument("--heartbeat-stream", default="SCO_HEARTBEATS", help='"" for none')
+    p.add_argument("--heartbeat-max-age", type=float, default=86400)
     p.add_argument("--wait", type=float, default=15)
     args = p.parse_args()
     try:
-        action = asyncio.run(ensure(args))
+        done = asyncio.run(ensure(args))
     except SystemExit:
         raise
     except Exception as e:
         sys.exit(f"sco-nats-stream: stream {args.stream}: {e}")
-    print(json.dumps({"stream": args.stream, "action": action}))
+    for stream, action in done:
+        print(json.dumps({"stream": stream, "action": action}))
 
 
 if __name__ == "__main__":
