@@ -110,3 +110,25 @@ def test_a_lost_instance_neither_costs_nor_holds_the_cap_and_a_deleting_one_stil
     assert total == D(0)
     a = arbitrate({"train": 24 * U}, {"train": c("train", 2, True, "100")}, (od("od", "10.00", cap=2),), fleet, D(100))
     assert [g.instances for g in a.grants] == [1]  # the deleting server still holds one of the 2
+
+
+def test_spend_per_tier_against_authority_running_granted_and_tier_zero() -> None:
+    # train (tier 2, 30/h) runs 15/h and is granted 10/h more; api (tier 2, 20/h) runs 5/h; ci (tier 3) may not
+    # fall back: its authority counts 0; an instance of a contract gone from the bundle still costs (tier 0)
+    fleet = (
+        Instance("i1", "od-1", "od", ("train",)),
+        Instance("i2", "od-2", "od", ("train", "api")),
+        Instance("i3", "od-3", "od", ("retired",)),
+    )
+    cs = {"train": c("train", 2, True, "30"), "api": c("api", 2, True, "20"), "ci": c("ci", 3, False)}
+    a = arbitrate({"train": 8 * U, "ci": 8 * U}, cs, (od("od", "10.00"),), fleet, D(1000))
+    assert [(g.contract, g.tier, g.authority_per_hour) for g in a.grants] == [("train", 2, D(30))]
+    assert [(r.contract, r.tier, r.authority_per_hour) for r in a.refusals] == [("ci", 3, D(0))]
+    assert [(t.tier, t.spend_per_hour, t.granted_per_hour, t.authority_per_hour) for t in a.tiers] == [
+        (0, D("10.00"), D("0.00"), D("0.00")),
+        (2, D("20.00"), D("10.00"), D("50.00")),
+        (3, D("0.00"), D("0.00"), D("0.00")),
+    ]
+    assert a.to_dict()["tiers"][1] == {
+        "tier": 2, "spend_per_hour": "20.00", "granted_per_hour": "10.00", "authority_per_hour": "50.00"
+    }  # fmt: skip

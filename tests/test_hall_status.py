@@ -10,8 +10,11 @@ from decimal import Decimal
 import pytest
 
 from sco.cli import main
-from sco.control.arbiter import Arbitration, Grant, Refusal
+from sco.control.arbiter import arbitrate
+from sco.control.model import ContractInfo, Instance
+from sco.control.model import Pool as PlanPool
 from sco.control.record import PgFleetStore
+from sco.state import heartbeats
 from sco.state.fleet import FleetState, Pool
 from sco.state.hall import parse_duration, parse_since, percentile
 from tests.cli_run import one_line_error, sco
@@ -82,10 +85,19 @@ def hall(fleet_dsn: str) -> dict[str, int]:
         )  # fmt: skip
         _backdate(fs, ids["gpu-a-2"], "reclaim.scheduled", 100)
 
-        # gpu-a-3: active, nothing heard of it for an hour (its records moved back, the instance too)
-        _backdate(fs, ids["gpu-a-3"], "%", 3600)
+        # Heartbeats as the control loop reads them: gpu-a-3's agent was last heard two hours ago, od-0 (up for an
+        # hour) never; gpu-a-4 and the draining gpu-a-0 were heard just now; gpu-a-1/2 have said their last word.
+        for name in ("gpu-a-3", "od-0"):
+            fs.conn.execute(
+                "UPDATE instance SET created_at = created_at - interval '3 hours' WHERE id = %s", (ids[name],)
+            )
+        now = heartbeats_now(fs)
+        heartbeats.record(
+            fs.conn, HALL, {"gpu-a-3": (now, {}), "gpu-a-4": (now, {"drain": "idle"}), "gpu-a-0": (now, {})}
+        )
+        fs.conn.execute("UPDATE agent_heartbeat SET heard_at = heard_at - interval '2 hours' WHERE node = 'gpu-a-3'")
         fs.conn.execute(
-            "UPDATE instance SET created_at = created_at - interval '1 hour' WHERE id = %s", (ids["gpu-a-3"],)
+            "UPDATE instance SET created_at = created_at + interval '2 hours' WHERE id = %s", (ids["od-0"],)
         )
 
         fs.mark_unavailable(HALL, "gpu-b", 300, "quota: cores exceeded in project spot")
@@ -94,16 +106,26 @@ def hall(fleet_dsn: str) -> dict[str, int]:
         store.finish_run(ok, "ok", {"run_id": ok})
         bad = store.begin_run(HALL)
         store.finish_run(bad, "failed", {"run_id": bad, "rc": 2})
-        store.record_arbitration(
-            HALL, bad,
-            Arbitration(
-                grants=(Grant("etl", "od", 2, Decimal("3.50"), "within authority 5.00 and hall ceiling 20.00"),),
-                refusals=(Refusal("render", 4000, "fallback.onDemand is false"),),
-                hall_spend_per_hour=Decimal("3.50"), ceiling_per_hour=Decimal("20.00"),
-            ),
-        )  # fmt: skip
+        # the arbiter's own decision: etl (tier 2, authority 5.00/h) runs od-0 at 1.75/h and is granted 2 more
+        store.record_arbitration(HALL, bad, arbitration())
         ids["run_ok"], ids["run_failed"] = ok, bad
     return ids
+
+
+def heartbeats_now(fs: FleetState) -> object:
+    return fs.conn.execute("SELECT clock_timestamp()").fetchone()[0]
+
+
+CONTRACTS = {
+    "etl": ContractInfo("etl", 2, on_demand=True, spend_cap_per_hour=Decimal("5.00")),
+    "render": ContractInfo("render", 1),
+}
+
+
+def arbitration(running: int = 1) -> object:
+    pools = (PlanPool("od", "on-demand", 8000, 10, price_per_hour=Decimal("1.75")),)
+    fleet = tuple(Instance(f"i{n}", f"od-{n}", "od", ("etl",)) for n in range(running))
+    return arbitrate({"etl": 16000, "render": 4000}, CONTRACTS, pools, fleet, Decimal("20.00"))
 
 
 def test_status_json_has_reclaim_overrun_runs_unavailable_and_silent_agent(
@@ -113,7 +135,7 @@ def test_status_json_has_reclaim_overrun_runs_unavailable_and_silent_agent(
     st = json.loads(capsys.readouterr().out)
     assert set(st) == {
         "hall", "now", "stale_after_s", "recent_s", "pools", "reclaims", "overruns", "runs", "unavailable_pools",
-        "stale_agents",
+        "stale_agents", "heartbeats",
     }  # fmt: skip
     pools = {p["name"]: p for p in st["pools"]}
     assert pools["gpu-a"]["instances"] == {"active": 2, "draining": 1, "drained": 1, "overrun": 1}
@@ -137,9 +159,14 @@ def test_status_json_has_reclaim_overrun_runs_unavailable_and_silent_agent(
     ]
     assert 0 < st["unavailable_pools"][0]["seconds_left"] <= 300
 
-    # gpu-a-3 only: gpu-a-4 and od-0 were heard of just now, the others have said their last word (or drain)
-    assert [a["instance"] for a in st["stale_agents"]] == ["gpu-a-3"]
-    assert st["stale_agents"][0]["silent_s"] >= 3600 and st["stale_agents"][0]["last_event"] == "instance.active"
+    # gpu-a-3 heard two hours ago, od-0 up for an hour and never heard; gpu-a-4 and gpu-a-0 heard now; gpu-a-1
+    # (drained) and gpu-a-2 (overrun) beat no more
+    silent = {a["instance"]: a for a in st["stale_agents"]}
+    assert list(silent) == ["gpu-a-3", "od-0"]
+    assert 7200 <= silent["gpu-a-3"]["silent_s"] < 7300 and silent["gpu-a-3"]["heard_at"].endswith("Z")
+    assert 3600 <= silent["od-0"]["silent_s"] < 3700 and silent["od-0"]["heard_at"] is None
+    assert st["heartbeats"]["nodes"] == 3 and st["heartbeats"]["last_error"] is None
+    assert 0 <= st["heartbeats"]["read_age_s"] < 60
 
 
 def test_status_text_shows_time_to_t_overrun_reason_and_silent_agent(
@@ -150,15 +177,19 @@ def test_status_text_shows_time_to_t_overrun_reason_and_silent_agent(
     line = next(x for x in out.splitlines() if "gpu-a-0" in x)
     assert "reclaim-under-way" in line and re.search(r"\bin (8|9|10)m$", line), line
     assert "job 4242: steps still on the node" in out and "reclaim-overrun" in out
-    silent = out.split("instances silent for 15m or more: 1", 1)[1]
+    assert re.search(r"agent heartbeats: read \d+s ago, 3 node\(s\) on the relay", out), out
+    silent = out.split("agents not heard for 15m or more: 2", 1)[1]
     assert "gpu-a-3" in silent and "gpu-a-4" not in silent
+    assert re.search(r"od-0 +od +active +never +60m", silent), silent
     assert "gpu-b: quota: cores exceeded" in out and "gpu-b (UNAVAILABLE)" in out
 
 
 def test_stale_threshold_is_the_operators(
     fleet_dsn: str, hall: dict[str, int], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["hall", "status", "--json", "--dsn", fleet_dsn, "--stale", "2h"]) == 0
+    assert main(["hall", "status", "--json", "--dsn", fleet_dsn, "--stale", "90m"]) == 0
+    assert [a["instance"] for a in json.loads(capsys.readouterr().out)["stale_agents"]] == ["gpu-a-3"]
+    assert main(["hall", "status", "--json", "--dsn", fleet_dsn, "--stale", "3h"]) == 0
     assert json.loads(capsys.readouterr().out)["stale_agents"] == []
 
 
@@ -176,12 +207,18 @@ def test_report_counts_outcomes_and_drain_percentiles(
     assert rp["total"]["reclaims"] == 3 and set(rp["reclaims"]) == {"gpu-a"}
     hours = {h["pool"]: h for h in rp["instance_hours"]}
     assert hours["gpu-a"]["instances"] == 5 and hours["gpu-a"]["flavor"] == "g1.large"
-    assert 1.0 <= hours["gpu-a"]["instance_hours"] < 1.1  # gpu-a-3's hour; the others are seconds old
+    assert 3.0 <= hours["gpu-a"]["instance_hours"] < 3.1  # gpu-a-3's 3 hours; the others are seconds old
     assert hours["od"]["kind"] == "on-demand" and "gpu-b" not in hours
+    assert 1.0 <= hours["od"]["instance_hours"] < 1.1
     assert rp["on_demand"]["grants"] == [
-        {"contract": "etl", "pool": "od", "grants": 1, "instances": 2, "cost_per_hour_granted": "3.50"}
-    ]
-    assert rp["on_demand"]["refusals"] == {"render": 1} and rp["on_demand"]["spend_against_authority"] is None
+        {"contract": "etl", "pool": "od", "tier": 2, "authority_per_hour": "5.00", "grants": 1, "instances": 1,
+         "cost_per_hour_granted": "1.75"}
+    ]  # fmt: skip
+    assert rp["on_demand"]["refusals"] == {"etl": 1, "render": 1}
+    spend = {t["tier"]: t for t in rp["on_demand"]["spend_against_authority"]}
+    assert set(spend) == {1, 2}
+    assert spend[2]["spend_per_hour"] == "1.75" and spend[2]["authority_per_hour"] == "5.00"
+    assert spend[2]["granted_per_hour"] == "1.75" and spend[1]["authority_per_hour"] == "0.00"
 
 
 def test_report_since_after_the_reclaims_counts_none(
@@ -195,7 +232,10 @@ def test_report_since_after_the_reclaims_counts_none(
     assert main(["hall", "report", "--since", since, "--dsn", fleet_dsn]) == 0
     out = capsys.readouterr().out
     total = next(x for x in out.splitlines() if x.strip().startswith("(all)"))
-    assert total.split() == ["(all)", "0", "0", "0", "0", "0", "-", "-"] and "not recorded" in out
+    assert total.split() == ["(all)", "0", "0", "0", "0", "0", "-", "-"]
+    # the arbitrate run before the window still holds: its rates, for no time yet
+    tier2 = next(x for x in out.splitlines() if x.strip().startswith("2 "))
+    assert tier2.split()[:3] == ["2", "0.00", "0.00"] and tier2.split()[-2:] == ["1.75", "5.00"], out
 
 
 def test_bad_since_is_one_line_naming_it(fleet_dsn: str, hall: dict[str, int]) -> None:
@@ -231,3 +271,27 @@ def test_durations_and_percentiles() -> None:
     assert parse_since("2026-11-01T00:00:00", now) == datetime(2026, 11, 1, tzinfo=UTC)  # no zone: UTC
     assert percentile([], 50) is None
     assert percentile([5.0, 1.0, 3.0], 50) == 3.0 and percentile(list(map(float, range(1, 101))), 99) == 99.0
+
+
+def test_spend_against_authority_is_the_arbiters_samples_over_the_window(
+    fleet_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Three arbitrate runs two hours apart: etl (tier 2, authority 5.00/h) ran one od instance at 1.75/h, then
+    # three (5.25/h: above its authority, as after a cap was lowered), then still three.
+    with PgFleetStore(fleet_dsn) as store:
+        for running in (1, 3, 3):
+            store.conn.execute("UPDATE spend_record SET created_at = created_at - interval '2 hours'")
+            store.record_arbitration(HALL, None, arbitration(running))
+    assert main(["hall", "report", "--since", "3h", "--json", "--dsn", fleet_dsn]) == 0
+    spend = {t["tier"]: t for t in json.loads(capsys.readouterr().out)["on_demand"]["spend_against_authority"]}
+    t2 = spend[2]
+    # the sample of 4 h ago holds for the window's first hour (1.75), the next one for two hours (2 x 5.25)
+    assert abs(float(t2["spend"]) - 12.25) <= 0.02 and abs(float(t2["authority"]) - 15.00) <= 0.02
+    assert abs(t2["spend_ratio"] - 12.25 / 15) < 0.01 and abs(t2["hours_covered"] - 3) < 0.01
+    assert abs(t2["hours_over_authority"] - 2) < 0.01 and t2["peak_spend_per_hour"] == "5.25"
+    assert t2["granted_per_hour"] == "0.00"  # the grant of 4 h ago is before the window; none since
+    assert (t2["spend_per_hour"], t2["authority_per_hour"]) == ("5.25", "5.00")
+    assert float(spend[1]["spend"]) == 0 and spend[1]["spend_ratio"] is None  # render: no authority, no spend
+    assert main(["hall", "report", "--since", "3h", "--dsn", fleet_dsn]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("2 "))
+    assert row.split()[3:6] == ["82%", "3.00", "2.00h"] and row.split()[-3:] == ["5.25", "5.25", "5.00"], row

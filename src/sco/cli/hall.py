@@ -1,6 +1,7 @@
 """``sco hall status`` and ``sco hall report``: what the fleet state says of a hall, for the on-call engineer.
 
-Read-only: no lock is taken, nothing is written. ``--json`` prints one object (keys in docs/RUNBOOK.md).
+Read-only: no lock is taken, nothing is written but the agents' heartbeats ``--nats`` read from the relay (the
+control loop records the same). ``--json`` prints one object (keys in docs/RUNBOOK.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from sco._redact import describe_dsn
 from sco.cli._common import _env
+from sco.cli._nats import _add_nats_auth
 from sco.errors import ConfigError
 
 
@@ -110,12 +112,20 @@ def status_lines(st: dict[str, Any]) -> list[str]:
     out.append(f"pools unavailable: {len(st['unavailable_pools']) or 'none'}")
     for u in st["unavailable_pools"]:
         out.append(f"  {u['pool']}: {u['reason']} (until {u['until']}, {_secs(u['seconds_left'])} more)")
-    out.append(f"instances silent for {_secs(st['stale_after_s'])} or more: {len(st['stale_agents']) or 'none'}")
+    hb = st["heartbeats"]
+    if hb["read_at"] is None:
+        read = "never read for this hall (the control loop reads them with $SCO_NATS_URL set, or give --nats)"
+    else:
+        read = f"read {_secs(hb['read_age_s'])} ago, {hb['nodes']} node(s) on the relay"
+    if hb["last_error"]:
+        read += f"; the last read at {hb['last_try_at']} FAILED: {hb['last_error']}"
+    out.append(f"agent heartbeats: {read}")
+    out.append(f"agents not heard for {_secs(st['stale_after_s'])} or more: {len(st['stale_agents']) or 'none'}")
     if st["stale_agents"]:
         out += _table(
-            ["INSTANCE", "POOL", "STATE", "LAST EVENT", "AT", "SILENT"],
+            ["INSTANCE", "POOL", "STATE", "LAST HEARD", "SILENT"],
             [
-                [a["instance"], a["pool"], a["state"], a["last_event"] or "-", a["last_event_at"], _secs(a["silent_s"])]
+                [a["instance"], a["pool"], a["state"], a["heard_at"] or "never", _secs(a["silent_s"])]
                 for a in st["stale_agents"]
             ],
         )
@@ -154,15 +164,42 @@ def report_lines(rp: dict[str, Any]) -> list[str]:
     out.append(f"on-demand grants: {len(od['grants']) or 'none'}")
     if od["grants"]:
         out += _table(
-            ["CONTRACT", "POOL", "GRANTS", "INSTANCES", "COST/H GRANTED"],
+            ["CONTRACT", "TIER", "POOL", "GRANTS", "INSTANCES", "COST/H GRANTED", "AUTHORITY/H"],
             [
-                [g["contract"], g["pool"] or "-", str(g["grants"]), str(g["instances"]), g["cost_per_hour_granted"]]
+                [
+                    g["contract"],
+                    "-" if g["tier"] is None else str(g["tier"]),
+                    g["pool"] or "-",
+                    str(g["grants"]),
+                    str(g["instances"]),
+                    g["cost_per_hour_granted"],
+                    g["authority_per_hour"] or "-",
+                ]
                 for g in od["grants"]
             ],
         )
     if od["refusals"]:
         out.append("on-demand refusals: " + ", ".join(f"{c} {n}" for c, n in od["refusals"].items()))
-    out.append("spend against authority: not recorded (the fleet state keeps no tier, authority or price per hour)")
+    spend = od["spend_against_authority"]
+    out.append(f"on-demand spend per tier against authority: {'' if spend else 'no arbitrate run recorded'}".rstrip())
+    if spend:
+        out += _table(
+            ["TIER", "SPENT", "AUTHORITY", "SHARE", "HOURS", "OVER AUTHORITY", "PEAK/H", "NOW/H", "AUTHORITY/H"],
+            [
+                [
+                    str(t["tier"]) + (" (not in bundle)" if t["tier"] == 0 else ""),
+                    t["spend"],
+                    t["authority"],
+                    "-" if t["spend_ratio"] is None else f"{t['spend_ratio']:.0%}",
+                    f"{t['hours_covered']:.2f}",
+                    f"{t['hours_over_authority']:.2f}h",
+                    t["peak_spend_per_hour"],
+                    t["spend_per_hour"],
+                    t["authority_per_hour"],
+                ]
+                for t in spend
+            ],
+        )
     return out
 
 
@@ -173,11 +210,42 @@ def cmd_hall_status(args: argparse.Namespace) -> int:
         raise ConfigError(f"--runs: expected at least 1, got {args.runs}")
     stale_s = parse_duration("--stale", args.stale)
     recent_s = parse_duration("--recent", args.recent)
+    reader = _reader(args)
     fs, hall = _open(args)
     with fs:
+        if reader is not None:
+            _read_heartbeats(reader, fs.conn, hall)
         st = status(fs.conn, hall, stale_s=stale_s, recent_s=recent_s, runs=args.runs)
     print(json.dumps(st, sort_keys=True) if args.json else "\n".join(status_lines(st)))
     return 0
+
+
+def _reader(args: argparse.Namespace) -> Any:
+    """The relay to read heartbeats from (--nats), checked before any connection; None: the fleet state's."""
+    if not args.nats:
+        return None
+    from sco._redact import strip_userinfo
+    from sco.cli._nats import _nats_auth, _nats_url_ok
+    from sco.provider.heartbeats import RelayReader
+
+    if not all(_nats_url_ok(u.strip()) for u in args.nats.split(",") if u.strip()):
+        raise ConfigError(
+            f"--nats {strip_userinfo(args.nats)!r}: expected nats://HOST:PORT (comma-separated for several)"
+        )
+    return RelayReader(args.nats, _nats_auth(args))
+
+
+def _read_heartbeats(reader: Any, conn: Any, hall: str) -> None:
+    """Read the relay's last beat per node into the fleet state first; a failed read is said, and the status
+    shows what the fleet state last heard (with the failure)."""
+    import sys
+
+    from sco.provider.heartbeats import HeartbeatsUnreadable, collect
+
+    try:
+        collect(reader, conn, hall)
+    except HeartbeatsUnreadable as e:
+        print(f"sco hall status: warning: {e}", file=sys.stderr)
 
 
 def cmd_hall_report(args: argparse.Namespace) -> int:
@@ -203,13 +271,20 @@ def _common(p: argparse.ArgumentParser) -> None:
 def register(sub: Any) -> None:
     h = sub.add_parser("hall", help="what the fleet state says of a hall (read-only)")
     hs = h.add_subparsers(dest="hall_command", required=True)
-    s = hs.add_parser("status", help="instances per pool, reclaims under way, overruns, control runs, silent agents")
+    s = hs.add_parser("status", help="instances per pool, reclaims under way, overruns, control runs, agents not heard")
     _common(s)
-    s.add_argument("--stale", default="15m", metavar="DURATION", help="an instance silent this long is listed [15m]")
+    s.add_argument("--stale", default="15m", metavar="DURATION", help="an agent not heard this long is listed [15m]")
     s.add_argument("--recent", default="24h", metavar="DURATION", help="overruns this recent are listed [24h]")
     s.add_argument("--runs", type=int, default=5, metavar="N", help="the last N control runs [5]")
+    s.add_argument(
+        "--nats", default=_env("SCO_NATS_URL"), metavar="URL",
+        help="read the agents' heartbeats from the hall's relay first (a reader's identity below) [$SCO_NATS_URL]",
+    )  # fmt: skip
+    _add_nats_auth(s)
     s.set_defaults(func=cmd_hall_status)
-    r = hs.add_parser("report", help="reclaims, drain outcomes and times, instance-hours, on-demand grants")
+    r = hs.add_parser(
+        "report", help="reclaims, drain outcomes and times, instance-hours, on-demand spend against authority"
+    )
     _common(r)
     r.add_argument("--since", required=True, help="an ISO 8601 time (UTC if no zone) or a duration back (7d, 12h)")
     r.set_defaults(func=cmd_hall_report)

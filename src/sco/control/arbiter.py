@@ -30,6 +30,9 @@ class Grant:
     instances: int
     cost_per_hour: Decimal
     reason: str
+    tier: int = 0
+    authority_per_hour: Decimal = Decimal(0)
+    """The contract's spend authority (``fallback.spendCapPerHour``) the grant was made within."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -38,6 +41,8 @@ class Grant:
             "instances": self.instances,
             "cost_per_hour": str(self.cost_per_hour),
             "reason": self.reason,
+            "tier": self.tier,
+            "authority_per_hour": str(self.authority_per_hour),
         }
 
 
@@ -46,9 +51,40 @@ class Refusal:
     contract: str
     units_milli: int
     reason: str
+    tier: int | None = None
+    """None: the contract is not in the bundle."""
+    authority_per_hour: Decimal | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"contract": self.contract, "units_milli": self.units_milli, "reason": self.reason}
+        return {
+            "contract": self.contract,
+            "units_milli": self.units_milli,
+            "reason": self.reason,
+            "tier": self.tier,
+            "authority_per_hour": None if self.authority_per_hour is None else str(self.authority_per_hour),
+        }
+
+
+@dataclass(frozen=True)
+class TierSpend:
+    """One contract tier's on-demand money per hour as the arbiter saw it (the ledger's sample, the metrics)."""
+
+    tier: int
+    """0: instances of contracts no longer in the bundle (their spend still counts, against no authority)."""
+    spend_per_hour: Decimal
+    """Of the on-demand instances running before this run's grants."""
+    granted_per_hour: Decimal
+    """What this run granted on top."""
+    authority_per_hour: Decimal
+    """The sum of the tier's on-demand contracts' spend authority (``fallback.spendCapPerHour``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier,
+            "spend_per_hour": str(self.spend_per_hour),
+            "granted_per_hour": str(self.granted_per_hour),
+            "authority_per_hour": str(self.authority_per_hour),
+        }
 
 
 @dataclass(frozen=True)
@@ -58,6 +94,8 @@ class Arbitration:
     hall_spend_per_hour: Decimal
     """On-demand spend per hour once the grants run."""
     ceiling_per_hour: Decimal
+    tiers: tuple[TierSpend, ...] = ()
+    """Per contract tier (every tier of the bundle, and tier 0 when it has spend), lowest first."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +103,7 @@ class Arbitration:
             "refusals": [r.to_dict() for r in self.refusals],
             "hall_spend_per_hour": str(self.hall_spend_per_hour),
             "ceiling_per_hour": str(self.ceiling_per_hour),
+            "tiers": [t.to_dict() for t in self.tiers],
         }
 
     def explain(self) -> list[str]:
@@ -84,7 +123,7 @@ def _money(d: Decimal) -> str:
 def current_spend(pools: Mapping[str, Pool], fleet: tuple[Instance, ...]) -> tuple[Decimal, dict[str, Decimal]]:
     """(hall on-demand spend per hour, spend per contract) of the on-demand instances running now."""
     total = Decimal(0)
-    per: dict[str, Decimal] = {}
+    per: dict[str, Decimal] = {}  # the split of an instance shared by several contracts
     for i in sorted(fleet, key=lambda i: (i.pool, i.name, i.id)):
         p = pools.get(i.pool)
         if p is None or p.kind != "on-demand" or i.state in _NOT_PAID:
@@ -93,6 +132,24 @@ def current_spend(pools: Mapping[str, Pool], fleet: tuple[Instance, ...]) -> tup
         for c in i.contracts:
             per[c] = per.get(c, Decimal(0)) + p.price_per_hour / len(i.contracts)
     return total, per
+
+
+def tier_spend(
+    contracts: Mapping[str, ContractInfo], per: Mapping[str, Decimal], granted: Mapping[str, Decimal]
+) -> tuple[TierSpend, ...]:
+    """Spend (running, granted) and authority per hour by contract tier; a contract not in the bundle is tier 0."""
+    tiers: dict[int, list[Decimal]] = {c.tier: [Decimal(0)] * 3 for c in contracts.values()}
+    for c in contracts.values():
+        if c.on_demand:
+            tiers[c.tier][2] += c.spend_cap_per_hour
+    for i, money in ((0, per), (1, granted)):
+        for name, d in money.items():
+            info = contracts.get(name)
+            tiers.setdefault(info.tier if info else 0, [Decimal(0)] * 3)[i] += d
+    cent = Decimal("0.01")
+    return tuple(
+        TierSpend(t, s.quantize(cent), g.quantize(cent), a.quantize(cent)) for t, (s, g, a) in sorted(tiers.items())
+    )
 
 
 def arbitrate(
@@ -104,6 +161,8 @@ def arbitrate(
 ) -> Arbitration:
     by_name = {p.name: p for p in sorted(pools, key=lambda p: p.name)}
     spend, per = current_spend(by_name, fleet)
+    running = dict(per)
+    granted: dict[str, Decimal] = {}
     held = {name: 0 for name in by_name}
     for i in fleet:
         if i.pool in held and i.state not in GONE_STATES:  # a server being deleted still holds its quota
@@ -121,8 +180,9 @@ def arbitrate(
         if c is None:
             refusals.append(Refusal(cname, need, "contract not in the bundle"))
             continue
+        cap = c.spend_cap_per_hour if c.on_demand else Decimal(0)
         if not c.on_demand:
-            refusals.append(Refusal(cname, need, "its contract does not allow on-demand fallback"))
+            refusals.append(Refusal(cname, need, "its contract does not allow on-demand fallback", c.tier, cap))
             continue
         authority = c.spend_cap_per_hour - per.get(cname, Decimal(0))
         stop = "no on-demand pool is available" if not od else ""
@@ -139,6 +199,7 @@ def arbitrate(
                 spend += cost
                 authority -= cost
                 per[cname] = per.get(cname, Decimal(0)) + cost
+                granted[cname] = granted.get(cname, Decimal(0)) + cost
                 held[p.name] += n
                 covered = min(need, n * p.flavor_milli)
                 need -= covered
@@ -146,7 +207,7 @@ def arbitrate(
                     f"{fmt(covered)} units short of reclaimable capacity: {n} x {p.name} at {_money(p.price_per_hour)}"
                     f" within authority {_money(c.spend_cap_per_hour)} and hall ceiling {_money(ceiling_per_hour)}"
                 )
-                grants.append(Grant(cname, p.name, n, cost, why))
+                grants.append(Grant(cname, p.name, n, cost, why, c.tier, cap))
             if n < want:  # say which rule stopped it, with the figures as they now stand
                 if by_contract < min(want, room, by_hall):
                     used = c.spend_cap_per_hour - authority
@@ -162,5 +223,6 @@ def arbitrate(
                 else:
                     stop = f"on-demand pool {p.name} at its cap of {p.cap}"
         if need > 0:
-            refusals.append(Refusal(cname, need, f"{fmt(need)} units refused: {stop}"))
-    return Arbitration(tuple(grants), tuple(refusals), spend, ceiling_per_hour)
+            refusals.append(Refusal(cname, need, f"{fmt(need)} units refused: {stop}", c.tier, cap))
+    tiers = tier_spend(contracts, running, granted)
+    return Arbitration(tuple(grants), tuple(refusals), spend, ceiling_per_hour, tiers)

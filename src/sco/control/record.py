@@ -162,19 +162,28 @@ class PgFleetStore:
         return int(row[0])
 
     def record_arbitration(self, hall: str, run_id: int | None, result: Arbitration) -> None:
+        """Every grant and refusal with the tier and authority it was decided against, and the run's spend sample
+        per tier (migration 0013: what ``sco hall report`` sets spend against authority from)."""
         with self.conn.transaction():
             self.conn.execute("INSERT INTO hall (name) VALUES (%s) ON CONFLICT DO NOTHING", (hall,))
             for g in result.grants:
                 self.conn.execute(
                     "INSERT INTO arbitration_record (hall, run_id, contract, outcome, pool, instances, cost_per_hour,"
-                    " reason) VALUES (%s, %s, %s, 'grant', %s, %s, %s, %s)",
-                    (hall, run_id, g.contract, g.pool, g.instances, g.cost_per_hour, g.reason),
-                )
+                    " reason, tier, authority_per_hour) VALUES (%s, %s, %s, 'grant', %s, %s, %s, %s, %s, %s)",
+                    (hall, run_id, g.contract, g.pool, g.instances, g.cost_per_hour, g.reason, g.tier,
+                     g.authority_per_hour),
+                )  # fmt: skip
             for r in result.refusals:
                 self.conn.execute(
-                    "INSERT INTO arbitration_record (hall, run_id, contract, outcome, units_milli, reason)"
-                    " VALUES (%s, %s, %s, 'refuse', %s, %s)",
-                    (hall, run_id, r.contract, r.units_milli, r.reason),
+                    "INSERT INTO arbitration_record (hall, run_id, contract, outcome, units_milli, reason, tier,"
+                    " authority_per_hour) VALUES (%s, %s, %s, 'refuse', %s, %s, %s, %s)",
+                    (hall, run_id, r.contract, r.units_milli, r.reason, r.tier, r.authority_per_hour),
+                )
+            for t in result.tiers:  # one sample: every row at the transaction's time
+                self.conn.execute(
+                    "INSERT INTO spend_record (hall, run_id, tier, spend_per_hour, granted_per_hour,"
+                    " authority_per_hour) VALUES (%s, %s, %s, %s, %s, %s)",
+                    (hall, run_id, t.tier, t.spend_per_hour, t.granted_per_hour, t.authority_per_hour),
                 )
 
     def begin_run(self, hall: str, runner_ident: str | None = None) -> int:

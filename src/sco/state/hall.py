@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 import re
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from sco.errors import ConfigError
+from sco.state import heartbeats
 from sco.state.fleet import LIVE, RECLAIMING
 
-# States in which a node's agent runs and should be heard from (a drained/overrun node has said its last word).
-AGENT_STATES = ("active", "notified", "draining")
 # The agent's drain outcomes as the reclaimer folds them into lifecycle_event (kind "agent." + the agent's type).
 OUTCOMES = {"agent.drain.drained": "drained", "agent.drain.overrun": "overrun", "agent.drain.error": "error"}
 # Instances that no longer hold capacity: their lifetime ended at their last update.
@@ -96,7 +96,7 @@ def _reasons(detail: dict[str, Any]) -> list[str]:
 
 def status(conn: Any, hall: str, *, stale_s: float, recent_s: float, runs: int = 5) -> dict[str, Any]:
     """The hall now: pools and their instances, reclaims under way, recent overruns, the last control runs,
-    pools unavailable, and instances no one has heard of for ``stale_s``."""
+    pools unavailable, and instances whose agent was not heard for ``stale_s`` (its heartbeats)."""
     now = db_now(conn)
     counts: dict[str, dict[str, int]] = {}
     for pool, state, n in conn.execute(
@@ -169,25 +169,20 @@ def status(conn: Any, hall: str, *, stale_s: float, recent_s: float, runs: int =
             (hall, runs),
         )
     ]
-    # The fleet state hears from an agent only through the events the reclaimer folds in (and the acquirer's own
-    # records of the instance): an instance nothing was recorded about for stale_s is one to look at.
+    # An agent beats every heartbeat_seconds onto the relay; the control loop (or this command with --nats) reads
+    # the last beat per node into agent_heartbeat. Instances whose agent should beat and was not heard for stale_s:
     stale = [
-        {
-            "instance": name,
-            "pool": pool,
-            "state": state,
-            "last_event": kind,
-            "last_event_at": iso(at or created),
-            "silent_s": round((now - (at or created)).total_seconds(), 1),
-        }
-        for name, pool, state, kind, at, created in conn.execute(
-            "SELECT i.name, i.pool, i.state, e.kind, e.at, i.created_at FROM instance i LEFT JOIN LATERAL ("
-            " SELECT kind, at FROM lifecycle_event WHERE instance_id = i.id ORDER BY at DESC, id DESC LIMIT 1) e"
-            " ON true WHERE i.hall = %s AND i.state = ANY(%s) AND coalesce(e.at, i.created_at) < %s"
-            " ORDER BY coalesce(e.at, i.created_at), i.name",
-            (hall, list(AGENT_STATES), now - timedelta(seconds=stale_s)),
-        )
+        {"instance": name, "pool": pool, "state": state, "heard_at": iso(heard), "silent_s": round(silent_s, 1)}
+        for name, pool, state, heard, silent_s in heartbeats.silent(conn, hall, stale_s)
     ]
+    read = heartbeats.collection(conn, hall)
+    beats = {
+        "read_at": iso(read["collected_at"]) if read else None,
+        "read_age_s": round((now - read["collected_at"]).total_seconds(), 1) if read and read["collected_at"] else None,
+        "nodes": read["nodes"] if read else 0,
+        "last_try_at": iso(read["tried_at"]) if read else None,
+        "last_error": read["error"] if read else None,
+    }
     return {
         "hall": hall,
         "now": iso(now),
@@ -199,6 +194,7 @@ def status(conn: Any, hall: str, *, stale_s: float, recent_s: float, runs: int =
         "runs": last_runs,
         "unavailable_pools": unavailable,
         "stale_agents": stale,
+        "heartbeats": beats,
     }
 
 
@@ -222,7 +218,8 @@ def _close(t: dict[str, Any]) -> dict[str, Any]:
 
 def report(conn: Any, hall: str, since: datetime) -> dict[str, Any]:
     """The hall since ``since``: reclaims per pool with their outcomes and drain times, instance-hours per pool
-    and flavor, and the fallback arbiter's on-demand grants and refusals."""
+    and flavor, the fallback arbiter's on-demand grants and refusals, and on-demand spend per tier against the
+    arbiter's authority."""
     now = db_now(conn)
     per_pool: dict[str, dict[str, Any]] = {}
     total = _tally()
@@ -261,14 +258,16 @@ def report(conn: Any, hall: str, since: datetime) -> dict[str, Any]:
         {
             "contract": contract,
             "pool": pool,
+            "tier": tier,
+            "authority_per_hour": None if auth is None else str(auth),
             "grants": int(n),
             "instances": int(inst),
             "cost_per_hour_granted": str(cost),
         }
-        for contract, pool, n, inst, cost in conn.execute(
-            "SELECT contract, pool, count(*), sum(instances), sum(cost_per_hour) FROM arbitration_record"
-            " WHERE hall = %s AND outcome = 'grant' AND created_at >= %s GROUP BY contract, pool"
-            " ORDER BY contract, pool",
+        for contract, pool, tier, auth, n, inst, cost in conn.execute(
+            "SELECT contract, pool, tier, max(authority_per_hour), count(*), sum(instances), sum(cost_per_hour)"
+            " FROM arbitration_record WHERE hall = %s AND outcome = 'grant' AND created_at >= %s"
+            " GROUP BY contract, pool, tier ORDER BY contract, pool, tier",
             (hall, since),
         )
     ]
@@ -290,9 +289,61 @@ def report(conn: Any, hall: str, since: datetime) -> dict[str, Any]:
         "on_demand": {
             "grants": grants,
             "refusals": refusals,
-            # Neither arbitration_record nor plan_record keeps a contract's tier or its spend authority
-            # (fallback.spendCapPerHour), and no record keeps a price per instance-hour: spend against authority
-            # cannot be told from the fleet state.
-            "spend_against_authority": None,
+            "spend_against_authority": spend_against_authority(conn, hall, since, now),
         },
     }
+
+
+def spend_against_authority(conn: Any, hall: str, since: datetime, now: datetime) -> list[dict[str, Any]]:
+    """Per contract tier, from the arbiter's samples (``spend_record``, one per arbitrate run): the on-demand money
+    spent in the window against the authority over the same time (each sample's rates hold until the next sample;
+    the sample in force at ``since`` counts from ``since``; nothing is known before the first sample), the peak
+    spend per hour, the hours spent above authority, and the latest rates. Money as strings with 2 decimals."""
+    rows = conn.execute(
+        "SELECT created_at, tier, spend_per_hour, granted_per_hour, authority_per_hour FROM spend_record"
+        " WHERE hall = %s AND created_at <= %s AND created_at >= coalesce((SELECT max(created_at) FROM spend_record"
+        "  WHERE hall = %s AND created_at <= %s), %s) ORDER BY created_at, tier",
+        (hall, now, hall, since, since),
+    ).fetchall()
+    samples: list[tuple[datetime, dict[int, tuple[Decimal, Decimal, Decimal]]]] = []
+    for at, tier, spend, granted, auth in rows:
+        if not samples or samples[-1][0] != at:
+            samples.append((at, {}))
+        samples[-1][1][int(tier)] = (Decimal(spend), Decimal(granted), Decimal(auth))
+    zero = Decimal(0)
+    out: dict[int, dict[str, Any]] = {}
+    for i, (at, tiers) in enumerate(samples):
+        start = max(at, since)
+        end = samples[i + 1][0] if i + 1 < len(samples) else now
+        hours = Decimal(max(0.0, (end - start).total_seconds())) / 3600
+        for tier in set(tiers) | set(out):
+            spend, granted, auth = tiers.get(tier, (zero, zero, zero))  # a tier gone from the bundle: no more
+            t = out.setdefault(
+                tier,
+                {"spend": zero, "authority": zero, "hours": zero, "hours_over": zero, "peak": zero, "granted": zero},
+            )
+            t["spend"] += spend * hours
+            t["authority"] += auth * hours
+            t["hours"] += hours
+            if spend > auth:
+                t["hours_over"] += hours
+            t["peak"] = max(t["peak"], spend)
+            if at >= since:  # the grants of runs inside the window only
+                t["granted"] += granted
+            t["last"] = (spend, auth)
+    cent = Decimal("0.01")
+    return [
+        {
+            "tier": tier,
+            "spend": str(t["spend"].quantize(cent)),
+            "authority": str(t["authority"].quantize(cent)),
+            "spend_ratio": None if not t["authority"] else round(float(t["spend"] / t["authority"]), 4),
+            "hours_covered": round(float(t["hours"]), 3),
+            "hours_over_authority": round(float(t["hours_over"]), 3),
+            "peak_spend_per_hour": str(t["peak"].quantize(cent)),
+            "granted_per_hour": str(t["granted"].quantize(cent)),
+            "spend_per_hour": str(t["last"][0].quantize(cent)),
+            "authority_per_hour": str(t["last"][1].quantize(cent)),
+        }
+        for tier, t in sorted(out.items())
+    ]
