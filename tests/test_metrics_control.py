@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from sco.control import loop, metrics
+from sco.control.record import PgFleetStore
 from sco.errors import ConfigError
+from sco.state.db import connect as connect_db
 from tests.test_metrics_agent import promtool_check, samples
 
 
@@ -59,6 +61,10 @@ def test_a_step_run_writes_its_textfile_with_the_fleet_gauges(fleet_dsn: str, te
     ok_at = s['sco_control_last_run_timestamp_seconds{step="reclaim",result="ok"}']
     assert 'sco_control_last_run_timestamp_seconds{step="reclaim",result="failed"}' not in s
     assert s['sco_control_run_duration_seconds{step="reclaim"}'] >= 0
+    # the hall-wide gauges are in their own file, the newest read of the fleet state
+    text = (textdir / metrics.FLEET_FILE).read_text()
+    promtool_check(text)
+    s = samples(text)
     assert s['sco_fleet_instances{pool="spot-a",state="active"}'] == 2
     assert s['sco_fleet_instances{pool="spot-a",state="draining"}'] == 1
     assert not any("deleted" in k for k in s)  # gone instances are not the fleet
@@ -71,11 +77,31 @@ def test_a_step_run_writes_its_textfile_with_the_fleet_gauges(fleet_dsn: str, te
     s = samples((textdir / "sco_control_reclaim.prom").read_text())
     assert s['sco_control_last_run_timestamp_seconds{step="reclaim",result="ok"}'] == ok_at
     assert s['sco_control_last_run_timestamp_seconds{step="reclaim",result="failed"}'] >= ok_at
-    assert [p.name for p in textdir.iterdir()] == ["sco_control_reclaim.prom"]  # no temporary file left
+    assert sorted(p.name for p in textdir.iterdir()) == [metrics.FLEET_FILE, "sco_control_reclaim.prom"]  # no temp file
     # check mode ran nothing for real: it leaves the file alone
     before = (textdir / "sco_control_reclaim.prom").read_bytes()
     loop.run("reclaim", params, check=True)
     assert (textdir / "sco_control_reclaim.prom").read_bytes() == before
+
+
+def test_no_series_is_in_two_files_whatever_steps_ran(fleet_dsn: str, textdir: Path) -> None:
+    """node_exporter's textfile collector refuses a series two files both carry ("was collected before with the
+    same name and label values"): the fleet gauges every step reads are one file's, the newest."""
+    seed_fleet(fleet_dsn)
+    params: dict[str, Any] = {"hall": "h1", "state_dsn": fleet_dsn, "nodes": []}
+    loop.run("reclaim", params, check=False)
+    with connect_db(fleet_dsn) as c:
+        c.execute("UPDATE instance SET state = 'active' WHERE state = 'draining'")
+    with PgFleetStore(fleet_dsn) as store:  # the loop's own file (sco-control-loop), after the reclaim step's
+        metrics.write_step("loop", "ok", 0.0, 1.0, metrics.fleet_gauges(store, "h1"))
+    seen: dict[str, str] = {}
+    for f in sorted(textdir.glob("*.prom")):
+        for series in samples(f.read_text()):
+            assert series not in seen, f"{series} in {seen.get(series)} and {f.name}"
+            seen[series] = f.name
+    s = samples((textdir / metrics.FLEET_FILE).read_text())
+    assert s['sco_fleet_instances{pool="spot-a",state="active"}'] == 3  # the newest read
+    assert 'sco_fleet_instances{pool="spot-a",state="draining"}' not in s
 
 
 def test_an_unwritable_directory_does_not_fail_the_step(

@@ -66,6 +66,10 @@ class AgentConfig:
     nats_creds_file: str = ""
     notice_subject: str = "sco.notice.{hall}.{node}"
     events_subject: str = "sco.events.{hall}.{node}"
+    heartbeat_subject: str = "sco.heartbeat.{hall}.{node}"
+    heartbeat_seconds: float = 30.0
+    """How often the agent says it is alive on heartbeat_subject (a stream keeps the last per node, the control
+    loop reads them: sco hall status lists agents not heard); 0: never."""
     metadata_url: str = "http://169.254.169.254/openstack/latest/meta_data.json"
     """Instance metadata polled for a reclaim notice; empty disables the poll."""
     kube_url: str = ""
@@ -314,6 +318,10 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.preflight_seconds", "expected 1 to 86400 seconds"))
     if not 1 <= cfg.metrics_probe_seconds <= 3600:
         p.append(Problem(where, "agent.metrics_probe_seconds", "expected 1 to 3600 seconds"))
+    if cfg.heartbeat_seconds != 0 and not 1 <= cfg.heartbeat_seconds <= 3600:
+        p.append(
+            Problem(where, "agent.heartbeat_seconds", f"expected 0 (off) or 1 to 3600, got {cfg.heartbeat_seconds}")
+        )
     if not 0.01 <= cfg.spool_sync_interval <= 60:
         p.append(Problem(where, "agent.spool_sync_interval", "expected 0.01 to 60 seconds"))
     if not 1.0 <= cfg.bundle_fetch_deadline_seconds <= 600:

@@ -23,6 +23,7 @@ from typing import Any
 
 from sco import __version__
 from sco._redact import strip_userinfo_in_text
+from sco.agent import heartbeat
 from sco.agent import metrics as agent_metrics
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.checkpoint import CheckpointServer
@@ -824,6 +825,7 @@ class Agent:
         if self.cfg.bundle_url:
             self._spawn(self._bundle_refresh(), "bundle-refresh")
         self._spawn(self._publisher(), "publisher")
+        self._spawn(heartbeat.run(self), "heartbeat")  # the fleet state hears the agent is alive (hall status)
         self._spawn(self._housekeeping(), "housekeeping")
         self._spawn(self._preflight(), "preflight")  # says what would stop a drain; again every few minutes
         if self.renewer is not None:

@@ -5,7 +5,8 @@ them), so there is nothing to scrape: each run writes ``<dir>/sco_control_<step>
 file, then rename, as the textfile collector asks) at its end. ``$SCO_METRICS_TEXTFILE_DIR`` names the directory;
 unset: no files. A counter of runs would restart at every process, so a run leaves the time of its last result
 (``sco_control_last_run_timestamp_seconds{step,result}``; the other results' times are carried over from the
-previous file) and its duration; the fleet gauges come from the fleet state the step had open.
+previous file) and its duration. The hall-wide gauges (instances, pools, reclaims, agents heard) come from the
+fleet state the step had open and go to one file of their own, ``FLEET_FILE``, the newest read.
 """
 
 from __future__ import annotations
@@ -17,10 +18,18 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("sco.control.metrics")
 
 ENV = "SCO_METRICS_TEXTFILE_DIR"
+FLEET_FILE = "sco_control_fleet.prom"
+"""The hall-wide gauges, rewritten by whichever step (or the loop) read the fleet state last. In each step's own
+file they would be the same series in several files, which node_exporter's textfile collector refuses ("was
+collected before with the same name and label values") instead of taking the newest."""
+SILENT_ENV = "SCO_AGENT_SILENT_AFTER_SECONDS"
+SILENT_AFTER_S = 900.0
+"""An agent not heard for this long counts in ``sco_agents_silent`` (``sco hall status --stale``'s default)."""
 RESULTS = ("ok", "failed")
 _LAST = re.compile(r'^sco_control_last_run_timestamp_seconds\{step="([a-z_]+)",result="([a-z]+)"\} (\S+)$')
 
@@ -30,6 +39,8 @@ class Gauge:
     name: str
     help: str
     samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
+    hall_wide: bool = False
+    """What the fleet state says of the hall, not of this step's run: written to ``FLEET_FILE`` (below)."""
 
     def set(self, value: float, **labels: str) -> Gauge:
         self.samples.append((labels, float(value)))
@@ -88,6 +99,7 @@ def write_step(
     if not d:
         return None
     path = Path(d) / f"sco_control_{step}.prom"
+    extra = list(extra)
     try:
         last = _previous(path, step)
         last[result] = finished
@@ -99,18 +111,24 @@ def write_step(
             run.set(at, step=step, result=res)
         dur = Gauge("sco_control_run_duration_seconds", "How long the step's last run took.")
         dur.set(max(0.0, finished - started), step=step)
-        body = render([run, dur, *extra]).encode()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not *.prom: the collector skips it
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        hall_wide = [g for g in extra if g.hall_wide]
+        if any(g.samples for g in hall_wide):
+            _replace(Path(d) / FLEET_FILE, render(hall_wide).encode())
+        _replace(path, render([run, dur, *(g for g in extra if not g.hall_wide)]).encode())
         return path
     except OSError as e:
         log.error("metrics textfile %s: %s", path, e)
         return None
+
+
+def _replace(path: Path, body: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not *.prom: the collector skips it
+    with open(tmp, "wb") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
 
 
 def fleet_gauges(store: object, hall: str) -> list[Gauge]:
@@ -119,13 +137,15 @@ def fleet_gauges(store: object, hall: str) -> list[Gauge]:
     if fm is None:
         return []
     m = fm(hall)
-    inst = Gauge("sco_fleet_instances", "Instances in the fleet state, by pool and lifecycle state.")
+    inst = Gauge("sco_fleet_instances", "Instances in the fleet state, by pool and lifecycle state.", hall_wide=True)
     for (pool, state), n in sorted(m["instances"].items()):
         inst.set(n, pool=pool, state=state)
-    avail = Gauge("sco_pool_available", "1 if the pool may be launched into; 0 while marked unavailable.")
+    avail = Gauge(
+        "sco_pool_available", "1 if the pool may be launched into; 0 while marked unavailable.", hall_wide=True
+    )
     for pool, ok in sorted(m["pools"].items()):
         avail.set(1 if ok else 0, pool=pool)
-    return [
+    gauges = [
         inst,
         avail,
         Gauge("sco_reclaims_in_progress", "Instances notified, draining, drained or overrun, not yet deleting.").set(
@@ -138,6 +158,39 @@ def fleet_gauges(store: object, hall: str) -> list[Gauge]:
             "sco_reclaim_deletes_past_deadline",
             "Reclaimed instances still not deleted after their terminate time T.",
         ).set(m["past_deadline"]),
+    ]
+    conn = getattr(store, "conn", None)
+    if conn is not None:
+        gauges += heartbeat_gauges(conn, hall)
+    for g in gauges:
+        g.hall_wide = True
+    return gauges
+
+
+def heartbeat_gauges(conn: Any, hall: str, after_s: float | None = None) -> list[Gauge]:
+    """Agents not heard (their heartbeats, as last read into the fleet state) and when they were last read;
+    nothing before the hall's heartbeats were first read (every agent would count as silent)."""
+    from sco.state import heartbeats
+
+    read = heartbeats.collection(conn, hall)
+    if read is None or read["collected_at"] is None:
+        return []
+    if after_s is None:
+        try:
+            after_s = float(os.environ.get(SILENT_ENV) or SILENT_AFTER_S)
+        except ValueError:
+            log.error("$%s: not a number of seconds; using %g", SILENT_ENV, SILENT_AFTER_S)
+            after_s = SILENT_AFTER_S
+    return [
+        Gauge(
+            "sco_agents_silent",
+            f"Instances whose agent should beat (active, notified, draining) and was not heard for {after_s:g} s.",
+        ).set(len(heartbeats.silent(conn, hall, after_s))),
+        Gauge(
+            "sco_agent_heartbeats_read_timestamp_seconds",
+            "When the agents' heartbeats were last read from the relay into the fleet state.",
+        ).set(read["collected_at"].timestamp()),
+        Gauge("sco_agent_heartbeats_nodes", "Nodes with a heartbeat on the relay at that read.").set(read["nodes"]),
     ]
 
 
@@ -157,4 +210,14 @@ def relay_gauge(up: bool | None) -> list[Gauge]:
     return [Gauge("sco_relay_up", "1 if the hall's NATS relay accepted a connection from the control loop.").set(up)]
 
 
-__all__ = ["ENV", "Gauge", "fleet_gauges", "relay_gauge", "render", "spend_gauges", "write_step"]
+__all__ = [
+    "ENV",
+    "FLEET_FILE",
+    "Gauge",
+    "fleet_gauges",
+    "heartbeat_gauges",
+    "relay_gauge",
+    "render",
+    "spend_gauges",
+    "write_step",
+]

@@ -31,6 +31,7 @@ from typing import Any
 
 from sco import _logging as sco_logging
 from sco.errors import ConfigError, ScoError
+from sco.provider import heartbeats
 
 _STEPS = {
     "sco.orchestrator.demand": "demand",
@@ -174,6 +175,8 @@ def run_loop(
                 summary["stdout_tail"] = r.stdout.read().splitlines()[-15:]
         finally:
             store.finish_run(run_id, status, summary)
+            # the agents' last heartbeats into the fleet state (sco hall status, sco_agents_silent); never fails the run
+            heartbeats.collect_for_loop(store.conn, hall, os.environ)
             gauges = []
             if os.environ.get(metrics.ENV):
                 try:
