@@ -25,6 +25,8 @@ ALERTS = {
     "ScoControlLoopStale",
     "ScoReclaimDeletePendingPastDeadline",
     "ScoRelayDown",
+    "ScoAgentsSilent",
+    "ScoAgentHeartbeatsUnread",
 }
 
 
