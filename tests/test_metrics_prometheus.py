@@ -1,14 +1,19 @@
 """Issue 18's done-when: a real Prometheus (Debian's) scrapes two agents (one drains, one overruns, against the
-Kubernetes API stand-in and a real nats-server), a control-loop step's textfile and the distributor, every
-exposition passes `promtool check metrics`, and the shipped rules, evaluated by that Prometheus, fire
-ScoDrainOverrun for the overrun only."""
+Kubernetes API stand-in and a real nats-server), a real control-loop run (``sco-control-loop``'s run_loop: the
+fleet-state lock, ansible-runner, the collection's plan, arbitrate and reclaim modules on a real PostgreSQL, then
+the agents' heartbeats read from the relay) through its textfiles, and the distributor; every exposition passes
+`promtool check metrics`, and the shipped rules, evaluated by that Prometheus, fire ScoDrainOverrun for the
+overrun only: nothing else fires or is pending (the agents are heard, the loop ran, the relay is up)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
+import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -19,17 +24,24 @@ from typing import Any
 
 import pytest
 
-from sco.control import loop, metrics
+from sco.control import metrics
+from sco.control.runner import run_loop
+from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, add_pod, free_port, wait_for
 from tests.test_alert_rules import RULES
 from tests.test_metrics_agent import promtool_check, scrape
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+ROOT = Path(__file__).resolve().parents[1]
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s")
 
 
 class TextfileServer(http.server.ThreadingHTTPServer):
-    """Serves the textfile directory's *.prom files as one exposition, as node_exporter's collector would."""
+    """The textfile directory's *.prom files as one exposition, merged as node_exporter's textfile collector merges
+    them: one family per metric name across files, and a series two files both carry is an error (node_exporter:
+    "was collected before with the same name and label values"), answered 500 so the scrape fails."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -37,8 +49,11 @@ class TextfileServer(http.server.ThreadingHTTPServer):
 
         class H(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                body = "".join(p.read_text() for p in sorted(outer.directory.glob("*.prom"))).encode()
-                self.send_response(200)
+                try:
+                    body, code = outer.merged().encode(), 200
+                except ValueError as e:
+                    body, code = str(e).encode(), 500
+                self.send_response(code)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -49,6 +64,32 @@ class TextfileServer(http.server.ThreadingHTTPServer):
 
         super().__init__(("127.0.0.1", 0), H)
         threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def merged(self) -> str:
+        meta: dict[str, list[str]] = {}
+        series: dict[str, list[str]] = {}
+        seen: dict[str, str] = {}
+        for path in sorted(self.directory.glob("*.prom")):
+            for line in path.read_text().splitlines():
+                if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                    name = line.split()[2]
+                    kinds = [m for m in meta.setdefault(name, []) if m.split()[1] == line.split()[1]]
+                    if not kinds:
+                        meta[name].append(line)
+                    continue
+                m = _SAMPLE.match(line)
+                if not m:
+                    continue
+                key = m.group(1) + (m.group(2) or "")
+                if key in seen:
+                    raise ValueError(f"{key} from {path.name} was collected before (in {seen[key]})")
+                seen[key] = path.name
+                family = re.sub(r"_(bucket|sum|count)$", "", m.group(1))
+                series.setdefault(family if family in meta else m.group(1), []).append(line)
+        out: list[str] = []
+        for name in sorted(set(meta) | set(series)):
+            out += meta.get(name, []) + series.get(name, [])
+        return "\n".join(out) + "\n"
 
     @property
     def url(self) -> str:
@@ -112,8 +153,8 @@ class Prometheus:
 
 @pytest.fixture
 def agents(tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer) -> Iterator[tuple[AgentEnv, AgentEnv]]:
-    ok = AgentEnv(tmp_path / "ok", kube, nats_server, node="node-1")
-    over = AgentEnv(tmp_path / "over", kube, nats_server, node="node-2")
+    ok = AgentEnv(tmp_path / "ok", kube, nats_server, node="node-1", heartbeat_seconds=1)
+    over = AgentEnv(tmp_path / "over", kube, nats_server, node="node-2", heartbeat_seconds=1)
     yield ok, over
     ok.stop()
     over.stop()
@@ -123,12 +164,74 @@ def target(url: str) -> str:
     return url.split("/")[2]
 
 
+LOOP_PLAY = """
+- name: SCO control loop (the steps that need no cloud)
+  hosts: localhost
+  connection: local
+  gather_facts: false
+  module_defaults:
+    group/sco.orchestrator.control:
+      hall: "{{ sco_hall }}"
+      bundle: "{{ bundle }}"
+      trust_dir: "{{ trust_dir }}"
+      run_id: "{{ sco_run_id }}"
+  tasks:
+    - name: Plan
+      sco.orchestrator.plan:
+        demand: {demand: [{contract: web, units_milli: 4000}]}
+        pools: "{{ pools }}"
+      register: sco_plan
+    - name: Arbitrate
+      sco.orchestrator.arbitrate:
+        plan: "{{ sco_plan }}"
+        pools: "{{ pools }}"
+        ceiling_per_hour: "10.00"
+    - name: Reclaim
+      sco.orchestrator.reclaim:
+        nodes: []
+        nats_url: "{{ nats_url }}"
+"""
+
+
+def control_loop_run(tmp: Path, agent: AgentEnv, nats: NatsServer, dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sco-control-loop run as its unit makes it, with the agents' instances in the fleet state."""
+    with FleetState(dsn) as fs:
+        fs.ensure_pool(Pool("local", "spot", "m1.large", "img"))
+        for slot, node in enumerate(("node-1", "node-2")):
+            inst = fs.request("local", "spot", "s0", slot, node)
+            fs.transition(inst.id, "active", "instance.active", server_id=f"srv-{node}")
+    pdd = tmp / "runner"
+    (pdd / "project").mkdir(parents=True)
+    (pdd / "env").mkdir()
+    (pdd / "project" / "control_loop.yml").write_text(LOOP_PLAY)
+    pools = [{"name": "spot", "kind": "reclaimable", "flavor": "m1.large", "vcpus": 8, "ramMiB": 32768, "cap": 4}]
+    extravars = {
+        "bundle": str(agent.state / "bundle" / "bundle.json"), "trust_dir": str(agent.trust), "pools": pools,
+        "nats_url": nats.url, "ansible_python_interpreter": sys.executable,
+    }  # fmt: skip
+    (pdd / "env" / "extravars").write_text(json.dumps(extravars))
+    monkeypatch.setenv("ANSIBLE_COLLECTIONS_PATH", str(ROOT / "collections"))
+    monkeypatch.setenv("SCO_NATS_URL", nats.url)  # the unit's reader of the heartbeats
+    monkeypatch.setenv("SCO_DB_DSN", dsn)
+    rc, summary = run_loop(pdd, "local", dsn)
+    assert rc == 0, summary
+
+
 def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overrun_only(
     tmp_path: Path, kube: KubeApiStandIn, agents: tuple[AgentEnv, AgentEnv], fleet_dsn: str,
-    monkeypatch: pytest.MonkeyPatch,
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     from sco.contract.distributor import DistributorServer
+    from sco.provider.heartbeats import ensure_stream
 
+    async def heartbeat_stream() -> None:  # the relay role's ExecStartPost makes it beside the events stream
+        import nats
+
+        nc = await nats.connect(nats_server.url)
+        await ensure_stream(nc, "local")
+        await nc.close()
+
+    asyncio.run(heartbeat_stream())
     ok, over = agents
     add_pod(kube, "web", "quick", ok.node, prestop=0.2)
     add_pod(kube, "web", "stubborn", over.node, grace=30, prestop=60, shutdown=30)  # outlives any budget
@@ -136,11 +239,16 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
     over.start().wait_subscribed()
     for a in agents:
         wait_for(lambda a=a: "metrics on http" in a.logtext(), 10, "the metrics endpoint")
-    # a control-loop step run, writing its textfile, from the real fleet state
+    time.sleep(1.5)  # a beat from each (every second once connected)
+    # a control-loop run, writing its textfiles, from the real fleet state
     textdir = tmp_path / "textfile"
     textdir.mkdir()
     monkeypatch.setenv(metrics.ENV, str(textdir))
-    loop.run("reclaim", {"hall": "local", "state_dsn": fleet_dsn, "nodes": []}, check=False)
+    control_loop_run(tmp_path, ok, nats_server, fleet_dsn, monkeypatch)
+    assert sorted(p.name for p in textdir.glob("*.prom")) == [
+        "sco_control_arbitrate.prom", "sco_control_fleet.prom", "sco_control_loop.prom", "sco_control_plan.prom",
+        "sco_control_reclaim.prom",
+    ]  # fmt: skip
     text_srv = TextfileServer(textdir)
     dist_root = tmp_path / "dist"
     shutil.copytree(ok.state / "bundle", dist_root / "local")  # the hall's published bundle
@@ -184,8 +292,22 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
         assert [x["metric"]["instance"] for x in r] == [target(ok.metrics_url)]
         r = prom.api("query", query="sco_agent_drain_duration_seconds_count")["result"]
         assert sorted(x["value"][1] for x in r) == ["1", "1"]
-        r = prom.api("query", query='sco_control_last_run_timestamp_seconds{step="reclaim",result="ok"}')["result"]
-        assert len(r) == 1 and r[0]["metric"]["job"] == "sco-control"
+
+        def value(q: str) -> dict[str, float]:
+            return {
+                json.dumps(x["metric"], sort_keys=True): float(x["value"][1])
+                for x in prom.api("query", query=q)["result"]
+            }
+
+        # the control-loop run: each step and the loop ok, the agents heard, the relay up, spend against authority
+        ok_steps = value('sco_control_last_run_timestamp_seconds{result="ok",job="sco-control"}')
+        assert sorted(json.loads(k)["step"] for k in ok_steps) == ["arbitrate", "loop", "plan", "reclaim"]
+        assert list(value("sco_agents_silent").values()) == [0]
+        assert list(value("sco_agent_heartbeats_nodes").values()) == [2]
+        assert list(value("sco_relay_up").values()) == [1]
+        assert {json.loads(k)["state"]: v for k, v in value("sco_fleet_instances").items()} == {"active": 2}
+        spend = value("sco_on_demand_authority_per_hour")
+        assert spend and all(json.loads(k)["job"] == "sco-control" for k in spend)
         r = prom.api("query", query='sco_distributor_bundle_serial{hall="local"}')["result"]
         assert len(r) == 1 and float(r[0]["value"][1]) >= 1
         rules = prom.api("rules")["groups"]
@@ -195,3 +317,19 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
         text_srv.shutdown()
         dist.shutdown()
         dist.server_close()
+
+
+def test_the_textfile_stand_in_refuses_a_series_in_two_files_as_node_exporter_does(tmp_path: Path) -> None:
+    (tmp_path / "a.prom").write_text('# HELP x_seconds X.\n# TYPE x_seconds gauge\nx_seconds{step="a"} 1\n')
+    (tmp_path / "b.prom").write_text('# HELP x_seconds X.\n# TYPE x_seconds gauge\nx_seconds{step="b"} 2\n')
+    srv = TextfileServer(tmp_path)
+    try:
+        text = scrape(srv.url)
+        promtool_check(text)  # one family across the files
+        assert text.count("# TYPE x_seconds") == 1 and 'x_seconds{step="b"} 2' in text
+        (tmp_path / "c.prom").write_text('x_seconds{step="a"} 3\n')
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(srv.url, timeout=5)
+        assert e.value.code == 500 and b"was collected before" in e.value.read()
+    finally:
+        srv.shutdown()

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from typing import Any
 
 log = logging.getLogger("sco.agent.heartbeat")
@@ -43,15 +44,19 @@ def body(agent: Any) -> bytes:
 
 
 async def run(agent: Any) -> None:
-    """Beat until the agent stops; a failed publish is said once until one succeeds again."""
+    """Beat once connected and then every ``heartbeat_seconds`` (at once again after an outage longer than that);
+    a failed publish is said once until one succeeds again."""
     every = float(agent.cfg.heartbeat_seconds)
     if every <= 0:
         return
     subject = agent.cfg.subject(agent.cfg.heartbeat_subject)
+    loop = asyncio.get_running_loop()
+    last = -math.inf
     failing = False
     while not agent._stop.is_set():
         nc = agent.nc
-        if nc is not None and nc.is_connected:
+        if nc is not None and nc.is_connected and loop.time() - last >= every:
+            last = loop.time()
             try:
                 await nc.publish(subject, body(agent))
                 if failing:
@@ -61,8 +66,8 @@ async def run(agent: Any) -> None:
                 if not failing:
                     log.warning("heartbeat on %s not published: %s", subject, e)
                 failing = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(agent._stop.wait(), every)
+        with contextlib.suppress(TimeoutError):  # a second at most: the first beat follows the connection
+            await asyncio.wait_for(agent._stop.wait(), min(every, 1.0))
 
 
 __all__ = ["body", "run"]
