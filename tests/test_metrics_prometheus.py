@@ -310,6 +310,17 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
         assert spend and all(json.loads(k)["job"] == "sco-control" for k in spend)
         r = prom.api("query", query='sco_distributor_bundle_serial{hall="local"}')["result"]
         assert len(r) == 1 and float(r[0]["value"][1]) >= 1
+        # every metric docs/METRICS.md lists is in Prometheus, but those with nothing to say in this hall
+        documented = set(re.findall(r"^\| `(sco_[a-z_]+)`", (ROOT / "docs/METRICS.md").read_text(), re.M))
+        have = {n.removesuffix("_bucket") for n in prom.api("label/__name__/values")}
+        absent = {
+            # no token file: the agents here reach the stand-in without a bearer token, so nothing expires or renews
+            "sco_agent_credential_expiry_timestamp_seconds", "sco_agent_credential_renew_timestamp_seconds",
+            "sco_agent_credential_renewal_failures",
+            # by kind, once one is seen: a refusal here would fire ScoNoticesRefused (test_metrics_agent has one)
+            "sco_agent_notice_refusals_total",
+        }  # fmt: skip
+        assert documented - have == absent, documented - have
         rules = prom.api("rules")["groups"]
         assert all(rule["health"] == "ok" for g in rules for rule in g["rules"]), rules
     finally:
