@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sco.contract.compiler import _Loader
 
@@ -18,6 +20,8 @@ SAME = [
     "t: !!binary aGVsbG8=\nset: !!set {a, b}\nom: !!omap [a: 1, b: 2]\n",
     "---\na: 1\n---\n---\n[1, 2]\n--- plain\n",
     "key: |\n  multi\n  line\nfold: >\n  folded\n  text\n",
+    "a: True\nb: OFF\nc: oN\nd: yEs\ne: Yes\nf: NO\ng: 0\nh: 7\ni: \u0663\nj: 12:30\nk: 1_0\nl: !!bool yes\n",
+    "m: !!int 12\nn: 0o7\no: 09\np: 1\u0663\nq: !!bool True\nr: Off\ns: n\nt: y\nu: ON\n",
 ]
 
 
@@ -46,3 +50,19 @@ def test_duplicate_keys_are_refused(doc: str, key: str) -> None:
 def test_unhashable_keys_get_pyyamls_error() -> None:
     with pytest.raises(yaml.constructor.ConstructorError, match="found unhashable key"):
         list(yaml.load_all("? [1, 2]\n: x\n", Loader=_Loader))
+
+
+@given(st.text(alphabet="0123456789+-._:eExXoObByYnNtTfFrRuUlLsS~\u0663 ", min_size=1, max_size=8))
+def test_any_short_scalar_is_what_safeloader_makes_of_it(value: str) -> None:
+    """Issue 20: the resolver tells decimal integers and booleans apart without PyYAML's regular expressions;
+    whatever a plain scalar spells, the value (or the error) is SafeLoader's."""
+    doc = f"k: {value}\n"
+    try:
+        ref: object = yaml.load(doc, Loader=yaml.CSafeLoader)
+    except yaml.YAMLError as e:
+        ref = type(e)
+    try:
+        got: object = yaml.load(doc, Loader=_Loader)
+    except yaml.YAMLError as e:
+        got = type(e)
+    assert repr(got) == repr(ref) and type(got) is type(ref)

@@ -178,3 +178,39 @@ def test_bundles_and_notices_share_one_signature_check(change: Any, kind: str, w
     with pytest.raises(NoticeAuthError, match=why) as refused:
         verify_notice(json.dumps(notice).encode(), ring)
     assert refused.value.kind == kind
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+    | st.text(alphabet=':,[]{}0123456789.eE-+"\\'),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _has_float(v: object) -> bool:
+    if isinstance(v, float):
+        return True
+    if isinstance(v, list):
+        return any(_has_float(x) for x in v)
+    if isinstance(v, dict):
+        return any(_has_float(x) for x in v.values())
+    return False
+
+
+@given(_JSON)
+def test_canonical_json_refuses_a_float_wherever_it_is(value: object) -> None:
+    """Issue 20 (the compile's hot path): canonical JSON is parsed again only where a float may be (a value
+    after ':', ',' or '[' with a '.' or an exponent); a float anywhere is still refused, and strings that look
+    like one are not."""
+    from sco.contract import canonical
+
+    if _has_float(value):
+        with pytest.raises(ValueError, match="floats are not allowed"):
+            canonical.dumps(value)
+    else:
+        assert canonical.loads(canonical.dumps(value)) == value

@@ -7,7 +7,10 @@ is not portable between implementations, and nothing in a bundle needs them).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+_MAYBE_FLOAT = re.compile(r"(?:^|[:,\[])-?[0-9]+[.eE]")
 
 
 def _no_floats(text: str) -> float:
@@ -20,8 +23,9 @@ def dumps(value: Any) -> bytes:
         out = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     except TypeError as e:
         raise ValueError(str(e)) from None
-    if "." in out or "e" in out or "E" in out:
-        # Cheap pre-filter; only text that could hold a float is parsed again to be sure.
+    if _MAYBE_FLOAT.search(out):
+        # Cheap pre-filter: a float is a value, after ":", "," or "[" (or the whole text), with a "." or an exponent;
+        # only text where that is seen (maybe inside a string) is parsed again to be sure.
         json.loads(out, parse_float=_no_floats)
     return out.encode("ascii")
 

@@ -44,7 +44,9 @@ def issued_at_problem(value: int, now: float | None = None) -> str | None:
     return None
 
 
-_STR, _INT, _MAP, _SEQ, _MERGE = (f"tag:yaml.org,2002:{t}" for t in ("str", "int", "map", "seq", "merge"))
+_STR, _INT, _BOOL, _MAP, _SEQ, _MERGE = (
+    f"tag:yaml.org,2002:{t}" for t in ("str", "int", "bool", "map", "seq", "merge")
+)
 
 
 class _Loader(_Base):  # type: ignore[misc]
@@ -63,9 +65,21 @@ class _Loader(_Base):  # type: ignore[misc]
     _TYPED_FIRST = frozenset(k for k in _Base.yaml_implicit_resolvers if k)
     assert None not in _Base.yaml_implicit_resolvers and not _Base.yaml_path_resolvers
 
+    # Of the typed ones, a contract's are decimal integers (tiers, budgets) and booleans: told apart here without
+    # PyYAML's regular expressions (the spellings of its bool resolver; a leading 0 is octal: PyYAML's path).
+    _BOOL_WORDS = frozenset(
+        w for b in ("yes", "no", "true", "false", "on", "off") for w in (b, b.capitalize(), b.upper())
+    )
+
     def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
-        if kind is yaml.ScalarNode and implicit[0] and value and value[0] not in self._TYPED_FIRST:
-            return _STR
+        if kind is yaml.ScalarNode and implicit[0] and value:
+            first = value[0]
+            if first not in self._TYPED_FIRST:
+                return _STR
+            if first != "0" and value.isascii() and value.isdigit():
+                return _INT
+            if value in self._BOOL_WORDS:
+                return _BOOL
         return super().resolve(kind, value, implicit)
 
     def descend_resolver(self, current_node: Any, current_index: Any) -> None:
@@ -117,8 +131,10 @@ class _Loader(_Base):  # type: ignore[misc]
                 out[key] = self._build(v)
             return out
         value = node.value
-        if tag == _INT and value.isdigit() and (value[0] != "0" or value == "0"):
+        if tag == _INT and value.isascii() and value.isdigit() and (value[0] != "0" or value == "0"):
             return int(value)  # plain decimal (a leading 0 is octal in YAML 1.1: PyYAML's path)
+        if tag == _BOOL and value in self._BOOL_WORDS:  # a !!bool the file names itself may be any spelling
+            return self.bool_values[value.lower()]
         return self.construct_object(node, deep=True)
 
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
@@ -142,6 +158,7 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.
 
 _KINDS: dict[str, type[BaseModel]] = {"WorkloadContract": Contract, "HallPolicy": HallPolicy}
 PARALLEL_MIN_FILES = 16  # below this a pool costs more than it saves
+CHUNKS_PER_WORKER = 4
 
 
 @dataclass(frozen=True)
@@ -267,11 +284,12 @@ def load(repo: Path, workers: int | None = None) -> tuple[list[Resolved], list[P
     workers = workers if workers is not None else (os.cpu_count() or 1)
     if workers <= 1 or len(files) < PARALLEL_MIN_FILES:
         return _load_chunk(repo, files)
-    # Contiguous chunks keep the output in path order, so results do not depend on the pool.
-    size = -(-len(files) // workers)
+    # Contiguous chunks keep the output in path order, so results do not depend on the pool; several per worker,
+    # so a worker the machine runs slower (a shared host) takes fewer of them instead of holding up the end.
+    size = -(-len(files) // (workers * CHUNKS_PER_WORKER))
     chunks = [files[i : i + size] for i in range(0, len(files), size)]
     ctx = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(chunks)), mp_context=ctx) as pool:
         results = list(pool.map(_load_chunk, [repo] * len(chunks), chunks))
     out: list[Resolved] = []
     problems: list[Problem] = []
