@@ -246,3 +246,41 @@ def test_token_info_refuses_what_it_cannot_renew() -> None:
     assert (i.renew_at, i.lifetime, i.audiences, i.bound_node) == (180, 600, ("x",), None)
     ext = {"sub": "system:serviceaccount:a:b", "iat": 0, "exp": 31536000, "kubernetes.io": {"warnafter": 3607}}
     assert token_info(jwt(ext), 0).expiry == 3607  # an extended token is renewed as if it expired at warnafter
+
+
+def test_failed_renewals_retry_jittered_not_in_step(tmp_path: Path) -> None:
+    """A hall's tokens are issued together, so after an API outage their renewals all fail at once: each retry
+    wait is drawn from [w/2, w] (sco.agent.retry.jitter), not w for every node (issue 20: one retry pacing with
+    jitter for the agent's loops; the renewal's waited exactly max(5 s, time left / 10) everywhere)."""
+    from sco.agent.kube_credential import TokenRenewer
+    from sco.agent.spool import Spool, read_events
+
+    kube = KubeApiStandIn(tokens={}).start()
+    try:
+        kube.cluster.add_node("node-1")
+        token, _ = kube.issue_token(NS, SA, node="node-1", seconds=600, deny=("create serviceaccounts/token",))
+
+        async def one(i: int) -> float:
+            tok = tmp_path / f"token-{i}"
+            tok.write_text(token)
+            spool = Spool(tmp_path / f"spool-{i}")
+            stop = asyncio.Event()
+            client = KubeClient(kube.url, token_file=tok)
+            # due now (past 80% of its life): renewal is asked for at once and refused (403)
+            renewer = TokenRenewer(client, tok, "node-1", spool, clock=lambda: time.time() + 590, on_change=stop.set)
+            try:
+                await asyncio.wait_for(renewer.run(stop), 10)
+            finally:
+                await client.close()
+            (failed,) = [e for e in read_events(tmp_path / f"spool-{i}") if e["type"] == "credential.renew_failed"]
+            return float(failed["retry_in_s"])
+
+        async def all_of_them() -> list[float]:
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+        waits = asyncio.run(all_of_them())
+    finally:
+        kube.stop()
+    # 10 s left, so the step is RETRY_MIN_S (5 s): each wait in its upper half, and not all the same
+    assert all(2.5 <= w <= 5.0 for w in waits), waits
+    assert len(set(waits)) > 1, waits

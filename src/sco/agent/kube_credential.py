@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sco._fs import atomic_write
+from sco.agent.retry import jitter
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
 
@@ -208,8 +209,9 @@ class TokenRenewer:
                 self.problem = f"renewal failed: {e}"
                 expiry = self.info.expiry if self.info else self.clock()
                 left = expiry - self.clock()
-                # sooner as the expiry nears, never a tight loop; after the expiry a person must act
-                wait = min(RETRY_MAX_S, max(RETRY_MIN_S, left / 10))
+                # sooner as the expiry nears, never a tight loop; after the expiry a person must act. Jittered:
+                # a hall's tokens were issued together, so after an API outage their renewals would retry in step.
+                wait = jitter(min(RETRY_MAX_S, max(RETRY_MIN_S, left / 10)))
                 log.error("kubernetes token renewal failed (%d in a row, %.0f s left): %s", self.failures, left, e)
                 self.spool.append(
                     "credential.renew_failed",
@@ -217,6 +219,7 @@ class TokenRenewer:
                     error=str(e)[:300],
                     failures=self.failures,
                     expires_in_s=round(left, 3),
+                    retry_in_s=round(wait, 3),
                 )
             if self.on_change is not None and (self.problem, self.failures) != seen:
                 self.on_change()
