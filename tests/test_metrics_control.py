@@ -174,3 +174,31 @@ def test_on_demand_spend_and_authority_by_tier_from_the_arbiters_view() -> None:
         Instance("4", "n4", "spot", ("batch",)),  # reclaimable: not on-demand spend
     )
     assert loop._spend_by_tier(infos, pools, fleet) == {1: (3.75, 10.0), 2: (1.25, 4.0)}
+
+
+def test_a_step_file_an_earlier_version_left_loses_its_fleet_gauges(fleet_dsn: str, textdir: Path) -> None:
+    """A step that seldom runs (a drill's reclaim) would otherwise keep old copies beside the hall-wide file."""
+    old = (
+        "# HELP sco_control_last_run_timestamp_seconds When.\n# TYPE sco_control_last_run_timestamp_seconds gauge\n"
+        'sco_control_last_run_timestamp_seconds{step="reclaim",result="ok"} 5\n'
+        "# HELP sco_fleet_instances Instances.\n# TYPE sco_fleet_instances gauge\n"
+        'sco_fleet_instances{pool="spot-a",state="active"} 9\n'
+        "# HELP sco_reclaims_in_progress R.\n# TYPE sco_reclaims_in_progress gauge\nsco_reclaims_in_progress 4\n"
+    )
+    (textdir / "sco_control_reclaim.prom").write_text(old)
+    seed_fleet(fleet_dsn)
+    with PgFleetStore(fleet_dsn) as store:
+        metrics.write_step("loop", "ok", 0.0, 1.0, metrics.fleet_gauges(store, "h1"))
+    left = (textdir / "sco_control_reclaim.prom").read_text()
+    promtool_check(left)
+    assert samples(left) == {'sco_control_last_run_timestamp_seconds{step="reclaim",result="ok"}': 5}
+    assert samples((textdir / metrics.FLEET_FILE).read_text())["sco_reclaims_in_progress"] == 1
+
+
+def test_the_loops_heartbeat_read_never_fails_the_run(fleet_dsn: str) -> None:
+    from sco.provider.heartbeats import collect_for_loop
+    from sco.state.db import connect as connect_db
+
+    conn = connect_db(fleet_dsn)
+    conn.close()  # the fleet state gone mid-run: said in the journal, the run's own outcome stands
+    assert collect_for_loop(conn, "h1", {"SCO_NATS_URL": "nats://127.0.0.1:1"}) is None

@@ -114,11 +114,32 @@ def write_step(
         hall_wide = [g for g in extra if g.hall_wide]
         if any(g.samples for g in hall_wide):
             _replace(Path(d) / FLEET_FILE, render(hall_wide).encode())
+            _drop_from_step_files(Path(d), {g.name for g in hall_wide})
         _replace(path, render([run, dur, *(g for g in extra if not g.hall_wide)]).encode())
         return path
     except OSError as e:
         log.error("metrics textfile %s: %s", path, e)
         return None
+
+
+def _drop_from_step_files(d: Path, names: set[str]) -> None:
+    """Files of an earlier version carried the hall-wide gauges in every step's file: a step that seldom runs (the
+    reclaim step of a drill) would keep them there beside ``FLEET_FILE``, which node_exporter refuses."""
+    for path in d.glob("sco_control_*.prom"):
+        if path.name == FLEET_FILE:
+            continue
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+
+        def hall_wide(line: str) -> bool:
+            name = line.split()[2] if line.startswith("# ") and len(line.split()) > 2 else re.split(r"[{ ]", line)[0]
+            return name in names
+
+        kept = [x for x in lines if not hall_wide(x)]
+        if len(kept) != len(lines):
+            _replace(path, ("\n".join(kept) + "\n").encode())
 
 
 def _replace(path: Path, body: bytes) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -191,13 +192,19 @@ def collect(reader: RelayReader, conn: Any, hall: str) -> int:
 
 def reader_from_env(env: Mapping[str, str]) -> RelayReader | None:
     """The control loop's reader (``sco-control-loop``'s unit): ``$SCO_NATS_URL`` and one identity,
-    ``$SCO_NATS_CREDS`` or ``$SCO_NATS_USER`` with ``$SCO_NATS_PASSWORD_FILE``; None without a URL."""
+    ``$SCO_NATS_CREDS``, ``$SCO_NATS_NKEY_SEED`` (a seed file: the relay role's users are nkeys) or
+    ``$SCO_NATS_USER`` with ``$SCO_NATS_PASSWORD_FILE``; None without a URL."""
     url = env.get("SCO_NATS_URL", "").strip()
     if not url:
         return None
     auth: dict[str, Any] = {}
     if env.get("SCO_NATS_CREDS"):
         auth = {"user_credentials": env["SCO_NATS_CREDS"]}
+    elif env.get("SCO_NATS_NKEY_SEED"):
+        seed = env["SCO_NATS_NKEY_SEED"]
+        if not os.access(seed, os.R_OK):  # nats-py would only say the relay cannot be reached
+            raise ConfigError(f"$SCO_NATS_NKEY_SEED {seed}: no readable nkey seed file there")
+        auth = {"nkeys_seed": seed}
     elif env.get("SCO_NATS_USER"):
         pw_file = env.get("SCO_NATS_PASSWORD_FILE", "")
         try:
@@ -218,6 +225,9 @@ def collect_for_loop(conn: Any, hall: str, env: Mapping[str, str]) -> int | None
         n = collect(reader, conn, hall)
     except ScoError as e:
         log.error("agent heartbeats not read: %s", e)
+        return None
+    except Exception as e:  # the fleet state itself failing: the run's own outcome is what the unit reports
+        log.error("agent heartbeats not recorded: %s: %s", type(e).__name__, e)
         return None
     log.info("agent heartbeats: %d node(s) on the relay", n)
     return n
