@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from sco.control.launch import LaunchParams
@@ -98,6 +99,21 @@ def _quota_error(e: Exception) -> bool:
     code = getattr(e, "status_code", None)
     text = str(e).lower()
     return code == 413 or (code == 403 and "quota" in text)
+
+
+def _build_seconds(server: Any) -> float | None:
+    """Seconds from the server's create to its launch, by Nova's timestamps (None when either is missing)."""
+    try:
+        created = datetime.fromisoformat(str(server.created_at).replace("Z", "+00:00"))
+        launched = datetime.fromisoformat(str(server.launched_at).replace("Z", "+00:00"))
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if created.tzinfo is None:
+        created = created.replace(tzinfo=UTC)
+    if launched.tzinfo is None:
+        launched = launched.replace(tzinfo=UTC)
+    took = (launched - created).total_seconds()
+    return round(took, 1) if 0 <= took < 86400 else None
 
 
 class Acquirer:
@@ -270,7 +286,9 @@ class Acquirer:
                 if inst is None:
                     continue
                 if s.status == "ACTIVE":
-                    self.state.transition(inst.id, "active", "instance.active", only_from=("launching",))
+                    built = _build_seconds(s)
+                    extra: dict[str, Any] = {} if built is None else {"build_s": built}
+                    self.state.transition(inst.id, "active", "instance.active", only_from=("launching",), **extra)
                 elif s.status == "ERROR":
                     fault = (s.fault or {}).get("message", "") if isinstance(s.fault, dict) else str(s.fault or "")
                     self.state.transition(inst.id, "failed", "launch.failed", error=fault[:500], status="ERROR")
@@ -290,7 +308,11 @@ class Acquirer:
                        if i.state in ("launching", "requested") and i.server_id)  # fmt: skip
             return total - left, total
 
-        self.sleep(self.poll_s)
+        # the first list call when the last create should be ACTIVE, going by how long the pool's recent builds
+        # took (Nova's own created/launched times): a batch then costs two or three list calls, where polling on
+        # the pace seen so far spent two or three more before the first server was ACTIVE
+        expected = self.state.build_seconds(e.hall, e.pool)
+        self.sleep(max(self.poll_s, min(expected or 0.0, self.active_timeout_s)))
         try:
             done = wait_until(poll, started=started, timeout_s=self.active_timeout_s, sleep=self.sleep)
         finally:

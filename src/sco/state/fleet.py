@@ -338,6 +338,17 @@ class FleetState:
             for k, at, d, i, p in self.conn.execute(q + " ORDER BY at, id", args)
         ]
 
+    def build_seconds(self, hall: str, pool: str, *, last: int = 20, quantile: float = 0.9) -> float | None:
+        """How long the pool's recent servers took from their create to ACTIVE by Nova's own timestamps (the
+        ``build_s`` of the last ``last`` ``instance.active`` events, at ``quantile``); None before the first."""
+        row = self.conn.execute(
+            "SELECT percentile_cont(%s) WITHIN GROUP (ORDER BY b) FROM (SELECT (detail ->> 'build_s')::float AS b"
+            " FROM lifecycle_event WHERE hall = %s AND pool = %s AND kind = 'instance.active'"
+            " AND detail ? 'build_s' ORDER BY at DESC LIMIT %s) recent",
+            (quantile, hall, pool, last),
+        ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
     def due(self, hall: str) -> list[Instance]:
         """Instances under reclaim, earliest deadline first."""
         return [
