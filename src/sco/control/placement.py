@@ -455,6 +455,11 @@ def _run_highs(prog: _Program, start: _Counts, all_placed: bool) -> tuple[_Count
         h.run()
         info = h.getInfo()
         got = list(h.getSolution().col_value) if info.primal_solution_status == 2 else x0
+        if h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit:
+            # what the clock left depends on the machine's load: the same input could give another plan next run
+            # (a plan applied and made again launched). The start is deterministic: keep it; the node limit is the
+            # deterministic limit, the time limit only a safety net.
+            got = x0
         return got, info, h
 
     x = prog.point(start)
