@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from sco.agent.bundle_cache import BundleCache, BundleFetcher
 from sco.contract.signing import Keyring, generate, write_keypair
 from tests.harness import BIN, hall_bundle
@@ -88,3 +90,27 @@ def test_the_agents_refresh_is_not_stalled_by_it(tmp_path: Path) -> None:
         srv.close()
     assert offer.outcome == "error" and "deadline" in offer.reason and took < 2.5
     assert cache.bundle is not None and cache.bundle.serial == 1
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--deadline", "inf"), ("--deadline", "nan"), ("--deadline", "0"), ("--deadline", "-1"),
+     ("--max-bytes", "-5"), ("--interval", "0")],
+)  # fmt: skip
+def test_fetch_bundle_refuses_a_deadline_size_or_interval_out_of_bounds(tmp_path: Path, flag: str, value: str) -> None:
+    """inf was no deadline at all, 0 or nan a fetch that failed at once (exit 6, as if the distributor were at
+    fault), --interval 0 with --watch a busy loop on the distributor: now exit 5 naming the flag, nothing sent."""
+    key = generate()
+    (tmp_path / "trusted").mkdir()
+    write_keypair(key, tmp_path / "k.key", tmp_path / "trusted" / "k.pub")
+    srv = Dribbler()
+    argv = [str(BIN / "sco"), "node", "fetch-bundle", "--url", f"http://127.0.0.1:{srv.port}/b.json", "--watch"]
+    argv += ["--cache-dir", str(tmp_path / "cache"), "--trust-dir", str(tmp_path / "trusted"), flag, value]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    finally:
+        srv.close()
+    assert p.returncode == 5, (p.returncode, p.stderr)
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr
+    assert p.stderr.startswith(f"sco: error: {flag} ") and ": expected " in p.stderr, p.stderr
+    assert srv.requests == []

@@ -18,6 +18,14 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
     if not args.url:
         raise ConfigError("no bundle URL: give --url or set $SCO_BUNDLE_URL")
+    # the agent's own bounds (agent.toml): no deadline is no deadline at all (inf, nan), --interval 0 a busy loop
+    for flag, value, lo, hi, unit in (
+        ("--deadline", args.deadline, 1.0, 600.0, " seconds"),
+        ("--max-bytes", args.max_bytes, 64 * 1024, 1 << 30, " bytes"),
+        ("--interval", args.interval, 1.0, 86_400.0, " seconds"),
+    ):
+        if not lo <= value <= hi:  # nan compares false: refused too
+            raise ConfigError(f"{flag} {value}: expected {lo:g} to {hi:g}{unit}")
     cache = BundleCache(Path(args.cache_dir), _keyring(args))
     fetcher = BundleFetcher(cache, args.url, max_bytes=args.max_bytes, deadline_s=args.deadline)
     while True:
