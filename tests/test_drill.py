@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nkeys
 import pytest
 
 from sco.contract.signing import generate, write_keypair
@@ -107,7 +108,7 @@ def start_relay(tmp_path: Path, nodes: list[str]) -> tuple[RoleRelay, Path]:
     srv = RoleRelay(tmp_path, conf, port).start()
     stream = subprocess.run(
         [sys.executable, str(ROLE / "files/sco-nats-stream.py"), "--server", srv.url,
-         "--password-file", str(creds / "relay-admin"), "--hall", "local"],
+         "--nkey-seed", str(creds / "relay-admin.nk"), "--hall", "local"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert [json.loads(x) for x in stream.stdout.splitlines()] == [
@@ -115,6 +116,16 @@ def start_relay(tmp_path: Path, nodes: list[str]) -> tuple[RoleRelay, Path]:
         {"stream": "SCO_HEARTBEATS", "action": "created"},
     ], stream.stderr
     return srv, creds
+
+
+def as_user(creds: Path, user: str) -> dict[str, Any]:
+    """nats.connect's arguments for relay user ``user``: its nkey seed, made by the role's lookup on rendering."""
+    return {"nkeys_seed": str(creds / f"{user}.nk")}
+
+
+def agent_identity(creds: Path, node: str) -> dict[str, Any]:
+    """agent.toml's relay identity of node ``node``, as the node_agent role writes it (the seed in a file)."""
+    return {"nats_nkey_seed_file": str(creds / f"node-{node}.nk")}
 
 
 @pytest.fixture
@@ -126,9 +137,8 @@ def relay(tmp_path: Path) -> Iterator[tuple[RoleRelay, Path]]:
 
 def test_drill_reclaims_the_chosen_node_and_reports_drained(tmp_path: Path, relay: Any, kube: KubeApiStandIn) -> None:
     srv, creds = relay
-    password = (creds / "node-node-1").read_text().strip()
     # the node's own relay identity, as the node_agent role writes it
-    agent = AgentEnv(tmp_path / "agent", kube, srv, nats_user="node-node-1", nats_password=password)
+    agent = AgentEnv(tmp_path / "agent", kube, srv, **agent_identity(creds, "node-1"))
     add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.5)
     write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")  # the hall trusts it
     agent.start().wait_subscribed()
@@ -196,10 +206,7 @@ def test_drill_with_cloud_credentials_deletes_the_instances_after_the_drain(  # 
             Acquirer(conn, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "drill", 1))
             (inst,) = st.instances(hall, pool="spot")
         srv, creds = start_relay(tmp_path, [inst.name])
-        password = (creds / f"node-{inst.name}").read_text().strip()
-        agent = AgentEnv(
-            tmp_path / "agent", kube, srv, node=inst.name, nats_user=f"node-{inst.name}", nats_password=password
-        )
+        agent = AgentEnv(tmp_path / "agent", kube, srv, node=inst.name, **agent_identity(creds, inst.name))
         add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.5)
         write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")
         (tmp_path / "nats").symlink_to(creds)
@@ -265,8 +272,7 @@ def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: 
     import nats
 
     srv, creds = start_relay(tmp_path, ["a", "a.b"])
-    pw = {u: (creds / u).read_text().strip() for u in ("node-a", "node-a.b", "control", "reclaimer")}
-    agent = AgentEnv(tmp_path / "agent", kube, srv, node="a.b", nats_user="node-a.b", nats_password=pw["node-a.b"])
+    agent = AgentEnv(tmp_path / "agent", kube, srv, node="a.b", **agent_identity(creds, "a.b"))
     add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.2)
     write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")
     (tmp_path / "nats").symlink_to(creds)
@@ -278,9 +284,9 @@ def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: 
             errors.append(str(e))
 
         # the control loop's reader follows the hall's events on a durable push consumer (delivered on _INBOX)
-        reader = await nats.connect(srv.url, user="control", password=pw["control"])
+        reader = await nats.connect(srv.url, **as_user(creds, "control"))
         seen: list[str] = []
-        spy = await nats.connect(srv.url, user="node-a", password=pw["node-a"], error_cb=on_error)
+        spy = await nats.connect(srv.url, **as_user(creds, "node-a"), error_cb=on_error)
 
         async def on_spied(msg: Any) -> None:
             seen.append(msg.subject)
@@ -296,7 +302,7 @@ def test_a_nodes_relay_identity_cannot_read_other_inboxes(tmp_path: Path, kube: 
         await reader.jetstream().subscribe(
             "sco.events.local.>", stream="SCO_EVENTS", durable="control", cb=on_event, manual_ack=True
         )
-        junk = await nats.connect(srv.url, user="reclaimer", password=pw["reclaimer"])
+        junk = await nats.connect(srv.url, **as_user(creds, "reclaimer"))
 
         async def inject() -> None:
             for i in range(30):
@@ -363,19 +369,15 @@ def test_the_reclaimer_records_an_event_for_the_node_its_subject_names(tmp_path:
     from sco.state.fleet import FleetState
 
     srv, creds = start_relay(tmp_path, ["a", "b"])
-    pw = {u: (creds / u).read_text().strip() for u in ("node-a", "node-b", "reclaimer")}
     try:
         with FleetState(fleet_dsn) as st:
             a, b = _instances(st, "local", ["a", "b"], window=60)
 
             async def scenario() -> None:
-                r = Reclaimer(
-                    None, st, srv.url, signing_keys=[generate()], nats_auth={"user": "reclaimer",
-                    "password": pw["reclaimer"]},
-                )  # fmt: skip
+                r = Reclaimer(None, st, srv.url, signing_keys=[generate()], nats_auth=as_user(creds, "reclaimer"))
                 sub = await r._follow_events("local")
-                na = await nats.connect(srv.url, user="node-a", password=pw["node-a"], inbox_prefix="_INBOX.local.a")
-                nb = await nats.connect(srv.url, user="node-b", password=pw["node-b"], inbox_prefix="_INBOX.local.b")
+                na = await nats.connect(srv.url, **as_user(creds, "node-a"), inbox_prefix="_INBOX.local.a")
+                nb = await nats.connect(srv.url, **as_user(creds, "node-b"), inbox_prefix="_INBOX.local.b")
                 forged = {"type": "drain.drained", "node": "b", "seq": 3, "at": 1.0, "notice": "r-b"}
                 await na.jetstream().publish("sco.events.local.a", json.dumps(forged).encode())
                 real = {"type": "drain.overrun", "node": "b", "seq": 3, "at": 2.0, "notice": "r-b"}
@@ -466,7 +468,7 @@ def test_the_drill_in_check_mode_says_what_it_would_do_and_sends_nothing(tmp_pat
     got: list[bytes] = []
 
     async def listen_while(check: Any) -> Any:
-        nc = await nats.connect(srv.url, user="node-node-1", password=(creds / "node-node-1").read_text().strip())
+        nc = await nats.connect(srv.url, **as_user(creds, "node-node-1"))
 
         async def on_msg(msg: Any) -> None:
             got.append(msg.data)
@@ -499,15 +501,12 @@ def test_readers_and_reclaimers_touch_only_their_own_consumer(tmp_path: Path, fl
     from sco.state.fleet import FleetState
 
     srv, creds = start_relay(tmp_path, ["a"])
-    pw = {u: (creds / u).read_text().strip() for u in ("control", "reclaimer")}
 
     async def scenario(st: Any) -> dict[str, str]:
-        r = Reclaimer(
-            None, st, srv.url, signing_keys=[generate()], nats_auth={"user": "reclaimer", "password": pw["reclaimer"]}
-        )
+        r = Reclaimer(None, st, srv.url, signing_keys=[generate()], nats_auth=as_user(creds, "reclaimer"))
         sub = await r._follow_events("local")  # as in a real reclaim: creates sco-reclaimer-local
         out: dict[str, str] = {}
-        nc = await nats.connect(srv.url, user="control", password=pw["control"])
+        nc = await nats.connect(srv.url, **as_user(creds, "control"))
         js = nc.jetstream(timeout=3)
 
         async def on_msg(msg: Any) -> None:
@@ -621,8 +620,8 @@ def test_the_drill_makes_its_notice_key_and_says_the_hall_must_trust_it(tmp_path
 def test_a_relay_that_refuses_the_drill_stops_it_with_one_line(tmp_path: Path, relay: Any) -> None:
     srv, _ = relay
     (tmp_path / "nats").mkdir()
-    for user in ("control", "reclaimer"):
-        (tmp_path / "nats" / user).write_text("wrong-password\n")
+    for user in ("control", "reclaimer"):  # seeds the relay does not know
+        (tmp_path / "nats" / f"{user}.nk").write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
     write_keypair(generate(), tmp_path / "notice.key", tmp_path / "notice.pub")
     ev = {"sco_hall": "local", "sco_relay_url": srv.url, "sco_credentials_dir": str(tmp_path),
           "drill_nodes": ["node-1"], "drill_notice_seconds": 5, "drill_report_dir": str(tmp_path / "reports"),

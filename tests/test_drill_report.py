@@ -26,7 +26,7 @@ from sco.control.drill import COLORS, DrillReport, fold, render_html
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.browser import Chromium
 from tests.harness import AgentEnv, add_pod
-from tests.test_drill import start_relay
+from tests.test_drill import agent_identity, start_relay
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "collections/ansible_collections/sco/orchestrator/playbooks/files/sco-drill.py"
@@ -42,8 +42,7 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     agents = []
     try:
         for node in NODES[:2]:
-            pw = (creds / f"node-{node}").read_text().strip()
-            a = AgentEnv(tmp / node, kube, srv, node=node, nats_user=f"node-{node}", nats_password=pw)
+            a = AgentEnv(tmp / node, kube, srv, node=node, **agent_identity(creds, node))
             write_keypair(a.notice_key, tmp / f"{node}-notice.key", tmp / f"{node}-notice.pub")
             agents.append(a)
         add_pod(kube, "web", "web-0", "node-1", grace=30, prestop=0.3)
@@ -57,8 +56,8 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             a.start().wait_subscribed()
         report_dir = tmp / "reports"
         cmd = [sys.executable, str(SCRIPT), "run", "--server", srv.url, "--hall", "local", "--id", "drill-test",
-               "--report-dir", str(report_dir), "--reader-password-file", str(creds / "control"),
-               "--reclaimer-password-file", str(creds / "reclaimer"), "--notice-seconds", str(WINDOW_S),
+               "--report-dir", str(report_dir), "--reader-credentials", str(creds / "control.nk"),
+               "--reclaimer-credentials", str(creds / "reclaimer.nk"), "--notice-seconds", str(WINDOW_S),
                "--grace-seconds", "1", *(f"--node={n}" for n in NODES),
                *(f"--signing-key={tmp / n}-notice.key" for n in NODES[:2])]  # fmt: skip
         progress: list[str] = []

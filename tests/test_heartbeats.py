@@ -42,7 +42,7 @@ def _fleet(dsn: str, names: list[str], age_h: float = 1) -> None:
 
 
 def _reader(srv: NatsServer, creds: Path, user: str = "control") -> RelayReader:
-    return RelayReader(srv.url, {"user": user, "password": (creds / user).read_text().strip()}, timeout_s=10)
+    return RelayReader(srv.url, {"nkeys_seed": str(creds / f"{user}.nk")}, timeout_s=10)
 
 
 def test_an_agent_beats_through_the_role_relay_and_the_silent_one_is_listed(
@@ -52,7 +52,7 @@ def test_an_agent_beats_through_the_role_relay_and_the_silent_one_is_listed(
     srv, creds = start_relay(tmp_path / "relay", ["node-1", "node-2"])
     agent = AgentEnv(
         tmp_path / "agent", kube, srv, node="node-1", heartbeat_seconds=1,
-        nats_user="node-node-1", nats_password=(creds / "node-node-1").read_text().strip(),
+        nats_nkey_seed_file=str(creds / "node-node-1.nk"),
     )  # fmt: skip
     try:
         _fleet(fleet_dsn, ["node-1", "node-2"])
@@ -68,9 +68,7 @@ def test_an_agent_beats_through_the_role_relay_and_the_silent_one_is_listed(
             async def on_error(e: Exception) -> None:
                 errors.append(str(e))
 
-            nc = await nats.connect(
-                srv.url, user="node-node-1", password=(creds / "node-node-1").read_text().strip(), error_cb=on_error
-            )
+            nc = await nats.connect(srv.url, nkeys_seed=str(creds / "node-node-1.nk"), error_cb=on_error)
             await nc.publish("sco.heartbeat.local.node-2", b'{"drain":"idle"}')
             await nc.flush(timeout=2)
             await asyncio.sleep(0.3)  # the permissions violation comes back asynchronously
@@ -91,9 +89,8 @@ def test_an_agent_beats_through_the_role_relay_and_the_silent_one_is_listed(
         with connect(fleet_dsn) as conn:
             assert collect(reader, conn, HALL) == 1
         # what the on-call engineer runs, reading the relay itself as the same reader
-        password = (creds / "control").read_text().strip()
         argv = ["hall", "status", "--json", "--dsn", fleet_dsn, "--nats", srv.url, "--user", "control"]
-        assert main([*argv, "--password", password]) == 0
+        assert main([*argv, "--nkey-seed", str(creds / "control.nk")]) == 0
         st = json.loads(capsys.readouterr().out)
         assert [(a["instance"], a["heard_at"]) for a in st["stale_agents"]] == [("node-2", None)]
         assert st["heartbeats"]["nodes"] == 1 and st["heartbeats"]["last_error"] is None

@@ -46,6 +46,7 @@ HALL = {
 
 
 def render(tmp: Path, **extravars: Any) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
     play, out = tmp / "render.yml", tmp / "agent.toml"
     play.write_text(RENDER)
     (tmp / "etc/trusted").mkdir(parents=True)
@@ -82,3 +83,17 @@ def test_a_preflight_period_the_agent_refuses_is_named_by_check_config(tmp_path:
     with pytest.raises(ConfigError) as e:
         load(render(tmp_path, node_agent_preflight_seconds=0.5), env={})
     assert [p.field for p in e.value.problems] == ["agent.preflight_seconds"], e.value.problems
+
+
+def test_the_relay_identity_is_the_nodes_nkey_seed_in_a_file(tmp_path: Path) -> None:
+    # role hall hands the node the seed notice_relay made for node-<node>; agent.toml names the file it goes to
+    seed = "SUAMLK2ZNL35WSMW37E7UD4VZ7ELPKW7DHC3BWBSD2GCZ7IUQQXZIORRBU"
+    out = render(tmp_path, node_agent_nats_nkey_seed=seed)
+    text = out.read_text()
+    assert seed not in text and "password" not in text
+    (tmp_path / "etc/nats.nk").write_text(seed + "\n")  # the role's copy task, beside the template
+    cfg = load(out, env={})
+    assert (cfg.nats_nkey_seed_file, cfg.nats_user, cfg.nats_password) == (str(tmp_path / "etc/nats.nk"), "", "")
+    # a password only where no seed is given (a relay configured otherwise)
+    cfg = load(render(tmp_path / "pw", node_agent_nats_password="pw"), env={})
+    assert (cfg.nats_nkey_seed_file, cfg.nats_user, cfg.nats_password) == ("", "node-localhost", "pw")

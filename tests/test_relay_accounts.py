@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import nats
+import pytest
 
 from sco.contract.signing import write_keypair
+from sco.errors import ConfigError
+from sco.provider import heartbeats
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, add_pod, wait_for
-from tests.test_drill import BIN, REPO, run_playbook, start_relay
+from tests.test_drill import BIN, REPO, agent_identity, as_user, run_playbook, start_relay
 
 ATTACKS = 200  # of each kind (17,300 in 10 s reached one agent before)
 
@@ -34,16 +38,15 @@ def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
     tmp_path: Path, kube: KubeApiStandIn
 ) -> None:
     srv, creds = start_relay(tmp_path, ["a", "b"])
-    pw = {u: (creds / u).read_text().strip() for u in ("node-a", "node-b", "control", "reclaimer")}
-    agent = AgentEnv(tmp_path / "agent", kube, srv, node="a", nats_user="node-a", nats_password=pw["node-a"])
+    agent = AgentEnv(tmp_path / "agent", kube, srv, node="a", **agent_identity(creds, "a"))
     add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.2)
     write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")  # the hall trusts it
     (tmp_path / "nats").symlink_to(creds)  # the drill reads <sco_credentials_dir>/nats/<user>
 
     async def attack() -> None:
-        reader = await nats.connect(srv.url, user="control", password=pw["control"])
-        other = await nats.connect(srv.url, user="node-b", password=pw["node-b"], inbox_prefix="_INBOX.local.b")
-        reclaimer = await nats.connect(srv.url, user="reclaimer", password=pw["reclaimer"])
+        reader = await nats.connect(srv.url, **as_user(creds, "control"))
+        other = await nats.connect(srv.url, **as_user(creds, "node-b"), inbox_prefix="_INBOX.local.b")
+        reclaimer = await nats.connect(srv.url, **as_user(creds, "reclaimer"))
         try:
             for i in range(ATTACKS):
                 # the reader may ask JetStream about the stream; the answer goes to the reply subject it names
@@ -82,3 +85,81 @@ def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
     assert sum(notices["refused_total"].values()) == 1, notices
     (refused,) = agent.of("notice.refused")
     assert refused["bytes"] == len(b'{"junk": "marker"}'), refused
+
+
+def test_the_relays_config_holds_no_secret_and_renders_the_same_twice(tmp_path: Path) -> None:
+    """Issue 18 item 5: relay users are nkeys. The config has each user's public key, never a seed or a password;
+    a second render (the role's next run) changes nothing; each user's seed on the controller gets it in."""
+    import nkeys
+
+    from tests.test_drill import RENDER, ROLE
+
+    srv, creds = start_relay(tmp_path, ["a"])
+    try:
+        conf = (tmp_path / "nats.conf").read_text()
+        seeds = sorted(creds.glob("*.nk"))
+        assert [s.stem for s in seeds] == ["control", "node-a", "reclaimer", "relay-admin"]
+        for s in seeds:
+            assert s.stat().st_mode & 0o777 == 0o600, s
+            seed = s.read_bytes().strip()
+            assert seed.decode() not in conf
+            assert f'nkey: "{nkeys.from_seed(bytearray(seed)).public_key.decode()}"' in conf, s.stem
+        assert "password" not in conf and not re.search(r"\bS[A-Z][A-Z2-7]{50,}", conf)  # no seed of any kind
+        again = tmp_path / "again.conf"
+        r = run_playbook(
+            tmp_path, RENDER,
+            {"role": str(ROLE), "out": str(again), "notice_relay_hall": "local", "notice_relay_nodes": ["a"],
+             "notice_relay_credentials_dir": str(creds), "notice_relay_listen": "127.0.0.1",
+             "notice_relay_port": srv.port, "notice_relay_monitor_port": int(conf.split('http: "127.0.0.1:')[1][:5]),
+             "notice_relay_store_dir": str(tmp_path / "js")},
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert again.read_text() == conf  # the same seeds: the role's template task reports no change
+
+        async def connect(**auth: Any) -> str:
+            errors: list[str] = []
+
+            async def on_error(e: Exception) -> None:
+                errors.append(str(e))
+
+            try:
+                nc = await nats.connect(
+                    srv.url, connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False, error_cb=on_error,
+                    **auth,
+                )  # fmt: skip
+            except Exception as e:
+                return errors[-1] if errors else str(e) or type(e).__name__
+            await nc.close()
+            return "connected"
+
+        assert asyncio.run(connect(**as_user(creds, "node-a"))) == "connected"
+        foreign = tmp_path / "foreign.nk"
+        foreign.write_bytes(nkeys.encode_seed(b"\x01" * 32, nkeys.PREFIX_BYTE_USER))
+        for auth in ({"nkeys_seed": str(foreign)}, {"user": "node-a", "password": "anything"}):
+            assert "authorization violation" in asyncio.run(connect(**auth)).lower(), auth
+    finally:
+        srv.stop()
+
+
+def test_the_control_loops_heartbeat_reader_reads_the_role_relay_with_its_seed(tmp_path: Path) -> None:
+    """sco-control-loop's unit names the reader's seed file ($SCO_NATS_NKEY_SEED, role control_loop); a node's
+    beat reaches it through the node's account, and a seed file that is not there is one line naming it."""
+    srv, creds = start_relay(tmp_path, ["a"])
+    try:
+
+        async def beat() -> None:
+            nc = await nats.connect(srv.url, **as_user(creds, "node-a"))
+            await nc.publish("sco.heartbeat.local.a", b'{"drain": "idle"}')
+            await nc.flush(timeout=5)
+            await nc.close()
+
+        asyncio.run(beat())
+        reader = heartbeats.reader_from_env({"SCO_NATS_URL": srv.url, "SCO_NATS_NKEY_SEED": str(creds / "control.nk")})
+        assert reader is not None
+        beats = asyncio.run(heartbeats.read(reader, "local"))
+        assert set(beats) == {"a"} and beats["a"][1] == {"drain": "idle"}, beats
+        missing = tmp_path / "control.nk"
+        with pytest.raises(ConfigError, match=f"SCO_NATS_NKEY_SEED {missing}: no readable nkey seed file"):
+            heartbeats.reader_from_env({"SCO_NATS_URL": srv.url, "SCO_NATS_NKEY_SEED": str(missing)})
+    finally:
+        srv.stop()

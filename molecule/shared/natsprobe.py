@@ -29,8 +29,7 @@ class Client:
 
         self.nc = await nats.connect(
             server,
-            user=self.user,
-            password=(credentials / self.user).read_text().strip(),
+            nkeys_seed=str(credentials / f"{self.user}.nk"),  # the relay's users are nkeys
             error_cb=on_error,
             max_reconnect_attempts=0,
             connect_timeout=3,

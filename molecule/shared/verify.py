@@ -83,9 +83,13 @@ def check_agent_config(sc: Scenario, h: Any, node: str, hall: str, scheduler: st
     assert f"node {node}, hall {hall}, {scheduler}" in out.stdout
     cfg = h.file("/etc/sco/agent.toml")
     assert cfg.mode == 0o640
-    password = (sc.work / "credentials" / "nats" / f"node-{node}").read_text().strip()
-    for line in (f'nats_url = "{nats_url}"', f'nats_user = "node-{node}"', f'nats_password = "{password}"'):
+    for line in (f'nats_url = "{nats_url}"', 'nats_nkey_seed_file = "/etc/sco/nats.nk"'):
         assert line in cfg.content_string.splitlines(), line
+    assert "password" not in cfg.content_string
+    # the node's own seed, root's alone: the one the relay knows the public key of
+    seed = h.file("/etc/sco/nats.nk")
+    assert seed.mode == 0o600 and seed.user == "root"
+    assert seed.content_string.strip() == (sc.work / "credentials" / "nats" / f"node-{node}.nk").read_text().strip()
     pkgs = h.run("/opt/sco/bin/python -m pip list --format=freeze").stdout
     assert "spot-capacity-orchestrator==0.1.0" in pkgs
 
@@ -112,7 +116,9 @@ def check_relay_unit_and_config(h: Any) -> None:
     assert checked.rc == 0, checked.stderr
     conf = h.file("/etc/sco-nats/nats-server.conf")
     assert conf.mode == 0o640 and conf.group == "sco-nats"
-    assert h.file("/etc/sco-nats/admin.password").mode == 0o600
+    assert h.file("/etc/sco-nats/admin.nk").mode == 0o600
+    # no secret in the relay's config: nkey users, public keys only
+    assert "password" not in conf.content_string and 'nkey: "U' in conf.content_string
 
 
 @contextmanager

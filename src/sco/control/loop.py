@@ -488,9 +488,15 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
 
 
 def _nats_auth(params: Params) -> dict[str, Any]:
-    """The relay identity of the reclaim module (nats_creds, or nats_user and nats_password) for nats.connect."""
+    """The relay identity of the reclaim module (nats_creds, nats_nkey_seed, or nats_user and nats_password) for
+    nats.connect."""
     if params.get("nats_creds"):
         return {"user_credentials": str(params["nats_creds"])}
+    if params.get("nats_nkey_seed"):
+        seed = Path(str(params["nats_nkey_seed"]))
+        if not os.access(seed, os.R_OK) or not seed.is_file():  # nats-py would only say the relay is unreachable
+            raise ConfigError(f"nats_nkey_seed: {seed}: no readable nkey seed file there")
+        return {"nkeys_seed": str(seed)}
     if params.get("nats_user"):
         return {"user": str(params["nats_user"]), "password": str(params.get("nats_password") or "")}
     return {}

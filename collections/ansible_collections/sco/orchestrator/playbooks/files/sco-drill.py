@@ -103,13 +103,17 @@ def find_keys(paths: list[str], make: bool, bundle_url: str | None, trusted: lis
 # --- following the agents --------------------------------------------------------------------------------
 
 
-async def connect(servers: list[str], user: str, password_file: str) -> Any:
+async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
+    """Connect as relay user ``user``: its nkey seed file (the notice_relay role's, SU...) or a password file."""
     import nats
 
     try:
-        password = Path(password_file).read_text().strip()
+        secret = Path(credentials_file).read_text().strip()
     except OSError as e:
-        raise DrillError(f"the password of relay user {user}: {password_file}: {e.strerror}") from None
+        raise DrillError(f"the credentials of relay user {user}: {credentials_file}: {e.strerror}") from None
+    auth: dict[str, Any] = (
+        {"nkeys_seed_str": secret} if secret.startswith("SU") else {"user": user, "password": secret}
+    )
     errors: list[str] = []
 
     async def on_error(e: Exception) -> None:  # nats-py would log a traceback per attempt: keep the reason
@@ -120,12 +124,11 @@ async def connect(servers: list[str], user: str, password_file: str) -> Any:
         return await asyncio.wait_for(
             nats.connect(
                 servers=servers,
-                user=user,
-                password=password,
                 connect_timeout=3,
                 max_reconnect_attempts=0,
                 allow_reconnect=False,
                 error_cb=on_error,
+                **auth,
             ),
             10,
         )
@@ -183,8 +186,8 @@ class Drill:
         a = self.args
         servers = [s.strip() for s in a.server.split(",") if s.strip()]
         keys = [load_private(Path(k)) for k in a.signing_key or []]  # checked by `keys` first; again, cheaply
-        reader = await connect(servers, a.reader, a.reader_password_file)
-        sender = None if a.observe else await connect(servers, a.reclaimer, a.reclaimer_password_file)
+        reader = await connect(servers, a.reader, a.reader_credentials)
+        sender = None if a.observe else await connect(servers, a.reclaimer, a.reclaimer_credentials)
         prefix = f"sco.events.{a.hall}."
 
         async def on_msg(msg: Any) -> None:
@@ -304,9 +307,10 @@ def main() -> int:
     r.add_argument("--report-dir", required=True)
     r.add_argument("--observe", action="store_true", help="send nothing: follow the provider's reclaimer")
     r.add_argument("--reclaimer", default="reclaimer")
-    r.add_argument("--reclaimer-password-file")
+    # a user's nkey seed file (the notice_relay role's <user>.nk), or a password file; the old names still work
+    r.add_argument("--reclaimer-credentials", "--reclaimer-password-file", dest="reclaimer_credentials")
     r.add_argument("--reader", default="control")
-    r.add_argument("--reader-password-file", required=True)
+    r.add_argument("--reader-credentials", "--reader-password-file", dest="reader_credentials", required=True)
     r.add_argument("--signing-key", action="append", help="notice key file (repeatable)")
     r.add_argument("--notice-seconds", type=float, default=120)
     r.add_argument("--grace-seconds", type=float, default=10)
@@ -328,8 +332,8 @@ def main() -> int:
         if args.cmd == "watch":
             return watch(args)
         if args.cmd == "run":
-            if not args.observe and not (args.signing_key and args.reclaimer_password_file):
-                raise DrillError("sending the notices needs --signing-key and --reclaimer-password-file")
+            if not args.observe and not (args.signing_key and args.reclaimer_credentials):
+                raise DrillError("sending the notices needs --signing-key and --reclaimer-credentials")
             if not (0 < args.notice_seconds <= 3600 and 0 <= args.grace_seconds <= 600):  # also refuses NaN
                 raise DrillError(
                     f"--notice-seconds must be in (0, 3600] and --grace-seconds in [0, 600], got "

@@ -48,6 +48,11 @@ options:
   nats_creds:
     description: A NATS credentials file (JWT and nkey seed), instead of O(nats_user) and O(nats_password).
     type: path
+  nats_nkey_seed:
+    description:
+      - The reclaimer's nkey seed file (the notice_relay role's C(<credentials_dir>/nats/reclaimer.nk); the relay
+        knows only its public key), instead of O(nats_user) and O(nats_password).
+    type: path
   window:
     description:
       - Seconds from the notice to the delete (120 in production); at least 3 and at most 3600.
@@ -95,8 +100,7 @@ EXAMPLES = r"""
     cloud: hall-a
     nodes: [hall-a-spot-a-s1f2e3d4c-0, hall-a-spot-a-s1f2e3d4c-1]
     nats_url: nats://relay.hall-a:4222
-    nats_user: reclaimer
-    nats_password: "{{ lookup('ansible.builtin.file', 'credentials/nats/reclaimer') }}"
+    nats_nkey_seed: credentials/nats/reclaimer.nk
 """
 
 RETURN = r"""
@@ -129,6 +133,7 @@ def main() -> None:
         "nats_user": {"type": "str"},
         "nats_password": {"type": "str", "no_log": True},
         "nats_creds": {"type": "path"},
+        "nats_nkey_seed": {"type": "path"},
         "window": {"type": "float", "default": 120},
         "notice_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
         "wait": {"type": "bool", "default": True},
@@ -138,7 +143,7 @@ def main() -> None:
     module = AnsibleModule(
         argument_spec=spec,
         supports_check_mode=True,
-        mutually_exclusive=[("nats_creds", "nats_user")],
+        mutually_exclusive=[("nats_creds", "nats_user", "nats_nkey_seed")],
         required_by={"nats_password": "nats_user"},
     )
     run_step(module, "reclaim")

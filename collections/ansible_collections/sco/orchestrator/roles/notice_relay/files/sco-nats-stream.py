@@ -50,15 +50,18 @@ def differs(have: StreamConfig, want: StreamConfig) -> bool:
 
 
 async def ensure(args: argparse.Namespace) -> list[tuple[str, str]]:
-    password = Path(args.password_file).read_text().strip()
+    # the relay's own users are nkeys (the seed file); a password file for a relay configured otherwise
+    auth = (
+        {"nkeys_seed": args.nkey_seed}
+        if args.nkey_seed
+        else {"user": args.user, "password": Path(args.password_file).read_text().strip()}
+    )
     nc = None
     loop = asyncio.get_running_loop()
     end = loop.time() + args.wait
     while nc is None:
         try:
-            nc = await nats.connect(
-                args.server, user=args.user, password=password, connect_timeout=2, max_reconnect_attempts=0
-            )
+            nc = await nats.connect(args.server, connect_timeout=2, max_reconnect_attempts=0, **auth)
         except Exception as e:  # the server may still be starting
             if loop.time() > end:
                 raise SystemExit(f"sco-nats-stream: cannot reach {args.server}: {e}") from None
@@ -87,7 +90,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--server", default="nats://127.0.0.1:4222")
     p.add_argument("--user", default="relay-admin")
-    p.add_argument("--password-file", required=True)
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--nkey-seed", help="the user's nkey seed file")
+    who.add_argument("--password-file", help="the user's password file (with --user)")
     p.add_argument("--hall", required=True)
     p.add_argument("--stream", default="SCO_EVENTS")
     p.add_argument("--max-age", type=float, default=14 * 86400)
