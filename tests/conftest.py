@@ -57,6 +57,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             group = _CLOUD_GROUP.get(module, "cloud-a")
             item.add_marker(pytest.mark.xdist_group(name=group))
             rank[item.nodeid] = 0 if group == "cloud-a" else 1
+        elif "ceph" in getattr(item, "fixturenames", ()):
+            # one Ceph cluster (~20 s to start, ~450 MiB) for every checkpoint-store test, not one per worker
+            item.add_marker(pytest.mark.xdist_group(name="ceph"))
+            rank[item.nodeid] = 2
         elif module in _HEAVY:
             rank[item.nodeid] = 2
     items.sort(key=lambda i: rank.get(i.nodeid, 3))  # stable: each file's own order stays
@@ -213,7 +217,8 @@ def signed(tmp_path: Path) -> tuple[Path, Path, Path]:
 @pytest.fixture(scope="session")
 def ceph(tmp_path_factory):  # type: ignore[no-untyped-def]
     """One real one-node Ceph cluster with an RGW (bluestore on a file) for the session (~20 s cold): the DCP
-    workload's checkpoint store. Tests provision their own bucket and user (role checkpoint_store's logic)."""
+    workload's checkpoint store. Tests provision their own bucket and user (role checkpoint_store's logic). Under
+    xdist its tests share one worker (group "ceph" above), so one cluster starts, not one per worker."""
     from sco_devkit.devcluster.ceph import CephCluster
 
     c = CephCluster(tmp_path_factory.mktemp("ceph"))
