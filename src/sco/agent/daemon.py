@@ -33,6 +33,7 @@ from sco.agent.drain import Drain, DrainPath
 from sco.agent.notice_sources import MetadataNoticeSource, NatsNoticeSource, NoticeSource
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused
 from sco.agent.resume import DrainRecord
+from sco.agent.retry import Backoff
 from sco.agent.sdnotify import notify, watchdog_interval
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.notice import notice_keyring
@@ -47,6 +48,7 @@ sys.modules.setdefault("aiohttp", None)  # type: ignore[arg-type]
 
 OUTCOMES = ("drain.drained", "drain.overrun")
 PUBLISH_WARN_EVERY_S = 60.0
+PUBLISH_RETRY_S = (0.5, 10.0)  # first and longest wait after a refused publish (sco.agent.retry.Backoff)
 FOREIGN_SAY_EVERY_S = 60.0
 
 
@@ -563,8 +565,11 @@ class Agent:
                 await asyncio.wait_for(self._stop.wait(), interval)
 
     async def _publisher(self) -> None:
-        """Spool to JetStream in seq order; after an outage, replays from the cursor in order."""
+        """Spool to JetStream in seq order; after an outage, replays from the cursor in order. A publish
+        JetStream refuses (no stream, a timeout) is tried again after a backoff with jitter, not at every wake-up
+        (twice a second while a backlog waits: a hall's agents would all hammer a broken stream in step)."""
         subject = self.cfg.subject(self.cfg.events_subject)
+        backoff = Backoff(PUBLISH_RETRY_S[0], PUBLISH_RETRY_S[1])
         while not self._stop.is_set():
             self._wake_publisher.clear()
             nc = self.nc
@@ -579,9 +584,14 @@ class Agent:
                         await js.publish(subject, json.dumps(ev).encode(), headers={"Nats-Msg-Id": msg_id})
                         done = ev["seq"]
                     self._published_ok()
+                    backoff.reset()
                 except Exception as e:  # no stream, timeout, disconnect: retry later from the cursor
                     self._publish_failed(subject, e)
-                    batch = []
+                    if done:
+                        self.spool.mark_published(done)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), backoff.next())
+                    continue
                 if done:
                     self.spool.mark_published(done)
                 if len(batch) == 200:
