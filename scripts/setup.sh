@@ -13,9 +13,11 @@ VENV=${VENV:-.venv}
 # ceph-mon ceph-osd ceph-mgr radosgw ceph-common: the one-node Ceph cluster with an RGW (S3) that the DCP
 # checkpoint tests and benchmark run on loopback (sco_devkit.devcluster.ceph; role checkpoint_store).
 # prometheus: the real server (and promtool) the metrics tests scrape with and the alert rules are tested by.
+# prometheus-node-exporter: the real textfile collector that serves the control loop's .prom files to that server.
 APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates systemd procps slurm-wlm lua5.1
   debootstrap openssh-client socat iproute2 openssl dbus openjdk-17-jre-headless chromium
-  ceph-mon ceph-osd ceph-mgr radosgw ceph-common prometheus)
+  ceph-mon ceph-osd ceph-mgr radosgw ceph-common prometheus
+  prometheus-node-exporter)
 
 need_apt=()
 for p in "${APT_PACKAGES[@]}"; do

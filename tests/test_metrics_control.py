@@ -1,5 +1,6 @@
 """The control loop's textfile metrics (node_exporter textfile format, written atomically at each step's end)
-from a real fleet state, and the distributor's /metrics; both pass `promtool check metrics`."""
+from a real fleet state, read by a real node_exporter, and the distributor's /metrics; both pass
+`promtool check metrics`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from sco.control import loop, metrics
 from sco.control.record import PgFleetStore
 from sco.errors import ConfigError
 from sco.state.db import connect as connect_db
-from tests.test_metrics_agent import promtool_check, samples
+from tests.test_metrics_agent import promtool_check, samples, scrape
+from tests.test_metrics_prometheus import NodeExporter
 
 
 def seed_fleet(dsn: str) -> None:
@@ -84,9 +86,10 @@ def test_a_step_run_writes_its_textfile_with_the_fleet_gauges(fleet_dsn: str, te
     assert (textdir / "sco_control_reclaim.prom").read_bytes() == before
 
 
-def test_no_series_is_in_two_files_whatever_steps_ran(fleet_dsn: str, textdir: Path) -> None:
-    """node_exporter's textfile collector refuses a series two files both carry ("was collected before with the
-    same name and label values"): the fleet gauges every step reads are one file's, the newest."""
+def test_no_series_is_in_two_files_whatever_steps_ran(fleet_dsn: str, textdir: Path, tmp_path: Path) -> None:
+    """node_exporter's textfile collector drops a series a second file repeats, keeping the first file's by name
+    (logged: "was collected before with the same name and label values"): the fleet gauges every step reads are
+    one file's, the newest, and the real node_exporter serves that one."""
     seed_fleet(fleet_dsn)
     params: dict[str, Any] = {"hall": "h1", "state_dsn": fleet_dsn, "nodes": []}
     loop.run("reclaim", params, check=False)
@@ -101,6 +104,16 @@ def test_no_series_is_in_two_files_whatever_steps_ran(fleet_dsn: str, textdir: P
             seen[series] = f.name
     s = samples((textdir / metrics.FLEET_FILE).read_text())
     assert s['sco_fleet_instances{pool="spot-a",state="active"}'] == 3  # the newest read
+    assert 'sco_fleet_instances{pool="spot-a",state="draining"}' not in s
+    ne = NodeExporter(textdir, tmp_path / "node_exporter")
+    try:
+        scrape(ne.url)
+        s = samples(scrape(ne.url))  # the second: a gathering error of the first would be counted by now
+        log = ne.logtext()
+    finally:
+        ne.stop()
+    assert s['promhttp_metric_handler_errors_total{cause="gathering"}'] == 0, log
+    assert s['sco_fleet_instances{pool="spot-a",state="active"}'] == 3
     assert 'sco_fleet_instances{pool="spot-a",state="draining"}' not in s
 
 

@@ -1,14 +1,14 @@
 """Issue 18's done-when: a real Prometheus (Debian's) scrapes two agents (one drains, one overruns, against the
 Kubernetes API stand-in and a real nats-server), a real control-loop run (``sco-control-loop``'s run_loop: the
 fleet-state lock, ansible-runner, the collection's plan, arbitrate and reclaim modules on a real PostgreSQL, then
-the agents' heartbeats read from the relay) through its textfiles, and the distributor; every exposition passes
-`promtool check metrics`, and the shipped rules, evaluated by that Prometheus, fire ScoDrainOverrun for the
-overrun only: nothing else fires or is pending (the agents are heard, the loop ran, the relay is up)."""
+the agents' heartbeats read from the relay) through its textfiles, served by a real node_exporter (Debian's, its
+textfile collector), and the distributor; every exposition passes `promtool check metrics`, and the shipped rules,
+evaluated by that Prometheus, fire ScoDrainOverrun for the overrun only: nothing else fires or is pending (the
+agents are heard, the loop ran, the relay is up)."""
 
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
 import re
 import shutil
@@ -30,70 +30,75 @@ from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, add_pod, free_port, wait_for
 from tests.test_alert_rules import RULES
-from tests.test_metrics_agent import promtool_check, scrape
+from tests.test_metrics_agent import promtool_check, samples, scrape
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 ROOT = Path(__file__).resolve().parents[1]
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s")
+NODE_EXPORTER = shutil.which("prometheus-node-exporter") or "/usr/bin/prometheus-node-exporter"
 
 
-class TextfileServer(http.server.ThreadingHTTPServer):
-    """The textfile directory's *.prom files as one exposition, merged as node_exporter's textfile collector merges
-    them: one family per metric name across files, and a series two files both carry is an error (node_exporter:
-    "was collected before with the same name and label values"), answered 500 so the scrape fails."""
+class NodeExporter:
+    """Debian's node_exporter (1.5), its textfile collector only, serving ``directory``'s *.prom files on loopback.
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        outer = self
+    A series two files both carry is not a failed scrape there: the first file's (by name) is served, the later
+    copy dropped, the error logged ("was collected before with the same name and label values") and counted in
+    ``promhttp_metric_handler_errors_total{cause="gathering"}`` (seen from the next scrape on: the counter is
+    gathered before the failing gather increments it); ``node_textfile_scrape_error`` stays 0."""
 
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                try:
-                    body, code = outer.merged().encode(), 200
-                except ValueError as e:
-                    body, code = str(e).encode(), 500
-                self.send_response(code)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def __init__(self, directory: Path, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.log = open(root / "node_exporter.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                NODE_EXPORTER,
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                f"--collector.textfile.directory={directory}",
+                "--collector.disable-defaults",  # the host's own collectors: nothing the tests read
+                "--collector.textfile",
+                "--web.disable-exporter-metrics",
+            ],
+            stdout=self.log,
+            stderr=self.log,
+        )
+        try:
+            wait_for(self._listening, 15, "node_exporter listening", interval=0.1)
+        except BaseException:
+            self.stop()
+            raise
 
-            def log_message(self, *a: Any) -> None:
-                pass
+    def logtext(self) -> str:
+        return Path(self.log.name).read_text()
 
-        super().__init__(("127.0.0.1", 0), H)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+    def _listening(self) -> bool:
+        assert self.proc.poll() is None, self.logtext()[-3000:]
+        try:
+            with urllib.request.urlopen(self.url, timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
 
-    def merged(self) -> str:
-        meta: dict[str, list[str]] = {}
-        series: dict[str, list[str]] = {}
-        seen: dict[str, str] = {}
-        for path in sorted(self.directory.glob("*.prom")):
-            for line in path.read_text().splitlines():
-                if line.startswith("# HELP ") or line.startswith("# TYPE "):
-                    name = line.split()[2]
-                    kinds = [m for m in meta.setdefault(name, []) if m.split()[1] == line.split()[1]]
-                    if not kinds:
-                        meta[name].append(line)
-                    continue
-                m = _SAMPLE.match(line)
-                if not m:
-                    continue
-                key = m.group(1) + (m.group(2) or "")
-                if key in seen:
-                    raise ValueError(f"{key} from {path.name} was collected before (in {seen[key]})")
-                seen[key] = path.name
-                family = re.sub(r"_(bucket|sum|count)$", "", m.group(1))
-                series.setdefault(family if family in meta else m.group(1), []).append(line)
-        out: list[str] = []
-        for name in sorted(set(meta) | set(series)):
-            out += meta.get(name, []) + series.get(name, [])
-        return "\n".join(out) + "\n"
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/metrics"
+
+@pytest.fixture
+def node_exporter(tmp_path: Path) -> Iterator[NodeExporter]:
+    """node_exporter over ``tmp_path / "textfile"`` (made here, empty until the test writes its files)."""
+    textdir = tmp_path / "textfile"
+    textdir.mkdir(exist_ok=True)
+    ne = NodeExporter(textdir, tmp_path / "node_exporter")
+    yield ne
+    ne.stop()
 
 
 class Prometheus:
@@ -219,7 +224,7 @@ def control_loop_run(tmp: Path, agent: AgentEnv, nats: NatsServer, dsn: str, mon
 
 def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overrun_only(
     tmp_path: Path, kube: KubeApiStandIn, agents: tuple[AgentEnv, AgentEnv], fleet_dsn: str,
-    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch,
+    nats_server: NatsServer, node_exporter: NodeExporter, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     from sco.contract.distributor import DistributorServer
     from sco.provider.heartbeats import ensure_stream
@@ -241,15 +246,13 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
         wait_for(lambda a=a: "metrics on http" in a.logtext(), 10, "the metrics endpoint")
     time.sleep(1.5)  # a beat from each (every second once connected)
     # a control-loop run, writing its textfiles, from the real fleet state
-    textdir = tmp_path / "textfile"
-    textdir.mkdir()
+    textdir = tmp_path / "textfile"  # node_exporter's --collector.textfile.directory
     monkeypatch.setenv(metrics.ENV, str(textdir))
     control_loop_run(tmp_path, ok, nats_server, fleet_dsn, monkeypatch)
     assert sorted(p.name for p in textdir.glob("*.prom")) == [
         "sco_control_arbitrate.prom", "sco_control_fleet.prom", "sco_control_loop.prom", "sco_control_plan.prom",
         "sco_control_reclaim.prom",
     ]  # fmt: skip
-    text_srv = TextfileServer(textdir)
     dist_root = tmp_path / "dist"
     shutil.copytree(ok.state / "bundle", dist_root / "local")  # the hall's published bundle
     dist = DistributorServer(dist_root, ("127.0.0.1", 0))
@@ -258,7 +261,7 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
         tmp_path / "prom",
         {
             "sco-agent": [target(ok.metrics_url), target(over.metrics_url)],
-            "sco-control": [target(text_srv.url)],
+            "sco-control": [target(node_exporter.url)],
             "sco-distributor": [target(dist.url + "/metrics")],
         },
     )
@@ -269,7 +272,7 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
             return len(r) == 4 and all(x["value"][1] == "1" for x in r)
 
         wait_for(all_up, 20, "every target scraped and up", interval=0.5)
-        for url in (ok.metrics_url, over.metrics_url, text_srv.url, dist.url + "/metrics"):
+        for url in (ok.metrics_url, over.metrics_url, node_exporter.url, dist.url + "/metrics"):
             promtool_check(scrape(url))
         time.sleep(2)  # a few samples at 0 before the drains: increase() sees the step
         ok.send(ok.notice("p-ok", 20))
@@ -305,6 +308,13 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
         assert list(value("sco_agents_silent").values()) == [0]
         assert list(value("sco_agent_heartbeats_nodes").values()) == [2]
         assert list(value("sco_relay_up").values()) == [1]
+        # node_exporter read all five files and dropped nothing: a series in two files is not a failed scrape there
+        # (up stays 1), only a logged, counted gathering error
+        assert len(value('node_textfile_mtime_seconds{job="sco-control"}')) == 5
+        assert list(value('node_textfile_scrape_error{job="sco-control"}').values()) == [0]
+        gathering = 'promhttp_metric_handler_errors_total{job="sco-control",cause="gathering"}'
+        assert list(value(gathering).values()) == [0]
+        assert "was collected before" not in node_exporter.logtext()
         assert {json.loads(k)["state"]: v for k, v in value("sco_fleet_instances").items()} == {"active": 2}
         spend = value("sco_on_demand_authority_per_hour")
         assert spend and all(json.loads(k)["job"] == "sco-control" for k in spend)
@@ -325,22 +335,31 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
         assert all(rule["health"] == "ok" for g in rules for rule in g["rules"]), rules
     finally:
         prom.stop()
-        text_srv.shutdown()
         dist.shutdown()
         dist.server_close()
 
 
-def test_the_textfile_stand_in_refuses_a_series_in_two_files_as_node_exporter_does(tmp_path: Path) -> None:
-    (tmp_path / "a.prom").write_text('# HELP x_seconds X.\n# TYPE x_seconds gauge\nx_seconds{step="a"} 1\n')
-    (tmp_path / "b.prom").write_text('# HELP x_seconds X.\n# TYPE x_seconds gauge\nx_seconds{step="b"} 2\n')
-    srv = TextfileServer(tmp_path)
-    try:
-        text = scrape(srv.url)
-        promtool_check(text)  # one family across the files
-        assert text.count("# TYPE x_seconds") == 1 and 'x_seconds{step="b"} 2' in text
-        (tmp_path / "c.prom").write_text('x_seconds{step="a"} 3\n')
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(srv.url, timeout=5)
-        assert e.value.code == 500 and b"was collected before" in e.value.read()
-    finally:
-        srv.shutdown()
+def test_node_exporter_serves_one_family_across_files_and_drops_a_series_a_second_file_repeats(
+    tmp_path: Path, node_exporter: NodeExporter
+) -> None:
+    """What sco.control.metrics keeps the hall-wide gauges in one file for: node_exporter 1.5 does not fail the
+    scrape over a repeated series, it serves the first file's copy (by name, not the newest) and only logs."""
+    textdir = tmp_path / "textfile"
+    head = "# HELP x_seconds X.\n# TYPE x_seconds gauge\n"
+    (textdir / "a.prom").write_text(head + 'x_seconds{step="a"} 1\n')
+    (textdir / "b.prom").write_text(head + 'x_seconds{step="b"} 2\n')
+    text = scrape(node_exporter.url)
+    promtool_check(text)  # one family across the files
+    assert text.count("# TYPE x_seconds") == 1
+    s = samples(text)
+    assert s['x_seconds{step="a"}'] == 1 and s['x_seconds{step="b"}'] == 2
+    assert s['promhttp_metric_handler_errors_total{cause="gathering"}'] == 0
+    (textdir / "c.prom").write_text(head + 'x_seconds{step="a"} 3\n')  # newer, written after a.prom
+    s = samples(scrape(node_exporter.url))  # answered 200 all the same
+    assert s['x_seconds{step="a"}'] == 1 and s['x_seconds{step="b"}'] == 2  # c.prom's copy dropped
+    assert s[f'node_textfile_mtime_seconds{{file="{textdir / "c.prom"}"}}'] > 0  # the file was read
+    assert s["node_textfile_scrape_error"] == 0  # reading it was no error: the clash is the registry's
+    assert "was collected before with the same name and label values" in node_exporter.logtext()
+    s = samples(scrape(node_exporter.url))  # the counter is gathered before the failing gather counts
+    assert s['promhttp_metric_handler_errors_total{cause="gathering"}'] >= 1
+    assert s['x_seconds{step="a"}'] == 1
