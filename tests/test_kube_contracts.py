@@ -101,6 +101,22 @@ def test_cli_publishes_and_says_what_is_wrong(
     assert "did not answer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("interval", ["0", "-1", "nan", "inf"])
+def test_cli_refuses_a_watch_interval_out_of_bounds(
+    kube: KubeApiStandIn, key: PrivateKey, tmp_path: Path, capsys: pytest.CaptureFixture[str], interval: str
+) -> None:
+    """--watch --interval 0 published to the API server in a busy loop (and nan or inf slept for ever): exit 5
+    naming the flag, nothing sent (issue 20: bad input is one clear line)."""
+    write_keypair(key, tmp_path / "k.key", tmp_path / "k.pub")
+    bundle = tmp_path / "bundle.json"
+    bundle.write_bytes(_bundle(key))
+    argv = ["contract", "publish-configmap", str(bundle), "--trust", str(tmp_path / "k.pub"), "--watch"]
+    assert main([*argv, "--kube-url", kube.url, "--interval", interval]) == 5
+    err = capsys.readouterr().err
+    assert "--interval" in err and "expected 1 to 86400 seconds" in err, err
+    assert ("sco-system", "sco-contracts") not in kube.cluster.configmaps
+
+
 def test_standin_configmaps_follow_the_real_rules(kube: KubeApiStandIn) -> None:
     cfg = client.Configuration()
     cfg.host = kube.url

@@ -214,6 +214,8 @@ def cmd_publish_configmap(args: argparse.Namespace) -> int:
     from sco.contract.bundle import Bundle
     from sco.schedulers.kube_contracts import KubeConfigMaps, configmap, publish
 
+    if not 1.0 <= args.interval <= 86_400:  # 0 with --watch: a busy loop on the API server (nan compares false)
+        raise ConfigError(f"--interval {args.interval}: expected 1 to 86400 seconds")
     keyring = _keyring(args)
     if bool(args.bundle) == bool(args.url):
         raise ConfigError("give a BUNDLE file or --url (the distributor's bundle URL), not both")
