@@ -4,7 +4,8 @@
   settings), medians of 3; against a raw boto3 ``put_object`` of the same number of bytes in the same run
   (``save_ratio_vs_raw_put``: goal <= 1.3). What a save is made of, to tell where a ratio above that goes: the same
   DCP save to a local directory (``local_save_s``: planning and serialisation, no network) and the same bytes
-  written as 4 files at once through s3fs (``s3fs_put_s``: what DCP's writer does beneath, no DCP).
+  written as 4 files at once through s3fs (``s3fs_put_s``: what DCP's own ``FsspecWriter`` does beneath; the
+  workload writes through boto3 instead, ``sco_workloads.dcp_train.S3Objects``, and this line says why).
 - notice -> checkpoint complete: the workload process (~100 MB state) gets USR1 mid-run; the time from the signal
   to its DCP checkpoint being complete (``.metadata`` written), as the workload measures it; median of 3.
 - steps redone on resume with a notice (goal 0) and without one (killed -9 a few steps past a periodic

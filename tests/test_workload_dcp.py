@@ -288,18 +288,22 @@ def test_the_drill_report_says_each_workloads_lost_work() -> None:
     assert "<b>etl" not in page
 
 
-def test_every_save_and_load_of_a_run_reuses_its_s3_filesystem(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DCP takes a new writer (and reader) per checkpoint: each must reuse the run's S3 filesystem, its client and
-    warm connections (a new one per save cost 0.1-0.5 s of each ~1 s save of 100 MB: bench workload_dcp); one made
-    for other credentials is never reused (the recipe's trap: it kept failing)."""
-    from sco_workloads.dcp_train import Store, parse
+def test_every_save_and_load_of_a_run_puts_through_one_boto3_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP takes a new writer (and reader) per checkpoint: each must write and read the store through the run's one
+    boto3 client (S3Objects: a PUT per file on DCP's own writer threads, not s3fs's one asyncio thread, which made a
+    save 1.6-2.0x a raw PUT of its bytes: bench workload_dcp), and the listings reuse one S3 filesystem; one made for
+    other credentials is never reused (the recipe's trap: it kept failing)."""
+    from sco_workloads.dcp_train import S3Objects, Store, parse
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AK-ONE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SK-ONE")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     store = Store(parse(["--run", "r", "--store", "s3://sco-ckpt-x/runs/"]))
-    assert store._writer(1).fs.fs is store.fs and store._writer(2).fs.fs is store.fs
-    assert store._reader(2).fs.fs is store.fs
+    assert isinstance(store.objects, S3Objects)
+    for w, step in ((store._writer(1), 1), (store._writer(2), 2), (store._reader(2), 2)):
+        assert w.fs is store.objects and w.path == f"s3://sco-ckpt-x/runs/r/step-{step:08d}"
+    assert store.objects.client.meta.endpoint_url == "http://127.0.0.1:9"
+    assert Store(parse(["--run", "r", "--store", "s3://sco-ckpt-x/runs/"])).fs is store.fs
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AK-TWO")
     other = Store(parse(["--run", "r", "--store", "s3://sco-ckpt-x/runs/"]))
     assert other.fs is not store.fs and other.fs.key == "AK-TWO"
