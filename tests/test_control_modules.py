@@ -324,3 +324,25 @@ def test_a_pool_the_fleet_state_marks_unavailable_is_skipped(
     assert pools["spot-a"]["launch"] == 0 and pools["spot-b"]["launch"] > 0
     (skip,) = [d for d in res["plan"]["decisions"] if d["kind"] == "skip_pool"]
     assert skip["subject"] == "pool:spot-a" and "quota: instances exceeded (for " in skip["reason"]
+
+
+def test_the_reclaim_steps_options_are_parsed_once_and_bad_ones_named() -> None:
+    """The reclaim step reads one typed object, as the other steps do (its options were read with params.get in
+    five places of loop.py); a bad option is refused by name before anything runs."""
+    from sco.control.options import ReclaimOptions, parse_options
+    from sco.errors import ConfigError
+
+    o = parse_options("reclaim", {"hall": "h", "nodes": ["a", "b"], "window": "30", "nats_url": "nats://x:1, nats://y:2",
+                                  "nats_user": "reclaimer", "nats_password": "pw", "lock_wait": 0})  # fmt: skip
+    assert isinstance(o, ReclaimOptions)
+    assert (o.hall.hall, o.nodes, o.window, o.lock_wait, o.retry_for) == ("h", ("a", "b"), 30.0, 0.0, 120.0)
+    assert o.nats_servers == ["nats://x:1", "nats://y:2"] and o.nats_auth == {"user": "reclaimer", "password": "pw"}
+    bads: list[tuple[dict[str, Any], str]] = [
+        ({"window": "soon"}, "window"),
+        ({"lock_wait": -1}, "lock_wait"),
+        ({"retry_for": 0}, "retry_for"),
+        ({"nats_nkey_seed": "/nonexistent/seed.nk"}, "nats_nkey_seed"),
+    ]
+    for bad, where in bads:
+        with pytest.raises(ConfigError, match=where):
+            parse_options("reclaim", {"hall": "h", **bad})

@@ -185,8 +185,12 @@ def test_on_demand_spend_and_authority_by_tier_from_the_arbiters_view() -> None:
         Instance("2", "n2", "od", ("web", "etl")),  # shared: half each
         Instance("3", "n3", "od", ("etl",), state="deleting"),  # being deleted: no longer paid
         Instance("4", "n4", "spot", ("batch",)),  # reclaimable: not on-demand spend
+        Instance("5", "n5", "od", ("retired",)),  # a contract no longer in the bundle: tier 0, no authority
     )
-    assert loop._spend_by_tier(infos, pools, fleet) == {1: (3.75, 10.0), 2: (1.25, 4.0)}
+    from sco.control.arbiter import arbitrate
+
+    result = arbitrate({}, infos, pools, fleet, Decimal("100"))
+    assert loop.spend_by_tier(result) == {0: (2.5, 0.0), 1: (3.75, 10.0), 2: (1.25, 4.0)}
 
 
 def test_a_step_file_an_earlier_version_left_loses_its_fleet_gauges(fleet_dsn: str, textdir: Path) -> None:

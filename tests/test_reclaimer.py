@@ -391,7 +391,7 @@ def test_the_reclaim_step_fails_with_the_clouds_words_while_an_instance_is_not_g
               "api_timeout": 2}, "nats_url": nats_server.url, "notice_keys": [str(tmp_path / "notice.key")],
               "state_dsn": fleet_dsn}  # fmt: skip
     with PgFleetStore(fleet_dsn) as store, pytest.raises(ReclaimIncomplete) as e:
-        loop.step_reclaim(params, False, store)
+        loop.step_reclaim(loop.parse_options("reclaim", params), False, store)
     assert e.value.exit_code == 9
     assert str(e.value).startswith("hall step: 1 instance(s) not confirmed gone from Nova")
     assert "step-0" in str(e.value) and "timed out" in str(e.value)  # keystoneauth's own words

@@ -24,11 +24,12 @@ from sco.control.model import ContractInfo, Instance
 from sco.control.options import (
     AcquireOptions,
     ArbitrateOptions,
-    CloudOptions,
     DemandOptions,
     HallOptions,
     PlanOptions,
+    ReclaimOptions,
     ReconcileOptions,
+    hall_of,
     parse_options,
 )
 from sco.control.planner import Plan, plan
@@ -58,32 +59,32 @@ def run(step: str, params: Params, check: bool) -> dict[str, Any]:
     params = {**params, "state_dsn": params.get("state_dsn") or os.environ.get("SCO_DB_DSN")}
     fn = globals()[f"step_{step}"]
     started, ok = time.time(), False
-    opts = params if step == "reclaim" else parse_options(step, params)
+    opts = parse_options(step, params)
     store = open_store(params) if params.get("state_dsn") else None
     try:
         result: dict[str, Any] = fn(opts, check, store)
         ok = True
     finally:
-        _write_metrics(step, params, ok, started, store, check)
+        _write_metrics(step, opts, ok, started, store, check)
         if store is not None:
             store.close()
     return result
 
 
-def _write_metrics(step: str, params: Params, ok: bool, started: float, store: Any, check: bool) -> None:
+def _write_metrics(step: str, opts: Any, ok: bool, started: float, store: Any, check: bool) -> None:
     """The step's textfile for node_exporter (sco.control.metrics; off unless $SCO_METRICS_TEXTFILE_DIR is set)."""
     from sco.control import metrics
 
     if check or not os.environ.get(metrics.ENV):
         return  # check mode changed nothing and ran nothing for real: it says nothing about the loop's health
     extra: list[metrics.Gauge] = []
-    hall = str(params.get("hall") or "")
+    hall = hall_of(opts).hall
     try:
         if store is not None and hall:
             extra += metrics.fleet_gauges(store, hall)
         extra += metrics.spend_gauges(_LAST_SPEND.pop(step, {}))
-        if step == "reclaim" and params.get("nats_url"):
-            extra += metrics.relay_gauge(_relay_up(params))
+        if isinstance(opts, ReclaimOptions) and opts.nats_url:
+            extra += metrics.relay_gauge(_relay_up(opts))
     except Exception as e:  # a gauge that cannot be read leaves the run's own lines
         metrics.log.error("control-loop metrics for %s: %s", step, e)
     metrics.write_step(step, "ok" if ok else "failed", started, time.time(), extra)
@@ -92,15 +93,15 @@ def _write_metrics(step: str, params: Params, ok: bool, started: float, store: A
 _LAST_SPEND: dict[str, dict[int, tuple[float, float]]] = {}
 
 
-def _relay_up(params: Params) -> bool:
+def _relay_up(o: ReclaimOptions) -> bool:
     """One connection to the relay with the reclaimer's credentials, 3 s at most."""
     import nats
 
     async def probe() -> bool:
         try:
             nc = await nats.connect(
-                servers=[s.strip() for s in str(params["nats_url"]).split(",") if s.strip()],
-                connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False, **_nats_auth(params),
+                servers=o.nats_servers,
+                connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False, **o.nats_auth,
             )  # fmt: skip
         except Exception:
             return False
@@ -130,11 +131,6 @@ def load_bundle(params: Params | HallOptions) -> Any:
     except OSError as e:
         raise ConfigError(f"{h.bundle}: {e.strerror}") from None
     return Bundle.from_bytes(raw, Keyring(keys), str(h.bundle))
-
-
-def _cloud(params: Params) -> Any:
-    """An openstacksdk connection from openstack.cloud-style options (cloud name or dict, or auth)."""
-    return CloudOptions.from_params(params).connect()
 
 
 def open_store(params: Params) -> Any:
@@ -290,25 +286,17 @@ def step_arbitrate(o: ArbitrateOptions, check: bool, store: FleetStore | None = 
     pools = plan_input(d, {}, time.time()).pools
     infos = contracts(o.plan.hall)
     result = arbitrate(shortfall, infos, pools, fleet, o.ceiling_per_hour)
-    _LAST_SPEND["arbitrate"] = _spend_by_tier(infos, pools, fleet)
+    _LAST_SPEND["arbitrate"] = spend_by_tier(result)
     out: dict[str, Any] = {"changed": bool(result.grants), "arbitration": result.to_dict(), "explain": result.explain()}
     if store is not None and not check:
         store.record_arbitration(hall, o.plan.hall.run_id, result)
     return out
 
 
-def _spend_by_tier(
-    infos: Mapping[str, ContractInfo], pools: Any, fleet: tuple[Instance, ...]
-) -> dict[int, tuple[float, float]]:
-    """(on-demand spend per hour, spend authority per hour) by contract tier, for the metrics."""
-    from sco.control.arbiter import current_spend
-
-    _, per = current_spend({p.name: p for p in pools}, fleet)
-    out: dict[int, tuple[float, float]] = {}
-    for name, c in infos.items():
-        s, a = out.get(c.tier, (0.0, 0.0))
-        out[c.tier] = (s + float(per.get(name, 0)), a + (float(c.spend_cap_per_hour) if c.on_demand else 0.0))
-    return out
+def spend_by_tier(result: Arbitration) -> dict[int, tuple[float, float]]:
+    """(on-demand spend per hour, authority per hour) per tier for the metrics: the arbiter's own figures, tier 0
+    (instances of contracts no longer in the bundle: spend against no authority) included."""
+    return {t.tier: (float(t.spend_per_hour), float(t.authority_per_hour)) for t in result.tiers}
 
 
 # --- acquire ------------------------------------------------------------------------------------------
@@ -487,65 +475,44 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
 # --- reclaim ------------------------------------------------------------------------------------------
 
 
-def _nats_auth(params: Params) -> dict[str, Any]:
-    """The relay identity of the reclaim module (nats_creds, nats_nkey_seed, or nats_user and nats_password) for
-    nats.connect."""
-    if params.get("nats_creds"):
-        return {"user_credentials": str(params["nats_creds"])}
-    if params.get("nats_nkey_seed"):
-        seed = Path(str(params["nats_nkey_seed"]))
-        if not os.access(seed, os.R_OK) or not seed.is_file():  # nats-py would only say the relay is unreachable
-            raise ConfigError(f"nats_nkey_seed: {seed}: no readable nkey seed file there")
-        return {"nkeys_seed": str(seed)}
-    if params.get("nats_user"):
-        return {"user": str(params["nats_user"]), "password": str(params.get("nats_password") or "")}
-    return {}
-
-
-def step_reclaim(params: Params, check: bool, store: Any = None) -> dict[str, Any]:
+def step_reclaim(o: ReclaimOptions, check: bool, store: Any = None) -> dict[str, Any]:
     """Reclaim instances through the provider's reclaimer: notice (NATS and metadata), drain window, delete."""
     if store is None:
         raise ConfigError("state_dsn: the reclaimer needs the fleet state (give state_dsn or set $SCO_DB_DSN)")
-    hall = str(params["hall"])
-    nodes = [str(n) for n in params.get("nodes") or []]
+    hall = o.hall.hall
     from sco.provider.reclaimer import drain_floor, window_problem
 
     # the hall's contracts, when given: the window must fit the largest drain budget plus the margin
     floor = None
-    if params.get("bundle"):
-        b = load_bundle(params)
+    if o.hall.bundle:
+        b = load_bundle(o.hall)
         floor = drain_floor(b.policy, b.contracts)
-    if (problem := window_problem("window", params.get("window", 120), floor)) is not None:
+    if (problem := window_problem("window", o.window, floor)) is not None:
         raise ConfigError(problem)  # before check mode returns: a window that cannot drain is refused there too
-    leases = bool(params.get("before_leases"))  # also what a host lease starting soon would preempt
-    if not nodes and not leases:
+    if not o.nodes and not o.before_leases:  # before_leases: also what a host lease starting soon would preempt
         return {"changed": False, "reclaimed": []}
     live = {i.name: i for i in store.fleet(hall)}
-    unknown = [n for n in nodes if n not in live]
+    unknown = [n for n in o.nodes if n not in live]
     if unknown:
         raise ConfigError(f"hall {hall}: no live instance named {', '.join(unknown)}")
-    todo = [n for n in nodes if live[n].state != "deleting"]  # already under reclaim: nothing to do again
+    todo = [n for n in o.nodes if live[n].state != "deleting"]  # already under reclaim: nothing to do again
     result: dict[str, Any] = {"changed": bool(todo), "reclaimed": [], "would_reclaim": todo}
-    if check or not (todo or leases):
+    if check or not (todo or o.before_leases):
         return result
     from sco.contract.signing import load_private
     from sco.provider.reclaim_job import ReclaimSettings, reclaim
 
-    if not params.get("nats_url"):
+    if not o.nats_url:
         raise ConfigError("nats_url: the hall's notice relay")
-    files = list(params.get("notice_keys") or []) or (
-        [os.environ["SCO_NOTICE_KEY"]] if os.environ.get("SCO_NOTICE_KEY") else []
-    )
-    if not files:
+    if not o.notice_keys:
         raise ConfigError(
             "notice_keys: give the hall's notice signing key(s) (or $SCO_NOTICE_KEY): agents refuse unsigned notices"
         )
     settings = ReclaimSettings(
-        hall=hall, nodes=tuple(todo), window_s=float(params["window"]), nats_url=str(params["nats_url"]),
-        signing_keys=[load_private(Path(k)) for k in files], dsn=store.dsn, nats_auth=_nats_auth(params),
-        lock_wait_s=float(params.get("lock_wait") or 0), wait=bool(params.get("wait", True)), floor=floor,
-        retry_for_s=float(params.get("retry_for") or 120), before_leases=leases,
+        hall=hall, nodes=tuple(todo), window_s=o.window, nats_url=o.nats_url,
+        signing_keys=[load_private(Path(k)) for k in o.notice_keys], dsn=store.dsn, nats_auth=dict(o.nats_auth),
+        lock_wait_s=o.lock_wait, wait=o.wait, floor=floor, retry_for_s=o.retry_for, before_leases=o.before_leases,
     )  # fmt: skip
-    result["reclaimed"] = asyncio.run(reclaim(settings, _cloud(params)))
+    result["reclaimed"] = asyncio.run(reclaim(settings, o.cloud.connect()))
     result["changed"] = bool(result["reclaimed"])
     return result

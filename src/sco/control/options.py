@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from sco.control.inputs import PlanDocument, parse
@@ -217,13 +218,93 @@ class AcquireOptions:
         )
 
 
+@dataclass(frozen=True)
+class ReclaimOptions:
+    """The reclaim step: which nodes, the notice window, the relay and its identity, the notice keys."""
+
+    hall: HallOptions
+    cloud: CloudOptions
+    nodes: tuple[str, ...] = ()
+    window: float = 120.0
+    before_leases: bool = False
+    nats_url: str | None = None
+    nats_auth: Mapping[str, Any] = field(default_factory=dict)
+    notice_keys: tuple[str, ...] = ()
+    lock_wait: float = 0.0
+    wait: bool = True
+    retry_for: float = 120.0
+
+    @classmethod
+    def from_params(cls, p: Params) -> ReclaimOptions:
+        window = p.get("window", 120)
+        try:
+            window_s = float(window)
+        except (TypeError, ValueError):
+            raise ConfigError(f"window: {window!r} is not a number of seconds") from None
+        keys = tuple(str(k) for k in p.get("notice_keys") or ()) or (
+            (os.environ["SCO_NOTICE_KEY"],) if os.environ.get("SCO_NOTICE_KEY") else ()
+        )
+        return cls(
+            hall=HallOptions.from_params(p),
+            cloud=CloudOptions.from_params(p),
+            nodes=tuple(str(n) for n in p.get("nodes") or ()),
+            window=window_s,
+            before_leases=bool(p.get("before_leases")),
+            nats_url=str(p["nats_url"]) if p.get("nats_url") else None,
+            nats_auth=nats_auth(p),
+            notice_keys=keys,
+            lock_wait=_non_negative(p, "lock_wait", 0.0),
+            wait=bool(p.get("wait", True)),
+            retry_for=_positive(p, "retry_for", 120.0),
+        )
+
+    @property
+    def nats_servers(self) -> list[str]:
+        return [s.strip() for s in (self.nats_url or "").split(",") if s.strip()]
+
+
+def nats_auth(p: Params) -> dict[str, Any]:
+    """The relay identity of the reclaim module (nats_creds, nats_nkey_seed, or nats_user and nats_password) for
+    nats.connect."""
+    if p.get("nats_creds"):
+        return {"user_credentials": str(p["nats_creds"])}
+    if p.get("nats_nkey_seed"):
+        seed = Path(str(p["nats_nkey_seed"]))
+        if not os.access(seed, os.R_OK) or not seed.is_file():  # nats-py would only say the relay is unreachable
+            raise ConfigError(f"nats_nkey_seed: {seed}: no readable nkey seed file there")
+        return {"nkeys_seed": str(seed)}
+    if p.get("nats_user"):
+        return {"user": str(p["nats_user"]), "password": str(p.get("nats_password") or "")}
+    return {}
+
+
+def _non_negative(params: Params, key: str, default: float) -> float:
+    v = params.get(key)
+    if v is None:
+        return default
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: {v!r} is not a number") from None
+    if not 0 <= f < float("inf"):
+        raise ConfigError(f"{key}: must be a finite number of 0 or more, not {v!r}")
+    return f
+
+
 PARSERS: dict[str, Any] = {
     "demand": DemandOptions,
     "reconcile": ReconcileOptions,
     "plan": PlanOptions,
     "arbitrate": ArbitrateOptions,
     "acquire": AcquireOptions,
+    "reclaim": ReclaimOptions,
 }
+
+
+def hall_of(opts: Any) -> HallOptions:
+    """The hall options of any step's options (arbitrate and acquire hold them in their plan options)."""
+    h = getattr(opts, "hall", None)
+    return h if isinstance(h, HallOptions) else hall_of(opts.plan)
 
 
 def parse_options(step: str, params: Params) -> Any:
