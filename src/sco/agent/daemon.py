@@ -587,15 +587,19 @@ class Agent:
                     backoff.reset()
                 except Exception as e:  # no stream, timeout, disconnect: retry later from the cursor
                     self._publish_failed(subject, e)
-                    if done:
-                        self.spool.mark_published(done)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), backoff.next())
-                    continue
+                    batch = []
+                    if nc.is_connected:  # refused on a live connection; a dropped one is nats-py's to reconnect
+                        if done:
+                            self.spool.mark_published(done)
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._stop.wait(), backoff.next())
+                        continue
                 if done:
                     self.spool.mark_published(done)
                 if len(batch) == 200:
                     continue
+            else:
+                backoff.reset()  # reconnected later: publish at once, the outage was not JetStream's refusal
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake_publisher.wait(), 1.0)
 
