@@ -75,3 +75,15 @@ def test_demand_lines_become_whole_requests() -> None:
     (prob,) = e.value.problems
     assert (prob.where, prob.field) == ("plan.json", "demand.demand.1")
     assert "requests_milli add up to 3000, not units_milli 2999" in prob.message
+
+
+def test_a_price_the_solver_cannot_weigh_and_a_document_nested_too_deeply_are_refused() -> None:
+    """Both were tracebacks of `sco plan` (OverflowError in the solver's weights; RecursionError in json.loads)."""
+    with pytest.raises(ConfigError) as e:
+        parse({"pools": [{**POOL, "pricePerHour": "1e300"}]}, "plan.json")
+    assert any(p.field.endswith("price_per_hour") or "price" in p.field for p in e.value.problems), e.value.problems
+    deep = b"{" + b'"pools": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ConfigError, match=r"plan\.json: not a planning document: nested too deeply"):
+        read_document(deep, "plan.json")
+    with pytest.raises(ConfigError, match=r"nested too deeply|not YAML/JSON"):
+        read_document(b"pools: " + b"[" * 100_000 + b"]" * 100_000, "plan.yaml")

@@ -518,3 +518,25 @@ def test_a_large_hall_is_planned_within_the_promised_gap_without_the_solvers_tim
     assert plan(inp).digest == p.digest
     again = plan(applied(inp, p))
     assert not any(x.launch for x in again.pools), again.explain()
+
+
+def test_floor_launches_stay_within_the_cap_that_instances_on_their_way_out_still_count_against() -> None:
+    """A committed pool of cap 1 holding 3 instances being reclaimed, a lease of 5: the floor launched 1 more
+    (target 4 over a cap of 1); cap 4 holding 4 launched 3 (target 7)."""
+    from sco.control.model import Reservation
+
+    for cap, held in ((1, 3), (4, 4)):
+        states = ["notified", "deleting", "overrun", "draining"][:held]
+        fleet = tuple(Instance(f"i{k}", f"n{k}", "c", ("gold",), NOW - 1000, state=s) for k, s in enumerate(states))
+        p = plan(
+            PlanInput(
+                contracts={"gold": ContractInfo("gold", 1, 16 * U)},
+                demand={},
+                pools=(Pool("c", "committed", 8 * U, cap),),
+                fleet=fleet,
+                reservations=(Reservation("l", "c", 5),),
+                settings=PlanSettings(now=NOW),
+            )
+        )
+        (pp,) = p.pools
+        assert pp.launch == 0 and pp.target <= max(cap, held), pp

@@ -308,6 +308,45 @@ def test_faults_between_runs_and_the_next_run_agrees_with_nova(  # type: ignore[
             hall.run(cloud=refused)
         out = hall.run()
         assert launched(out) == 0 and drift(cloud, fleet_dsn, "faults") == []
+
+        # 5. a server's tags removed by hand: it is not "lost" and replaced (it would run unseen for ever), its tags
+        # are put back
+        sid = sorted(tagged(cloud, "faults"))[0]
+        cloud.compute.put(f"/servers/{sid}/tags", json={"tags": []}, microversion="2.26")
+        out = hall.run()
+        assert [x["server_id"] for x in out["reconcile"]["reconciliation"]["retagged"]] == [sid], out["reconcile"]
+        assert not out["reconcile"]["reconciliation"]["lost"] and launched(out) == 0
+        assert sid in tagged(cloud, "faults") and len(tagged(cloud, "faults")) == 6
+        assert drift(cloud, fleet_dsn, "faults") == []
+
+        # 6. the fleet state's connections cut in the middle of a launch (PostgreSQL restarting): the step fails
+        # with the fleet state's own error (exit 11), not a driver traceback; the next run settles what it left
+        from sco.state.db import StateError
+
+        hall.pods(2, start=12)  # 4 units more: one instance
+        n0 = len(records(fleet_dsn, "faults"))
+        box: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                hall.run()
+            except BaseException as e:
+                box["err"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_for(lambda: len(records(fleet_dsn, "faults")) > n0 or not t.is_alive(), 120, "the new record")
+        with psycopg.connect(fleet_dsn, autocommit=True) as c:
+            c.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        t.join(180)
+        assert isinstance(box.get("err"), StateError), box
+        assert box["err"].exit_code == 11 and "lost during the acquire step" in str(box["err"])
+        out = hall.run()
+        assert drift(cloud, fleet_dsn, "faults") == [] and len(tagged(cloud, "faults")) == 7, out
+        assert launched(hall.run()) == 0
     finally:
         cleanup(cloud, "faults")
 

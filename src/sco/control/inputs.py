@@ -46,6 +46,8 @@ MAX_DEMAND_LINES = 10_000
 MAX_RESERVATIONS = 10_000
 MAX_REQUEST_SIZES = 1_000
 """Distinct request sizes in one demand line (the intake reports a histogram: sizes -> count)."""
+MAX_PRICE_PER_HOUR = Decimal(1_000_000)
+"""A pool's price per instance-hour: the solver weighs it as a float in units of 0.0001."""
 
 
 def _not_bool(v: Any) -> Any:
@@ -78,7 +80,10 @@ class PoolSpec(_Strict):
     group: str = ""
     available: bool = True
     unavailable_reason: str = ""
-    price_per_hour: Annotated[Decimal, BeforeValidator(_not_bool), Field(ge=0, allow_inf_nan=False)] = Decimal(0)
+    # bounded: the solver weighs prices as floats (1e300 overflowed to a traceback); no instance costs a million
+    price_per_hour: Annotated[
+        Decimal, BeforeValidator(_not_bool), Field(ge=0, le=MAX_PRICE_PER_HOUR, allow_inf_nan=False)
+    ] = Decimal(0)
     image: str = ""
     """Image to boot (the acquirer's default when empty)."""
     lease: str = ""
@@ -239,11 +244,15 @@ def read_document(raw: bytes, where: str) -> Any:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ConfigError(f"{where}: not JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{where}: not a planning document: nested too deeply") from None
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
         return yaml.load(raw, Loader=loader)
+    except RecursionError:
+        raise ConfigError(f"{where}: not a planning document: nested too deeply") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not YAML/JSON: {e}") from None
 

@@ -64,11 +64,23 @@ def run(step: str, params: Params, check: bool) -> dict[str, Any]:
     try:
         result: dict[str, Any] = fn(opts, check, store)
         ok = True
+    except _db_errors() as e:  # the connection lost mid-step (a PostgreSQL restart): the step's own error, exit 11
+        from sco.state.db import StateError
+
+        raise StateError(f"fleet state: lost during the {step} step: {type(e).__name__}: {str(e).strip()}") from None
     finally:
         _write_metrics(step, opts, ok, started, store, check)
         if store is not None:
             store.close()
     return result
+
+
+def _db_errors() -> tuple[type[BaseException], ...]:
+    try:
+        import psycopg
+    except ImportError:  # no fleet state without it: nothing of it to catch
+        return ()
+    return (psycopg.OperationalError, psycopg.InterfaceError)
 
 
 def _write_metrics(step: str, opts: Any, ok: bool, started: float, store: Any, check: bool) -> None:

@@ -110,6 +110,31 @@ def entry_servers(cloud: Any, meter: Meter, hall: str, pool: str, entry: str) ->
     return _list(cloud, meter, [TAG.format("hall", hall), TAG.format("pool", pool), TAG.format("entry", entry)])
 
 
+def server_still_there(cloud: Any, meter: Meter, server_id: str) -> Any | None:
+    """One GET by id: the server when Nova still has it (a tagged list no longer shows it: its tags were removed),
+    None when it is gone."""
+    from openstack import exceptions
+
+    meter.pay()
+    try:
+        s = cloud.compute.get_server(server_id)
+    except exceptions.NotFoundException:
+        return None
+    except Exception as e:
+        raise CloudError(f"Nova: looking up server {server_id}: {cloud_message(e)}") from None
+    return None if s.status in GONE else s
+
+
+def restore_tags(cloud: Any, meter: Meter, server: Any, tags: list[str]) -> None:
+    """Put the product's tags back on a server (one PUT of its whole tag list, what else it carried kept)."""
+    keep = [t for t in (getattr(server, "tags", None) or []) if not t.startswith("sco-")]
+    meter.pay()
+    try:
+        server.set_tags(cloud.compute, sorted(set(keep) | set(tags)))
+    except Exception as e:
+        raise CloudError(f"Nova: tagging server {server.id}: {cloud_message(e)}") from None
+
+
 def next_poll(started: float, now: float, total: int, done: int, *, floor: float = 0.25, cap: float = 10.0) -> float:
     """Seconds to wait before the next list call: the time the rest should take at the rate seen so far (10% over,
     so the poll lands after, not just before), or as long as it has taken so far while nothing has finished."""

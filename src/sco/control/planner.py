@@ -264,7 +264,8 @@ def hold_floors(inp: PlanInput, sv: Survey) -> Floors:
     launch = {}
     for p in reserved:
         needed = _ceil_div(sum(alloc[p.name].values()), p.flavor_milli)
-        launch[p.name] = max(0, needed - len(sv.room.get(p.name, [])))
+        # within the cap, which the instances on their way out still count against (survey)
+        launch[p.name] = max(0, min(needed - len(sv.room.get(p.name, [])), p.cap - len(sv.held[p.name])))
     return Floors(held, alloc, launch, decisions)
 
 

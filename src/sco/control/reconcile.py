@@ -6,7 +6,9 @@ One tagged list call (``sco-hall=<hall>``) is compared with the hall's records:
   its slot's record, or a new one;
 * a record stuck in ``requested``/``launching`` is **settled** to what Nova says (ACTIVE -> ``active``; ERROR ->
   ``failed`` and the server deleted, with Nova's fault as the reason);
-* a record whose server Nova no longer lists is **lost** (why, when it was last listed, an ``instance.lost``
+* a record whose server the tagged list no longer shows but Nova still has (its tags removed by hand) gets its
+  tags back (``retagged``; one GET by id tells it from a deleted one);
+* a record whose server Nova no longer has is **lost** (why, when it was last listed, an ``instance.lost``
   event): deleted by an operator, or by Blazar's own preemption when a host lease starts. Lost is no capacity;
 * a ``requested`` record with no server that Nova does not have either never reached Nova: ``failed``, once its
   create window (``create_window_s`` from the record's write) is over. Inside it the create may still be in Nova's
@@ -27,7 +29,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sco.control.nova import Meter, delete_all, hall_servers, slot_of, tag_value, wait_gone, wait_until
+from sco.control.nova import (
+    TAG,
+    Meter,
+    delete_all,
+    hall_servers,
+    restore_tags,
+    server_still_there,
+    slot_of,
+    tag_value,
+    wait_gone,
+    wait_until,
+)
 from sco.state.fleet import LIVE, LOST, RECLAIMING, FleetState, Instance
 
 SETTLING = ("requested", "launching")
@@ -58,6 +71,8 @@ class Reconciliation:
     surplus: list[dict[str, Any]] = field(default_factory=list)
     under_reclaim_gone: list[str] = field(default_factory=list)
     """Instances under reclaim whose server is gone already (the reclaimer confirms and records it)."""
+    retagged: list[dict[str, Any]] = field(default_factory=list)
+    """Records whose server Nova still has but no longer lists under the hall's tags: the tags put back."""
     foreign: list[dict[str, Any]] = field(default_factory=list)
     """Servers tagged with the hall that name no pool of the fleet state, or no slot: left alone, reported."""
     warnings: list[str] = field(default_factory=list)
@@ -67,7 +82,8 @@ class Reconciliation:
     @property
     def drift(self) -> int:
         """Differences found between the fleet state and Nova (0: they agreed)."""
-        return len(self.adopted) + len(self.settled) + len(self.lost) + len(self.never_launched) + len(self.surplus)
+        found = len(self.adopted) + len(self.settled) + len(self.lost) + len(self.never_launched) + len(self.surplus)
+        return found + len(self.retagged)
 
     @property
     def changed(self) -> bool:
@@ -83,6 +99,7 @@ class Reconciliation:
             "lost": self.lost,
             "never_launched": self.never_launched,
             "surplus": self.surplus,
+            "retagged": self.retagged,
             "under_reclaim_gone": self.under_reclaim_gone,
             "foreign": self.foreign,
             "api_calls": self.api_calls,
@@ -95,6 +112,9 @@ class Reconciliation:
         lines += [f"lost {x['name']} ({x['server_id']}): {x['why']}" for x in self.lost]
         lines += [f"never launched {x['name']}: marked failed" for x in self.never_launched]
         lines += [f"surplus {x['name']} ({x['server_id']}): {x['why']}" for x in self.surplus]
+        lines += [
+            f"retagged {x['name']} ({x['server_id']}): its tags were removed outside the product" for x in self.retagged
+        ]
         return lines
 
 
@@ -279,6 +299,18 @@ class Reconciler:
                         )  # fmt: skip
                 continue
             if r.state in ("requested", "launching", "active"):
+                # not in the tagged list: gone, or its tags were removed (it would run on unseen for ever while a
+                # replacement launched). One GET tells them apart; a server still there gets its tags back.
+                srv = server_still_there(self.cloud, self.meter, r.server_id)
+                if srv is not None:
+                    tags = [TAG.format("hall", hall), TAG.format("pool", r.pool), TAG.format("entry", r.plan_entry),
+                            TAG.format("slot", r.slot)]  # fmt: skip
+                    out.retagged.append({"name": r.name, "server_id": r.server_id, "tags": tags})
+                    if not check:
+                        restore_tags(self.cloud, self.meter, srv, tags)
+                        st.event(hall, "server.retagged", instance_id=r.id, pool=r.pool, server_id=r.server_id)
+                        listed.add(r.server_id)
+                    continue
                 why = (
                     f"server {r.server_id} is no longer in Nova (last listed {_iso(r.last_seen) or 'never'}): deleted"
                     " outside the product, e.g. by an operator or by a Blazar lease's preemption"
