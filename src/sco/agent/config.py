@@ -406,7 +406,9 @@ def _state_dir_problems(cfg: AgentConfig, where: str) -> list[Problem]:
             continue
         if not sub.is_dir():
             return [Problem(where, "agent.state_dir", f"{sub} is not a directory")]
-        if not os.access(sub, os.R_OK | os.W_OK | os.X_OK):
+        # the state dir itself need only be searchable here: whether it takes writes is probed below, and a
+        # read-only mount is named so, not "may not use it"
+        if not os.access(sub, os.R_OK | os.X_OK if sub == d else os.R_OK | os.W_OK | os.X_OK):
             return [Problem(where, "agent.state_dir", f"{sub}: this user (uid {os.geteuid()}) may not use it")]
         if sub == d:
             continue
