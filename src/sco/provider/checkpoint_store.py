@@ -7,10 +7,10 @@ Spoken to over HTTP only, as an RGW admin user (caps ``users=*; buckets=*``): us
 from the controller against any Ceph RGW: a production hall's real cluster, or the one-node lab cluster of the
 tests (``sco_devkit.devcluster.ceph``).
 
-Retention: Ceph 16's lifecycle cannot count checkpoints (``NewerNoncurrentVersions`` is not in pacific), so the
-rule aborts the multipart uploads an interrupted save leaves (after ``abort_incomplete_days``), and keeping the
-last K complete checkpoints is the workload's own pruning after each complete save (``keep`` in the contract,
-``sco_workloads.dcp_train``).
+Retention: Ceph 16's lifecycle cannot count checkpoints (RGW 16.2.15 accepts ``NewerNoncurrentVersions`` and drops
+it: the rule reads back without it), so the rule aborts the multipart uploads an interrupted save leaves (after
+``abort_incomplete_days``), and keeping the last K complete checkpoints is the workload's own pruning after each
+complete save (``keep`` in the contract, ``sco_workloads.dcp_train``).
 
 Every call has a deadline (connect 5 s, read 30 s) and boto3's standard retry mode (capped exponential backoff
 with jitter).
