@@ -41,6 +41,9 @@ def heartbeats_wanted(args: argparse.Namespace) -> StreamConfig:
         max_msgs_per_subject=1,
         max_age=float(args.heartbeat_max_age),
         discard=DiscardPolicy.OLD,
+        # the server's own default, said: nats-py's is 0, which the server stores as 120 s, so every later run
+        # found the stream "differing" and updated it (the relay's ExecStartPost was never idempotent)
+        duplicate_window=120.0,
     )
 
 
