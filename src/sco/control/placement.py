@@ -364,6 +364,10 @@ ACCEPT_GAP = 0.009
 answer without a branch and bound: well inside the 1% of the optimum the plan promises (tests/test_planner_objective.py
 checks it against a brute force)."""
 
+ACCEPT_MIN_VARIABLES = 5000
+"""Below this many columns the program is solved however close the start is: small halls get the exact optimum,
+tie-breaks (fewer new units, idle instances kept) included, which the gap on the whole objective cannot see."""
+
 _BANNER_SHOWN = False
 
 
@@ -384,6 +388,10 @@ def _quiet(make: Any) -> Any:
         os.close(saved)
         os.close(null)
         _BANNER_SHOWN = True
+
+
+def prog_objective(cost: list[float], x: list[float]) -> float:
+    return sum(c * v for c, v in zip(cost, x, strict=True))
 
 
 def _run_highs(prog: _Program, start: _Counts, all_placed: bool) -> tuple[_Counts, dict[str, Any]] | str:
@@ -446,8 +454,10 @@ def _run_highs(prog: _Program, start: _Counts, all_placed: bool) -> tuple[_Count
         h.passModel(lp)
         return h
 
-    def run(cost: list[float], x0: list[float]) -> tuple[list[float], Any, Any]:
+    def run(cost: list[float], x0: list[float], presolve: bool = True) -> tuple[list[float], Any, Any]:
         h = model(cost)
+        if not presolve:
+            h.setOptionValue("presolve", "off")
         sol = highspy.HighsSolution()
         sol.col_value = x0
         sol.value_valid = True
@@ -455,6 +465,16 @@ def _run_highs(prog: _Program, start: _Counts, all_placed: bool) -> tuple[_Count
         h.run()
         info = h.getInfo()
         got = list(h.getSolution().col_value) if info.primal_solution_status == 2 else x0
+        said = float(info.objective_function_value)
+        if (
+            presolve
+            and info.primal_solution_status == 2
+            and abs(prog_objective(cost, got) - said) > 1e-6 * max(1.0, abs(said))
+        ):
+            # HiGHS 1.16, a MIP its presolve solves whole after a start was given: it reports the objective it
+            # found but hands back values that are not that solution (a stage's placements lost, its work left
+            # short, and the next plan launched for it). Solved again without presolve.
+            return run(cost, x0, presolve=False)
         if h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit:
             # what the clock left depends on the machine's load: the same input could give another plan next run
             # (a plan applied and made again launched). The start is deterministic: keep it; the node limit is the
@@ -464,7 +484,7 @@ def _run_highs(prog: _Program, start: _Counts, all_placed: bool) -> tuple[_Count
 
     x = prog.point(start)
     start_objective = prog.objective(x)
-    if all_placed:
+    if all_placed and ncols >= ACCEPT_MIN_VARIABLES:
         # The LP relaxation (simplex, ~0.2 s at 5k nodes where the MIP's root alone took its whole time limit)
         # bounds every plan from below. A start already within ACCEPT_GAP of it is taken as it is: deterministic
         # (no time limit decides), and the bound it reports is proved.
@@ -715,6 +735,21 @@ _Round = tuple[dict[int, dict[Req, int]], dict[str, list[dict[Req, int]]], dict[
 pools whose counts of new requests could not all be packed onto instances"""
 
 
+def _keepable_left_idle(p: Problem, s: _Counts) -> bool:
+    """Whether an idle room past its grace that a pending request fits was left without work (it would be scaled
+    down, where the program keeps it busy: a plan applied and made again scaled down what the last one used)."""
+    sizes: dict[str, int] = {}
+    for (c, k), n in p.requests.items():
+        if n > 0:
+            sizes[c] = min(sizes.get(c, k), k)
+    return any(
+        r.deletable
+        and not any(s.on_room.get(i, {}).values())
+        and any(sizes.get(c, r.free + 1) <= r.free for c in r.contracts)
+        for i, r in enumerate(p.rooms)
+    )
+
+
 def _round(p: Problem) -> tuple[_Round, _Round]:
     """One solve: the program's answer (or the greedy's, without it) and the greedy's, both in true sizes."""
     q = _classed(p)
@@ -722,7 +757,7 @@ def _round(p: Problem) -> tuple[_Round, _Round]:
     wanted = sum(q.requests.values())
     got = sum(n for r in start.on_room.values() for n in r.values()) + sum(start.new.values())
     launches = start.instances or any(p.rooms[i].launch for i, r in start.on_room.items() if any(r.values()))
-    if got == wanted and not launches:
+    if got == wanted and not launches and not _keepable_left_idle(p, start):
         # everything fits room already there: nothing is cheaper, so no program is built (in a hall's steady state,
         # the instances the last plan launched are rooms: 390k columns at 5k nodes, 16 s of HiGHS for a plan that
         # launches nothing). Which idle instances are kept busy is the greedy's choice here, not the program's.
