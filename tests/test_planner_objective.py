@@ -302,22 +302,6 @@ def test_applying_a_plan_and_planning_again_changes_nothing(inp: PlanInput) -> N
     assert plan(applied(again, second)).digest == plan(again).digest  # a fixed point
 
 
-@settings(max_examples=200, deadline=None)
-@given(halls())
-def test_a_solve_stopped_at_its_node_limit_is_still_a_fixed_point(inp: PlanInput) -> None:
-    """With no branch and bound at all (node limit 0: HiGHS stops after its root), applying a plan and planning
-    again still changes nothing: the re-plan's greedy start places everything on the instances launched, and is the
-    answer without a program."""
-    from dataclasses import replace
-
-    inp = PlanInput(**{**inp.__dict__, "settings": replace(inp.settings, solver_node_limit=0)})
-    first = plan(inp)
-    again = applied(inp, first)
-    second = plan(again)
-    assert not second.changed, (first.to_dict(), second.to_dict())
-    assert plan(applied(again, second)).digest == plan(again).digest
-
-
 @settings(max_examples=100, deadline=None)
 @given(halls())
 def test_shares_hold_on_what_is_placed_and_requests_stay_whole(inp: PlanInput) -> None:
