@@ -114,3 +114,61 @@ def test_fetch_bundle_refuses_a_deadline_size_or_interval_out_of_bounds(tmp_path
     assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr
     assert p.stderr.startswith(f"sco: error: {flag} ") and ": expected " in p.stderr, p.stderr
     assert srv.requests == []
+
+
+class HeaderFlood:
+    """A status line, then ``count`` distinct header lines of ``width`` bytes as fast as it can, then nothing (the
+    connection held open): the reviewer's endless header lines, cut to what a test can send."""
+
+    def __init__(self, count: int, width: int) -> None:
+        self.count, self.width = count, width
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            for i in range(self.count):
+                conn.sendall(b"X-H%d: " % i + b"a" * self.width + b"\r\n")
+            self.stop.wait(30)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize(("count", "width"), [(1000, 10), (30, 4000)], ids=["101+ lines", "64+ KiB"])
+def test_fetch_bundle_refuses_a_header_section_without_end(tmp_path: Path, count: int, width: int) -> None:
+    """Review 2, D3: --max-bytes bounded only the body; a distributor sending distinct header lines without end
+    grew ``sco node fetch-bundle`` to 844 MiB within its 5 s deadline. Now the header section is capped (100
+    lines, 64 KiB, http.client's bounds) and refused at the cap, naming it, not at the deadline."""
+    key = generate()
+    (tmp_path / "trusted").mkdir()
+    write_keypair(key, tmp_path / "k.key", tmp_path / "trusted" / "k.pub")
+    srv = HeaderFlood(count, width)
+    argv = [str(BIN / "sco"), "node", "fetch-bundle", "--url", f"http://127.0.0.1:{srv.port}/b.json"]
+    argv += ["--cache-dir", str(tmp_path / "cache"), "--trust-dir", str(tmp_path / "trusted"), "--deadline", "20"]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    finally:
+        srv.close()
+    assert p.returncode == 6, p.stderr
+    assert "refused response: its header section exceeds 100 lines or 65536 bytes" in p.stderr, p.stderr
+    assert "deadline" not in p.stderr and "Traceback" not in p.stderr, p.stderr

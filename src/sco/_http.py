@@ -34,6 +34,11 @@ class HttpTooLarge(HttpError):
     """The response body exceeds the client's cap (an endless or absurd body is refused, never buffered)."""
 
 
+class HttpHeadersTooLarge(HttpError):
+    """The response's header section exceeds the client's cap (an endless stream of header lines is refused at
+    the cap, never buffered until the deadline)."""
+
+
 DEFAULT_MAX_BODY = 64 << 20  # the largest answer the agent expects: a node's pod list (110 pods: ~1 MiB)
 
 
@@ -46,6 +51,12 @@ class Response:
     def json(self) -> Any:
         return json.loads(self.body) if self.body else None
 
+
+# http.client's bounds: 100 header lines (_MAXHEADERS), and 64 KiB for the whole section (a line alone is
+# already capped at 64 KiB by the StreamReader): --max-bytes bounds only the body, so a peer sending distinct
+# header lines without end grew the agent past 800 MiB within a 5 s deadline.
+MAX_HEADER_LINES = 100
+MAX_HEADER_BYTES = 64 << 10
 
 _Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 REFUSED_RETRY_S = (0.02, 0.2)  # a refused connect is tried again within the exchange's deadline (first, cap)
@@ -176,7 +187,7 @@ class AsyncHttpClient:
                 why = f" (connection refused: {self.refused})" if self.refused else ""
                 raise HttpTimeout(f"{method} {target}: no answer within {limit:g} s{why}") from None
             except HttpError as e:
-                answered = isinstance(e, HttpTooLarge)  # it answered, too much
+                answered = isinstance(e, (HttpTooLarge, HttpHeadersTooLarge))  # it answered, too much
                 raise
             finally:
                 self.hearing.ended(answered)
@@ -225,10 +236,18 @@ class AsyncHttpClient:
         parts = line.decode("latin-1").split(" ", 2)
         status = int(parts[1])
         headers: dict[str, str] = {}
+        lines = size = 0
         while True:
             h = await reader.readline()
             if h in (b"\r\n", b"\n", b""):
                 break
+            lines += 1
+            size += len(h)
+            if lines > MAX_HEADER_LINES or size > MAX_HEADER_BYTES:
+                raise HttpHeadersTooLarge(
+                    f"{self.host}:{self.port}: refused response: its header section exceeds"
+                    f" {MAX_HEADER_LINES} lines or {MAX_HEADER_BYTES} bytes"
+                )
             k, _, v = h.decode("latin-1").partition(":")
             headers[k.strip().lower()] = v.strip()
         if method == "HEAD" or status in (204, 304):
