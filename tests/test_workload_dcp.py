@@ -307,3 +307,20 @@ def test_every_save_and_load_of_a_run_puts_through_one_boto3_client(monkeypatch:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AK-TWO")
     other = Store(parse(["--run", "r", "--store", "s3://sco-ckpt-x/runs/"]))
     assert other.fs is not store.fs and other.fs.key == "AK-TWO"
+
+
+def _local_run(store: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "sco_workloads.dcp_train", "--run", "r", "--store", str(store), "--steps", str(steps),
+            "--every", "10", "--keep", "3", *SMALL, *extra]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_a_fresh_local_store_is_made_on_first_use(tmp_path: Path) -> None:
+    """--store a local directory that does not exist yet (documented as allowed): the first progress mark comes
+    before the first save, and makes the run's directory."""
+    store = tmp_path / "store"
+    p = _local_run(store, 20)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [m["kind"] for m in lines(p.stdout)][-1] == "finished"
+    assert json.loads((store / "r" / "progress").read_text()) == {"step": 20}
+    assert sorted(x.name for x in (store / "r").iterdir()) == ["progress", "step-00000010", "step-00000020"]

@@ -262,6 +262,7 @@ class Store:
         self.fs, root = fsspec.core.url_to_fs(cfg.store, **opts)
         self.root = root.rstrip("/") + "/" + cfg.run
         self.url_root = cfg.store.rstrip("/") + "/" + cfg.run
+        self._run_dir_made = False
 
     def _url(self, step: int) -> str:
         return f"{self.url_root}/{STEP_DIR}{step:08d}"
@@ -337,6 +338,11 @@ class Store:
             return None
 
     def set_progress(self, step: int) -> None:
+        if not self.s3 and not self._run_dir_made:
+            # a local store's run directory is made by the first save, and the first progress mark comes before it
+            # (S3 has no directories, and s3fs's makedirs would try to make the bucket)
+            self.fs.makedirs(self.root, exist_ok=True)
+            self._run_dir_made = True
         self.fs.pipe_file(f"{self.root}/progress", json.dumps({"step": step}).encode())
 
 
