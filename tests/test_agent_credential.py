@@ -85,7 +85,12 @@ def test_the_agent_renews_its_token_bound_to_its_own_node_before_it_expires(
         patched = [a for a in kube.authenticated if a["method"] == "PATCH" and a["at"] > first_exp]
         assert patched and _token_id(first) not in {a["token"] for a in patched}
         # the preflight ran again with each new token; status and metrics say when the token expires
-        st = wait_for(lambda: (s := status(env))["scheduler"] and s, 5, "scheduler.json")["scheduler"]
+        # (waited for: on a loaded machine the preflight after the last renewal lands after the drain's outcome)
+        st = wait_for(
+            lambda: (s := status(env))["scheduler"] and s["scheduler"]["preflight"]["at"] > first_exp - 1 and s,
+            15,
+            "a preflight with a renewed token",
+        )["scheduler"]
         assert st["preflight"]["ok"] is True and st["preflight"]["at"] > first_exp - 1
         cred = st["credential"]
         assert cred["token_file"] == str(tok) and cred["expiry"] > first_exp

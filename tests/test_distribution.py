@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -332,6 +333,50 @@ def test_a_slowloris_from_300_addresses_leaves_a_node_answered(
         assert srv.refused_connections == 0
     finally:
         for s in slow:
+            s.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_clients_that_send_whole_requests_and_never_read_leave_a_node_answered(
+    tmp_path: Path, key: PrivateKey, keyring: Keyring
+) -> None:
+    """Review of issue 20: 300 connections from 300 addresses, each sending 2,000 complete GETs at once and reading
+    nothing. Their headers are complete, so no header deadline applied and none could be shed: every thread blocked
+    writing for up to idle_timeout, and a node's GET came back empty (9 of 18 answered within 1 s, sustained). The
+    answer is now under a deadline that can be shed too: the node is answered, three times, long before the 30 s
+    idle timeout that held it before (a bound on being answered at all: 300 writer threads share the test's
+    process, so the time itself is the machine's load; answered in 0.3-0.5 s on a quiet machine)."""
+    srv = DistributorServer(tmp_path / "root", ("127.0.0.1", 0), header_timeout=30.0, idle_timeout=30.0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    raw = sign(PAYLOAD, [key])
+    publish(raw, srv.files.root, keyring)
+    port = int(srv.server_address[1])
+    pipelined = b"GET /v1/halls/local/bundle.json HTTP/1.1\r\nHost: x\r\n\r\n" * 2000
+    readers = []
+    for i in range(300):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.bind((f"127.0.{30 + i // 200}.{1 + i % 200}", 0))
+        s.settimeout(5)
+        try:
+            s.connect(("127.0.0.1", port))
+            s.setblocking(False)
+            with contextlib.suppress(OSError):
+                s.sendall(pipelined)
+        except OSError:
+            s.close()
+            continue
+        readers.append(s)
+    try:
+        time.sleep(1.0)  # every accepted one is blocked writing answers nobody reads
+        for _ in range(3):
+            got, elapsed = _node_get(port)
+            assert got.startswith(b"HTTP/1.1 200") and got.endswith(raw), got[:200]
+            assert elapsed < 10.0, elapsed
+        assert srv.deadlines.shed >= 1
+    finally:
+        for s in readers:
             s.close()
         srv.shutdown()
         srv.server_close()

@@ -146,9 +146,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("ETag", etag)
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Content-Length", "0" if status == HTTPStatus.NOT_MODIFIED else str(len(body)))
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
+        # The answer is under a deadline too, and sheddable: a client that sends complete requests (pipelined by
+        # the thousand) and never reads holds its thread blocked in a write; with every slot taken by such, a
+        # node's GET went unanswered for up to idle_timeout, again and again.
+        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.idle_timeout)
+        try:
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
+                self.wfile.flush()
+        finally:
+            self.server.deadlines.disarm(self.connection)
 
     def do_GET(self) -> None:
         self._serve(head=False)
@@ -182,7 +190,8 @@ class _Deadlines:
             self._by_conn.pop(conn, None)
 
     def shed_oldest(self) -> bool:
-        """Shut the connection that has waited longest for its request's headers (False: none is waiting)."""
+        """Shut the connection whose deadline is nearest: the one that has waited longest for its request's
+        headers or been longest in writing an answer (False: none is armed)."""
         with self._lock:
             if not self._by_conn:
                 return False
