@@ -324,3 +324,47 @@ def test_a_fresh_local_store_is_made_on_first_use(tmp_path: Path) -> None:
     assert [m["kind"] for m in lines(p.stdout)][-1] == "finished"
     assert json.loads((store / "r" / "progress").read_text()) == {"step": 20}
     assert sorted(x.name for x in (store / "r").iterdir()) == ["progress", "step-00000010", "step-00000020"]
+
+
+def test_a_newest_checkpoint_that_does_not_load_falls_back_to_the_older_one(tmp_path: Path) -> None:
+    """The newest complete checkpoint (its .metadata there) lost a data file: it is said, the next older one resumed
+    from (bitwise as a straight run), and the damaged one written again whole; when none loads, exit 74 naming
+    each, not a fresh start (which would redo everything and prune them)."""
+    store = tmp_path / "store"
+    (store / "r").mkdir(parents=True)  # the run's directory: this test is about loading, not about making it
+    first = _local_run(store, 20)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (store / "r" / "step-00000020" / "__0_0.distcp").unlink()
+    second = _local_run(store, 30, "--out", str(tmp_path / "final.pt"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = lines(second.stdout)
+    bad = next(m for m in out if m["kind"] == "checkpoint_unloadable")
+    assert bad["step"] == 20 and bad["error"].startswith("FileNotFoundError: ") and "__0_0.distcp" in bad["error"]
+    resumed = next(m for m in out if m["kind"] == "resumed")
+    assert resumed["from_step"] == 10 and resumed["steps_redone"] == 10
+    assert_bitwise(tmp_path / "final.pt", reference(30, *SMALL))
+    assert (store / "r" / "step-00000020" / "__0_0.distcp").exists()  # saved again at step 20
+
+    for step in (10, 20, 30):
+        (store / "r" / f"step-{step:08d}" / "__0_0.distcp").unlink()
+    third = _local_run(store, 40)
+    assert third.returncode == 74, (third.returncode, third.stderr[-3000:])
+    assert "Traceback" not in third.stderr
+    (err,) = [x for x in third.stderr.splitlines() if x.startswith("dcp_train: error: ")]
+    assert "no complete checkpoint of run 'r'" in err
+    assert all(f"step {s}: FileNotFoundError" in err for s in (10, 20, 30)), err
+    assert "started" not in [m["kind"] for m in lines(third.stdout)]
+
+
+def test_a_checkpoint_that_did_not_load_is_not_kept_in_place_of_good_ones(tmp_path: Path) -> None:
+    """keep 1, resumed from 10 because 20 did not load, a notice save at 15: 15 is kept (not just 20, which would
+    leave the next attempt nothing that loads); 20 stays until a newer good one replaces it."""
+    from sco_workloads.dcp_train import Store, parse
+
+    store = Store(parse(["--run", "r", "--store", str(tmp_path)]))
+    for step in (10, 15, 20):
+        d = tmp_path / "r" / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_bytes(b"")
+    assert store.prune(1, {20}) == [10]
+    assert store.steps() == ([15, 20], [])

@@ -8,7 +8,9 @@ contract's checkpoint store (Ceph RGW over S3, or a local directory).
   the process exits 75 (EX_TEMPFAIL: requeue me).
 - **Resume**: from the newest *complete* checkpoint: complete only once DCP's ``.metadata`` is written (DCP
   writes it last, after every data file), so an interrupted save is never resumed from. The steps the last
-  attempt did past it (its progress marker) are the steps redone, said at registration on the socket.
+  attempt did past it (its progress marker) are the steps redone, said at registration on the socket. One that
+  does not load (a data file lost since) is said (``checkpoint_unloadable``) and the next older tried; if
+  checkpoints exist and none loads, the job exits 74 (EX_IOERR) naming each, rather than start over.
 - **Retention**: the newest ``--keep`` complete checkpoints are kept; older ones, and incomplete ones older than
   the newest complete one, are deleted after each save.
 
@@ -40,6 +42,7 @@ from typing import Any
 from sco.workload.checkpoint_client import CheckpointClient, CheckpointError, Notice
 
 EX_REQUEUE = 75  # EX_TEMPFAIL: checkpointed on a notice; run me again
+EX_UNLOADABLE = 74  # EX_IOERR: checkpoints exist and none loads; a requeue would fail the same way
 STEP_DIR = "step-"
 
 
@@ -322,8 +325,12 @@ class Store:
         r.fs, r.path = self.objects, self._url(step)
         return r
 
-    def prune(self, keep: int) -> list[int]:
+    def prune(self, keep: int, unloadable: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Keeps the newest ``keep`` complete checkpoints; one that failed to load counts as incomplete (else the
+        last good ones could be pruned in favour of it, and every later attempt would find nothing to load)."""
         complete, incomplete = self.steps()
+        incomplete = sorted(incomplete + [s for s in complete if s in unloadable])
+        complete = [s for s in complete if s not in unloadable]
         if not complete:
             return []
         gone = complete[:-keep] + [s for s in incomplete if s < complete[-1]]
@@ -346,6 +353,18 @@ class Store:
         self.fs.pipe_file(f"{self.root}/progress", json.dumps({"step": step}).encode())
 
 
+def _first_line(e: BaseException) -> str:
+    """The root cause's type and first line: DCP wraps a rank's error (its traceback as text) in a
+    CheckpointException."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e)
+    inner = [x for x in text.splitlines() if x and not x.startswith(" ") and "Error" in x]
+    if inner:  # the wrapped traceback's last exception line, e.g. "FileNotFoundError: [Errno 2] ..."
+        return inner[-1][:300]
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
 # --- the job ------------------------------------------------------------------------------------------
 
 
@@ -357,6 +376,8 @@ class Trainer:
         self.notice_via = ""
         self._lock = threading.Lock()
         self.client: CheckpointClient | None = None
+        # complete checkpoints (.metadata written) that failed to load: never counted among the kept ones
+        self.unloadable: set[int] = set()
 
     def _noticed(self, via: str) -> None:
         with self._lock:
@@ -374,12 +395,13 @@ class Trainer:
         _deterministic()
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        model, optim = build(cfg)
-        app = App(model, optim)
         complete, _ = self.store.steps()
+        loaded = self._load_newest(complete)
+        if loaded is None:
+            return EX_UNLOADABLE
+        model, optim, app, load_s = loaded
         resume: dict[str, Any] = {}
-        if complete:
-            load_s = self.store.load(app, complete[-1])
+        if load_s is not None:
             done_before = self.store.progress()
             redone = max(0, (done_before or app.step) - app.step)
             resume = {"from_step": app.step, "steps_redone": redone}
@@ -387,7 +409,7 @@ class Trainer:
         else:
             emit("started")
         self._connect(resume)
-        last_saved = app.step if complete else None
+        last_saved = app.step if load_s is not None else None
         while app.step < cfg.steps:
             train_step(model, optim, app.step, cfg)
             app.step += 1
@@ -409,6 +431,39 @@ class Trainer:
             self.client.close()
         return 0
 
+    def _load_newest(self, complete: list[int]) -> tuple[Any, Any, App, float | None] | None:
+        """The model, optimizer and state of the newest complete checkpoint that loads (load_s None: there was
+        none, a fresh start); None when there were some and none loaded.
+
+        A checkpoint that does not load (a data file lost or unreadable beside its ``.metadata``) is said and the
+        next older one tried: the job is deterministic, so an older checkpoint costs redone steps, not a wrong
+        result, where retrying the same one would fail every requeue. If none loads the job fails rather than
+        start over: that is a store problem (access, damage) for an operator, and a fresh start would redo all the
+        work and then prune the very checkpoints that might be recovered."""
+        # DCP's CheckpointException (a rank's error, wrapped) derives from BaseException, not Exception
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        tried: list[str] = []
+        for step in reversed(complete):
+            model, optim = build(self.cfg)  # fresh each try: a failed load may have filled some tensors already
+            app = App(model, optim)
+            try:
+                load_s = self.store.load(app, step)
+            except (Exception, CheckpointException) as e:  # whatever DCP or the store raised: this one is unusable
+                why = _first_line(e)
+                tried.append(f"step {step}: {why}")
+                self.unloadable.add(step)
+                emit("checkpoint_unloadable", step=step, error=why)
+                continue
+            return model, optim, app, load_s
+        if tried:
+            msg = f"no complete checkpoint of run {self.cfg.run!r} under {self.cfg.store} loads: " + "; ".join(tried)
+            emit("resume_failed", error=msg)
+            print(f"dcp_train: error: {msg}", file=sys.stderr)
+            return None
+        model, optim = build(self.cfg)
+        return model, optim, App(model, optim), None
+
     def _connect(self, resume: dict[str, Any]) -> None:
         path = self.cfg.socket or os.environ.get("SCO_CHECKPOINT_SOCKET")
         if not path:
@@ -427,7 +482,8 @@ class Trainer:
 
     def _save(self, app: App, reason: str) -> float:
         secs = self.store.save(app)
-        pruned = self.store.prune(self.cfg.keep)
+        self.unloadable.discard(app.step)  # written again whole
+        pruned = self.store.prune(self.cfg.keep, self.unloadable)
         emit("checkpoint", step=app.step, reason=reason, save_s=round(secs, 4), pruned=pruned)
         return secs
 
