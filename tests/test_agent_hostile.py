@@ -203,6 +203,7 @@ def test_agent_uses_its_own_nats_identity(tmp_path: Path, kube: KubeApiStandIn, 
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
     public = nkeys.from_seed(bytearray(seed)).public_key.decode()
     (tmp_path / "node.nk").write_bytes(seed + b"\n")
+    (tmp_path / "node.nk").chmod(0o600)  # the role writes it so; group- or other-readable is refused
     node_user = (
         f'{{user: "node-1", password: "pw-node", {_NODE_PERMS}}}'
         if identity == "password"

@@ -140,3 +140,99 @@ def test_a_serial_past_the_bound_is_refused_and_locks_nobody_out(tmp_path: Path,
     assert Bundle.from_bytes(sign(compile_repo(sample_repo(), serial=MAX_SERIAL), [key]), keyring).serial == MAX_SERIAL
     with pytest.raises(ContractError, match="--serial"):
         compile_repo(sample_repo(), serial=MAX_SERIAL + 1)
+
+
+def _user_seed() -> bytes:
+    import nkeys
+
+    return bytes(nkeys.encode_seed(b"\x02" * 32, nkeys.PREFIX_BYTE_USER))
+
+
+def _seed_garbage(seed: Path) -> str:
+    seed.write_text("garbage\n")
+    seed.chmod(0o600)
+    return f"{seed}: not an nkey seed"
+
+
+def _seed_of_an_account(seed: Path) -> str:
+    import nkeys
+
+    seed.write_bytes(bytes(nkeys.encode_seed(b"\x02" * 32, nkeys.PREFIX_BYTE_ACCOUNT)) + b"\n")
+    seed.chmod(0o600)
+    return f"{seed}: an account seed; the agent connects as a user (SU...)"
+
+
+def _seed_readable_by_all(seed: Path) -> str:
+    seed.write_bytes(_user_seed() + b"\n")
+    seed.chmod(0o644)
+    return f"{seed}: the nkey seed is readable by group or others (chmod 600 it)"
+
+
+def _seed_dev_zero(seed: Path) -> str:
+    seed.symlink_to("/dev/zero")
+    return f"{seed}: not a regular file"
+
+
+@pytest.mark.parametrize("spoil", [_seed_garbage, _seed_of_an_account, _seed_readable_by_all, _seed_dev_zero])
+def test_an_unusable_nkey_seed_is_one_line_and_exit_5_at_both(
+    root: Path, key: PrivateKey, spoil: Callable[[Path], str]
+) -> None:
+    """Review 2, D4: a garbage seed, an account seed (SA...) and a seed everyone may read passed check-config,
+    and run exited 0 after ``task nats failed`` and nkeys.ErrInvalidSeed's traceback."""
+    cfg = _config(root, key)
+    said = spoil(root / "s.nk")
+    cfg.write_text(cfg.read_text() + f'nats_nkey_seed_file = "{root}/s.nk"\nmetrics_listen = ""\n')
+    for cmd in ("check-config", "run"):
+        p = _run([AGENT, cmd, "--config", str(cfg)])
+        assert p.returncode == 5, (cmd, p.returncode, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in p.stderr, (cmd, p.stderr)
+        assert "agent.nats_nkey_seed_file" in lines[0] and said in lines[0], (cmd, lines[0])
+
+
+def test_a_user_seed_of_its_own_passes(root: Path, key: PrivateKey) -> None:
+    """The check refuses only what nats-py would: a user seed, 0600, with the newline the role writes."""
+    cfg = _config(root, key)
+    (root / "s.nk").write_bytes(_user_seed() + b"\n")
+    (root / "s.nk").chmod(0o600)
+    cfg.write_text(cfg.read_text() + f'nats_nkey_seed_file = "{root}/s.nk"\n')
+    p = _run([AGENT, "check-config", "--config", str(cfg)])
+    assert p.returncode == 0 and p.stdout.endswith("ok (node n1, hall local, slurm)\n"), (p.stdout, p.stderr)
+
+
+def test_an_unparseable_nats_url_is_one_line_and_exit_5_at_both(root: Path, key: PrivateKey) -> None:
+    """Review 2, D5: ``nats://[::1`` was exit 1 and ``ValueError: Invalid IPv6 URL`` at both."""
+    cfg = _config(root, key)
+    cfg.write_text(cfg.read_text().replace('"nats://127.0.0.1:9"', '"nats://[::1"'))
+    for cmd in ("check-config", "run"):
+        p = _run([AGENT, cmd, "--config", str(cfg)])
+        assert p.returncode == 5, (cmd, p.returncode, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in p.stderr, (cmd, p.stderr)
+        assert "agent.nats_url: 'nats://[::1' is not a nats:// URL" in lines[0], (cmd, lines[0])
+
+
+def test_a_failed_root_task_makes_run_exit_non_zero(
+    root: Path, key: PrivateKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 2, D4: a root task that raised stopped the agent and run returned 0, so systemd's
+    Restart=on-failure never restarted it. The fault is injected into the real agent's NATS task."""
+    import asyncio
+
+    from sco.agent import config
+    from sco.agent.daemon import Agent
+
+    cfg_path = _config(root, key)
+    cfg_path.write_text(cfg_path.read_text() + 'metrics_listen = ""\n')
+
+    async def broken(self: Agent) -> None:
+        raise RuntimeError("injected: the NATS task failed")
+
+    monkeypatch.setattr(Agent, "_nats_link", broken)
+    agent = Agent(config.load(cfg_path, env={}))
+
+    async def run() -> int:
+        return await asyncio.wait_for(agent.run(), 30)
+
+    assert asyncio.run(run()) == 1
+    assert agent.failed_tasks == ["nats"]

@@ -92,6 +92,7 @@ def test_the_relay_identity_is_the_nodes_nkey_seed_in_a_file(tmp_path: Path) -> 
     text = out.read_text()
     assert seed not in text and "password" not in text
     (tmp_path / "etc/nats.nk").write_text(seed + "\n")  # the role's copy task, beside the template
+    (tmp_path / "etc/nats.nk").chmod(0o600)  # mode "0600", as that task sets it
     cfg = load(out, env={})
     assert (cfg.nats_nkey_seed_file, cfg.nats_user, cfg.nats_password) == (str(tmp_path / "etc/nats.nk"), "", "")
     # a password only where no seed is given (a relay configured otherwise)

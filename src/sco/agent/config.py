@@ -242,8 +242,8 @@ def unknown_env(env: dict[str, str] | None = None) -> list[str]:
 
 
 def _url(value: str, schemes: tuple[str, ...]) -> bool:
-    u = urllib.parse.urlsplit(value)
     try:
+        u = urllib.parse.urlsplit(value)  # "nats://[::1" raises ValueError (Invalid IPv6 URL)
         u.port  # noqa: B018 - a port such as "abc" or 99999 raises ValueError
     except ValueError:
         return False
@@ -375,8 +375,47 @@ def _check_nats_auth(cfg: AgentConfig, where: str) -> list[Problem]:
     for name in ("nats_nkey_seed_file", "nats_creds_file"):
         value = getattr(cfg, name)
         if value and not Path(value).is_file():
-            p.append(Problem(where, f"agent.{name}", f"{value}: no such file"))
+            kind = "not a regular file" if Path(value).exists() else "no such file"
+            p.append(Problem(where, f"agent.{name}", f"{value}: {kind}"))
+        elif value and name == "nats_nkey_seed_file" and (problem := nkey_seed_problem(Path(value))):
+            p.append(Problem(where, f"agent.{name}", problem))
     return p
+
+
+MAX_SEED_FILE_BYTES = 4096  # a user seed is 58 characters; anything far larger is not one
+
+
+def nkey_seed_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be the node's nkey seed, as nats-py reads it (the file's bytes, stripped): found here,
+    not as ``nkeys.ErrInvalidSeed`` in the NATS task once the agent runs."""
+    import stat
+
+    import nkeys  # type: ignore[import-untyped]  # no stubs, no py.typed
+
+    try:
+        # O_NONBLOCK: a FIFO swapped in since the caller's is_file() must not hang check-config
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return f"{path}: not a regular file"
+            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):  # as for the signing keys (sco.contract.signing)
+                return f"{path}: the nkey seed is readable by group or others (chmod 600 it)"
+            if st.st_size > MAX_SEED_FILE_BYTES:
+                return f"{path}: {st.st_size} bytes, not an nkey seed"
+            data = bytearray(f.read(MAX_SEED_FILE_BYTES).strip())
+    except OSError as e:
+        return f"{path}: cannot read: {e.strerror or e}"
+    try:
+        prefix, _ = nkeys.decode_seed(data)
+        nkeys.from_seed(data).wipe()
+    except Exception:  # nkeys.ErrInvalidSeed, ErrInvalidPrefixByte, or nacl's refusal of the key bytes
+        return f"{path}: not an nkey seed (expected one line SU..., as nsc or nk -gen user writes it)"
+    if prefix != nkeys.PREFIX_BYTE_USER:
+        kind = {nkeys.PREFIX_BYTE_ACCOUNT: "an account", nkeys.PREFIX_BYTE_OPERATOR: "an operator"}.get(
+            prefix, "not a user"
+        )
+        return f"{path}: {kind} seed; the agent connects as a user (SU...)"
+    return None
 
 
 def _check_state_dir(cfg: AgentConfig, where: str) -> list[Problem]:

@@ -115,6 +115,7 @@ class Agent:
         self._stop = asyncio.Event()
         self._wake_publisher = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.failed_tasks: list[str] = []  # a root task that raised stops the agent, and run exits 1, never 0
         self.kube: Any = None
         self.preflight: dict[str, Any] | None = None  # the last preflight: {"at", "ok", "problems"}
         self.renewer: Any = None  # the bound token's renewal (kube_credential), when the agent renews it
@@ -673,6 +674,7 @@ class Agent:
                 raise
             except Exception:
                 log.exception("task %s failed", name)
+                self.failed_tasks.append(name)
                 self.spool.append("agent.task_failed", CRITICAL, task=name)
                 self._stop.set()
 
@@ -848,6 +850,9 @@ class Agent:
         self._ready()
         await self._stop.wait()
         await self._shutdown()
+        if self.failed_tasks:  # systemd (Restart=on-failure) and whoever ran it must see a failure, not a stop
+            log.error("stopped: task(s) %s failed (logged above)", ", ".join(self.failed_tasks))
+            return 1
         return 0
 
     async def _start_checkpoint(self) -> None:
