@@ -245,6 +245,39 @@ def test_bad_since_is_one_line_naming_it(fleet_dsn: str, hall: dict[str, int]) -
     one_line_error(p, 5, "--since", "in the future")
 
 
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> None:
+    """In process, so the old code's traceback (OverflowError, psycopg's DatetimeFieldOverflow) fails the test."""
+    assert main(argv) == 5, argv
+    cap = capsys.readouterr()
+    lines = [x for x in cap.err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("sco: error: ") and cap.out == "", (argv, cap)
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_values_past_the_documented_bounds_are_one_line_naming_the_option(
+    fleet_dsn: str, hall: dict[str, int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Durations at most 10 years, --runs at most 10,000, --since times from 1970 up to 9000 (said in --help): past
+    them Python's dates or PostgreSQL's intervals and integers overflowed into a traceback."""
+    for opt in ("--stale", "--recent"):
+        for value in ("999999999999d", "99999999999w", "3000000d", "3651d", "1" + "0" * 400 + "s"):
+            _refused(capsys, ["hall", "status", "--dsn", fleet_dsn, opt, value], f"{opt}: at most 10 years")
+        assert main(["hall", "status", "--json", "--dsn", fleet_dsn, opt, "3650d"]) == 0  # the bound itself
+        capsys.readouterr()
+    for runs in ("99999999999999999999", "9223372036854775808", "10001", "0"):
+        _refused(capsys, ["hall", "status", "--dsn", fleet_dsn, "--runs", runs], "--runs: expected 1 to 10,000")
+    assert main(["hall", "status", "--json", "--dsn", fleet_dsn, "--runs", "10000"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["runs"]) == 2
+    for since in ("99999999999999999999d", "3000000d", "1000000d", "3651d"):
+        _refused(capsys, ["hall", "report", "--dsn", fleet_dsn, "--since", since], "--since: at most 10 years")
+    for since in ("9999-12-31T23:59:59-14:00", "0001-01-01T00:00:00+14:00", "0001-01-01", "1969-12-31T23:59:59Z"):
+        _refused(capsys, ["hall", "report", "--dsn", fleet_dsn, "--since", since], "--since: expected a time from 1970")
+    for since in ("3650d", "1970-01-01T00:00:00+14:00"):
+        assert main(["hall", "report", "--json", "--dsn", fleet_dsn, "--since", since]) == 0
+        assert json.loads(capsys.readouterr().out)["total"]["reclaims"] == 3
+
+
 def test_no_such_hall_and_unreachable_db_are_one_line_without_the_password(fleet_dsn: str, hall: object) -> None:
     p = sco("hall", "status", "--hall", "nope", "--dsn", fleet_dsn)
     one_line_error(p, 5, "hall 'nope'", "no such hall", "halls: h1")

@@ -204,10 +204,10 @@ def report_lines(rp: dict[str, Any]) -> list[str]:
 
 
 def cmd_hall_status(args: argparse.Namespace) -> int:
-    from sco.state.hall import parse_duration, status
+    from sco.state.hall import MAX_RUNS, parse_duration, status
 
-    if args.runs < 1:
-        raise ConfigError(f"--runs: expected at least 1, got {args.runs}")
+    if not 1 <= args.runs <= MAX_RUNS:
+        raise ConfigError(f"--runs: expected 1 to {MAX_RUNS:,}, got {args.runs}")
     stale_s = parse_duration("--stale", args.stale)
     recent_s = parse_duration("--recent", args.recent)
     reader = _reader(args)
@@ -273,9 +273,15 @@ def register(sub: Any) -> None:
     hs = h.add_subparsers(dest="hall_command", required=True)
     s = hs.add_parser("status", help="instances per pool, reclaims under way, overruns, control runs, agents not heard")
     _common(s)
-    s.add_argument("--stale", default="15m", metavar="DURATION", help="an agent not heard this long is listed [15m]")
-    s.add_argument("--recent", default="24h", metavar="DURATION", help="overruns this recent are listed [24h]")
-    s.add_argument("--runs", type=int, default=5, metavar="N", help="the last N control runs [5]")
+    s.add_argument(
+        "--stale", default="15m", metavar="DURATION",
+        help="an agent not heard this long is listed (at most 10 years: 3650d) [15m]",
+    )  # fmt: skip
+    s.add_argument(
+        "--recent", default="24h", metavar="DURATION",
+        help="overruns this recent are listed (at most 10 years: 3650d) [24h]",
+    )  # fmt: skip
+    s.add_argument("--runs", type=int, default=5, metavar="N", help="the last N control runs (1 to 10,000) [5]")
     s.add_argument(
         "--nats", default=_env("SCO_NATS_URL"), metavar="URL",
         help="read the agents' heartbeats from the hall's relay first (a reader's identity below) [$SCO_NATS_URL]",
@@ -286,5 +292,9 @@ def register(sub: Any) -> None:
         "report", help="reclaims, drain outcomes and times, instance-hours, on-demand spend against authority"
     )
     _common(r)
-    r.add_argument("--since", required=True, help="an ISO 8601 time (UTC if no zone) or a duration back (7d, 12h)")
+    r.add_argument(
+        "--since", required=True,
+        help="an ISO 8601 time (UTC if no zone), from 1970 up to 9000, or a duration back (7d, 12h; at most 10"
+        " years: 3650d)",
+    )  # fmt: skip
     r.set_defaults(func=cmd_hall_report)

@@ -30,18 +30,31 @@ def iso(ts: datetime | None) -> str | None:
     return None if ts is None else ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# Bounds of what the options take, said in --help: beyond them Python's dates and PostgreSQL's intervals and
+# timestamps overflow (a traceback), and no hall's question needs more.
+MAX_DURATION_S = 3650 * 86400  # 10 years
+MAX_DURATION_TEXT = "10 years (3650d)"
+MIN_YEAR, MAX_YEAR = 1970, 9000  # --since as a time: from 1970 up to (not including) 9000
+MAX_RUNS = 10_000
+
+
 def parse_duration(what: str, text: str) -> float:
-    """Seconds of ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` (ConfigError naming ``what`` otherwise)."""
+    """Seconds of ``90s``, ``15m``, ``12h``, ``7d``, ``2w``, above 0 and at most ``MAX_DURATION_S`` (ConfigError
+    naming ``what`` otherwise)."""
     m = _DURATION.match(text or "")
     if not m or float(m.group(1)) <= 0:
         raise ConfigError(
             f"{what}: expected a duration above 0 such as 90s, 15m, 12h, 7d or 2w, got {str(text)[:80]!r}"
         )
-    return float(m.group(1)) * _UNIT_S[m.group(2)]
+    secs = float(m.group(1)) * _UNIT_S[m.group(2)]
+    if not secs <= MAX_DURATION_S:  # also inf, from digits past a float's range
+        raise ConfigError(f"{what}: at most {MAX_DURATION_TEXT}, got {str(text).strip()[:80]!r}")
+    return secs
 
 
 def parse_since(text: str, now: datetime) -> datetime:
-    """``--since``: a duration back from ``now`` (``7d``) or an ISO 8601 time (no zone: UTC)."""
+    """``--since``: a duration back from ``now`` (``7d``, at most ``MAX_DURATION_S``) or an ISO 8601 time (no
+    zone: UTC) in the years ``MIN_YEAR`` to ``MAX_YEAR`` (excluded)."""
     if _DURATION.match(text or ""):
         return now - timedelta(seconds=parse_duration("--since", text))
     try:
@@ -50,6 +63,9 @@ def parse_since(text: str, now: datetime) -> datetime:
         raise ConfigError(
             f"--since: expected an ISO 8601 time (2026-11-24T00:00:00Z) or a duration (7d, 12h), got {str(text)[:80]!r}"
         ) from None
+    # the year as written, checked before any arithmetic: 9999-12-31T23:59:59-14:00 in UTC is past datetime.max
+    if not MIN_YEAR <= t.year < MAX_YEAR:
+        raise ConfigError(f"--since: expected a time from {MIN_YEAR} up to {MAX_YEAR}, got {str(text).strip()[:80]!r}")
     t = t if t.tzinfo is not None else t.replace(tzinfo=UTC)
     if t > now:
         raise ConfigError(f"--since: {iso(t)} is in the future (the fleet state's clock says {iso(now)})")
