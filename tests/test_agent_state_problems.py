@@ -4,6 +4,7 @@ refused cached bundle named with its reason at start."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -236,3 +237,49 @@ def test_a_failed_root_task_makes_run_exit_non_zero(
 
     assert asyncio.run(run()) == 1
     assert agent.failed_tasks == ["nats"]
+
+
+def _key_fifo(path: Path) -> str:
+    os.mkfifo(path)
+    return f"{path}: not a key file (not a regular file)"
+
+
+def _key_dev_zero(path: Path) -> str:
+    path.symlink_to("/dev/zero")
+    return f"{path}: not a key file (not a regular file)"
+
+
+def _key_huge(path: Path) -> str:
+    with path.open("wb") as f:
+        f.truncate(200_000_000)  # sparse: 200 MB that cost no disk
+    return f"{path}: not a key file (200000000 bytes)"
+
+
+@pytest.mark.parametrize("spoil", [_key_fifo, _key_dev_zero, _key_huge])
+def test_a_trusted_key_that_is_no_file_is_refused_before_it_is_read(
+    root: Path, key: PrivateKey, spoil: Callable[[Path], str]
+) -> None:
+    """Review 2: a FIFO or /dev/zero named trusted/*.pub hung check-config and run; a 200 MB one was read whole."""
+    cfg = _config(root, key)
+    said = spoil(root / "trusted" / "zz.pub")
+    for cmd in ("check-config", "run"):
+        p = _run([AGENT, cmd, "--config", str(cfg)])
+        assert p.returncode == 4, (cmd, p.returncode, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in p.stderr, (cmd, p.stderr)
+        assert said in lines[0], (cmd, lines[0])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_an_agent_config_that_is_no_file_is_refused_before_it_is_read(root: Path, key: PrivateKey, kind: str) -> None:
+    """Review 2: the same as --config hung check-config and run."""
+    cfg = _config(root, key)
+    cfg.unlink()
+    if kind == "fifo":
+        os.mkfifo(cfg)
+    else:
+        cfg.symlink_to("/dev/zero")
+    for cmd in ("check-config", "run"):
+        p = _run([AGENT, cmd, "--config", str(cfg)])
+        assert p.returncode == 5, (cmd, p.returncode, p.stderr)
+        assert p.stderr == f"sco-agent: error: {cfg}: not a regular file\n", (cmd, p.stderr)

@@ -181,6 +181,22 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str, problems: list[Pr
         return f.default
 
 
+MAX_CONFIG_BYTES = 1 << 20  # agent.toml is a few KiB
+
+
+def _read_config(path: Path) -> bytes:
+    """The file's bytes; a FIFO or /dev/zero (which hung check-config and run) or an absurd size is refused first."""
+    import stat
+
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {st.st_size} bytes, more than an agent configuration ({MAX_CONFIG_BYTES})")
+        return f.read(MAX_CONFIG_BYTES + 1)
+
+
 def load(path: Path | None, env: dict[str, str] | None = None) -> AgentConfig:
     """Read the file and the environment; raise ConfigError listing every problem."""
     env = dict(os.environ) if env is None else env
@@ -189,7 +205,7 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> AgentConfig:
     where = str(path) if path else "environment"
     if path is not None:
         try:
-            doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+            doc = tomllib.loads(_read_config(Path(path)).decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file") from None
         except UnicodeDecodeError as e:

@@ -89,9 +89,19 @@ def public_key_text(key: PublicKey) -> str:
     return json.dumps({"type": "ed25519-public", "keyid": key.keyid, "public": bytes(key.verify_key).hex()}) + "\n"
 
 
+MAX_KEY_FILE_BYTES = 64 << 10  # a key file is ~140 bytes: a larger one is refused before it is read
+
+
 def _read_key_json(path: Path, kind: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        # O_NONBLOCK and the checks before reading: a FIFO or /dev/zero named *.pub hung check-config and run
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise KeyFileError(f"{path}: not a key file (not a regular file)")
+            if st.st_size > MAX_KEY_FILE_BYTES:
+                raise KeyFileError(f"{path}: not a key file ({st.st_size} bytes)")
+            data = json.loads(f.read(MAX_KEY_FILE_BYTES + 1).decode())
     except FileNotFoundError:
         raise KeyFileError(f"{path}: no such key file") from None
     except (OSError, ValueError) as e:
