@@ -4,7 +4,7 @@ from __future__ import annotations
 
 DOCUMENTATION = r"""
 name: nkey
-author: SCO maintainers
+author: Spot Capacity Orchestrator developers (@sco-dev)
 short_description: A NATS user nkey from a seed file on the controller, made on first use
 description:
   - Returns the public key (C(U...)) of the user nkey whose seed is in the file named by the term, or the seed
