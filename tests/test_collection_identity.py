@@ -265,8 +265,9 @@ def test_every_module_has_the_one_sanity_ignore_and_nothing_else() -> None:
     """The only ignore is the licence header (Apache-2.0, validate-modules wants GPLv3), for every module and every
     ansible-core the collection supports: a new module without it fails `make sanity` at the end of CI."""
     want = {
-        f"plugins/modules/{m.name} validate-modules:missing-gplv3-license"
-        for m in (COLL / "plugins/modules").glob("*.py")
+        f"plugins/{kind}/{m.name} validate-modules:missing-gplv3-license"
+        for kind in ("modules", "lookup")
+        for m in (COLL / "plugins" / kind).glob("*.py")
     }
     files = sorted((COLL / "tests" / "sanity").glob("ignore-*.txt"))
     assert files

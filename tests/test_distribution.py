@@ -346,7 +346,7 @@ def test_clients_that_send_whole_requests_and_never_read_leave_a_node_answered(
     writing for up to idle_timeout, and a node's GET came back empty (9 of 18 answered within 1 s, sustained). The
     answer is now under a deadline that can be shed too: the node is answered, three times, long before the 30 s
     idle timeout that held it before (a bound on being answered at all: 300 writer threads share the test's
-    process, so the time itself is the machine's load; answered in 0.3-0.5 s on a quiet machine)."""
+    process, so the time itself is the machine's load: 2.6-2.8 s at load 10-17)."""
     srv = DistributorServer(tmp_path / "root", ("127.0.0.1", 0), header_timeout=30.0, idle_timeout=30.0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     raw = sign(PAYLOAD, [key])

@@ -34,6 +34,7 @@ from sco.control.nova import (
     cloud_message,
     delete_all,
     entry_servers,
+    tag_value,
     wait_gone,
     wait_until,
 )
@@ -186,6 +187,13 @@ class Acquirer:
             records = [r for r in ever if r.state not in ("deleted", "failed")]
             servers = entry_servers(self.cloud, self.meter, entry.hall, entry.pool, entry.entry) if ever else []
             rec = Reconciler(self.cloud, self.state, self.meter, concurrency=self.concurrency, sleep=self.sleep)
+            in_flight = {r.id for r in records if r.state == "requested" and r.server_id is None}
+            if in_flight:  # a create a killed run sent may still land: wait for it (its window), not launch again
+                mine = (entry.pool, entry.entry)
+                servers = [
+                    s for s in rec.await_in_flight(entry.hall, servers, in_flight)
+                    if (tag_value(s, "pool"), tag_value(s, "entry")) == mine
+                ]  # fmt: skip
             r = rec.apply(entry.hall, servers, records)
             out.adopted = len(r.adopted)
             out.warnings += r.warnings

@@ -145,7 +145,7 @@ class Reconciler:
         calls0 = self.meter.calls
         servers = hall_servers(self.cloud, self.meter, hall)
         if not check:
-            servers = self._await_in_flight(hall, servers)
+            servers = self.await_in_flight(hall, servers)
         records = self.state.instances(hall, states=(*LIVE, LOST))
         out = self.apply(hall, servers, records, check=check)
         if not check:
@@ -155,15 +155,15 @@ class Reconciler:
             self.state.record_reconcile(hall, run_id, out.listed, out.drift, out.to_dict())
         return out
 
-    def _await_in_flight(self, hall: str, servers: list[Any]) -> list[Any]:
+    def await_in_flight(self, hall: str, servers: list[Any], ids: set[int] | None = None) -> list[Any]:
         """Creates recorded but not answered (their run died mid-call) are listed again until their server shows
         in its slot or their window ends, so this run settles them instead of failing a record whose server then
         lands, and the plan counts them. One list call per poll, at ``next_poll``'s pace."""
         window = self.state.in_flight(hall, self.create_window_s)
-        if not window:
+        if not window or (ids is not None and not ids & set(window)):
             return servers
         recs = {r.id: (r.pool, r.plan_entry, r.slot) for r in self.state.instances(hall, states=("requested",))}
-        want = {iid: recs[iid] for iid in window if iid in recs}
+        want = {iid: recs[iid] for iid in window if iid in recs and (ids is None or iid in ids)}
         started = time.monotonic()
         got = [servers]
 
