@@ -4,6 +4,7 @@ chroot; Ansible reaches each over real SSH through ``ip netns exec NS socat - TC
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -108,6 +109,86 @@ class TestHost:
         subprocess.run(["umount", "-l", str(self.root / "proc")], check=False)
         subprocess.run(["ip", "netns", "del", self.ns], check=False)
         remove_in_background(self.root)
+
+
+class TestNetwork:
+    """A private IPv4 /24 shared by a set of test hosts, so they reach each other as real machines do (a hall's
+    relay cluster, etcd and Patroni members): a bridge in a network namespace of its own (nothing is added to the
+    machine's own namespace, and deleting that namespace removes the bridge and every veth end in it), a veth pair
+    per host with ``eth0`` in the host's namespace, and every member's name in each host's /etc/hosts.
+
+    Opt-in: hosts made without one keep only their loopback."""
+
+    __test__ = False  # not a pytest class
+    FIRST = 11  # the n-th host joined gets <prefix>.<FIRST + n>
+
+    def __init__(self, ns: str, prefix: str) -> None:
+        self.ns = ns
+        self.prefix = prefix  # "10.231.7": the /24's first three octets
+        self.members: dict[str, str] = {}  # host name -> address, in the order joined
+
+    def create(self) -> TestNetwork:
+        self.destroy()  # what a crashed run left under this name
+        _ip("netns", "add", self.ns)
+        _ip("-n", self.ns, "link", "set", "lo", "up")
+        _ip("-n", self.ns, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.ns, "link", "set", "br0", "up")
+        return self
+
+    def address(self, index: int) -> str:
+        if not 0 <= index < 240:
+            raise ValueError(f"test network {self.ns}: host index {index} outside 0..239")
+        return f"{self.prefix}.{self.FIRST + index}"
+
+    def join(self, host: TestHost) -> str:
+        """Plug ``host`` (created, its namespace there) in: eth0 with the next address, a default route through
+        the bridge (so a host has a default IPv4 address as a real one does; nothing lies beyond it). Returns the
+        address. Call :meth:`write_hosts` once every host has joined."""
+        index = len(self.members)
+        addr = self.address(index)
+        port = f"v{index}"
+        # both ends made in their namespaces at once: no name is ever taken in the machine's own namespace
+        _ip("-n", self.ns, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", host.ns)
+        _ip("-n", self.ns, "link", "set", port, "master", "br0", "up")
+        _ip("-n", host.ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", host.ns, "link", "set", "eth0", "up")
+        _ip("-n", host.ns, "route", "add", "default", "dev", "eth0")
+        self.members[host.name] = addr
+        return addr
+
+    def write_hosts(self, hosts: list[TestHost]) -> None:
+        """Every member's name in each host's /etc/hosts (replacing what an earlier call wrote)."""
+        begin, end = "# sco test network begin", "# sco test network end"
+        block = [begin, *(f"{a} {n}" for n, a in self.members.items()), end]
+        for h in hosts:
+            f = h.root / "etc" / "hosts"
+            lines = f.read_text().splitlines() if f.exists() else ["127.0.0.1 localhost"]
+            if begin in lines and end in lines:
+                lines = lines[: lines.index(begin)] + lines[lines.index(end) + 1 :]
+            # the host's own name is its network address, not 127.0.1.1 (services bind and advertise it)
+            lines = [ln for ln in lines if ln.split()[:1] != ["127.0.1.1"]]
+            while lines and not lines[-1].strip():
+                lines.pop()
+            f.write_text("\n".join([*lines, *block]) + "\n")
+
+    def destroy(self) -> None:
+        """Remove the bridge's namespace (the bridge and the veths with it); the hosts' ends go with their own
+        namespaces. Idempotent: nothing there is no error."""
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, check=False, timeout=30)
+
+
+def network_prefix(name: str) -> str:
+    """The private /24 of a set of hosts named ``name`` (a scenario): 10.231.<n>, n from 1 to 254 derived from the
+    name, so a static inventory can name the addresses. Each network is in a namespace of its own, so two with the
+    same n would not even meet; distinct ones keep traces and logs unambiguous."""
+    n = 1 + int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % 254
+    return f"10.231.{n}"
+
+
+def _ip(*args: str) -> None:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip() or out.returncode}")
 
 
 def remove_in_background(path: Path) -> None:

@@ -3,8 +3,13 @@ sshd in a chroot, reached over real SSH through `ip netns exec NS socat`), under
 inventory can be static and testinfra can read it: netns `scom-<scenario>-<host>`, files under
 /var/tmp/sco-molecule/<scenario>/ (one run of a scenario per machine at a time: scripts/molecule.sh's lock).
 
-    python molecule/shared/hosts.py create SCENARIO HOST...
+    python molecule/shared/hosts.py create [--network] SCENARIO HOST...
     python molecule/shared/hosts.py destroy SCENARIO
+    python molecule/shared/hosts.py network SCENARIO HOST...   # prints the addresses --network would give
+
+With --network the hosts share a private /24 (tests.testhosts.TestNetwork: a bridge in netns `scomnet-<scenario>`,
+eth0 in each host, 10.231.<n>.<11 + i> for the i-th host named, n from the scenario's name, every name in each
+host's /etc/hosts); without, a host has only its loopback, as before.
     python molecule/shared/hosts.py wheelhouse     # prints the directory of wheels the roles install from
 """
 
@@ -25,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.testhosts import TestHost, remove_in_background  # noqa: E402
+from tests.testhosts import TestHost, TestNetwork, network_prefix, remove_in_background  # noqa: E402
 
 BASE = Path("/var/tmp/sco-molecule")
 
@@ -40,13 +45,32 @@ def test_host(scenario: str, name: str) -> TestHost:
     return h
 
 
-def create(scenario: str, names: list[str]) -> None:
+def test_network(scenario: str) -> TestNetwork:
+    return TestNetwork(f"scomnet-{scenario}", network_prefix(scenario))
+
+
+def addresses(scenario: str, names: list[str]) -> dict[str, str]:
+    """The address each host gets with --network (in the order named: what a static inventory writes down)."""
+    net = test_network(scenario)
+    return {n: net.address(i) for i, n in enumerate(names)}
+
+
+def create(scenario: str, names: list[str], network: bool = False) -> None:
+    if len(set(names)) != len(names):
+        raise SystemExit(f"hosts.py create {scenario}: a host named twice in {names}")
     destroy(scenario)
     (scenario_dir(scenario) / "hosts").mkdir(parents=True, exist_ok=True)
-    for name in names:
-        test_host(scenario, name).create()
+    # written first: a run that dies half-way is still cleaned up by name (destroy also lists the namespaces)
     (scenario_dir(scenario) / "hosts.json").write_text(json.dumps(names))
-    print(json.dumps({"scenario": scenario, "hosts": names}))
+    hosts = [test_host(scenario, name).create() for name in names]
+    out: dict[str, object] = {"scenario": scenario, "hosts": names}
+    if network:
+        net = test_network(scenario).create()
+        for h in hosts:
+            net.join(h)
+        net.write_hosts(hosts)
+        out["network"] = {"namespace": net.ns, "addresses": net.members}
+    print(json.dumps(out))
 
 
 def destroy(scenario: str) -> None:
@@ -60,6 +84,8 @@ def destroy(scenario: str) -> None:
     names += [ns.removeprefix(prefix) for ns in listed if ns.startswith(prefix)]
     for name in sorted(set(names)):
         test_host(scenario, name).destroy()
+    # the private network's bridge and veths, whether or not this run made one (a crashed run's too)
+    test_network(scenario).destroy()
     remove_in_background(d)
 
 
@@ -112,14 +138,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("create")
+    c.add_argument("--network", action="store_true", help="the hosts share a private /24 (else loopback only)")
     c.add_argument("scenario")
     c.add_argument("hosts", nargs="+")
+    a = sub.add_parser("network")
+    a.add_argument("scenario")
+    a.add_argument("hosts", nargs="+")
     d = sub.add_parser("destroy")
     d.add_argument("scenario")
     sub.add_parser("wheelhouse")
     args = p.parse_args()
     if args.cmd == "create":
-        create(args.scenario, args.hosts)
+        create(args.scenario, args.hosts, network=args.network)
+    elif args.cmd == "network":
+        print(json.dumps(addresses(args.scenario, args.hosts)))
     elif args.cmd == "destroy":
         destroy(args.scenario)
     else:
