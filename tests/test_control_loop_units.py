@@ -96,6 +96,7 @@ def test_summary_from_runner_events() -> None:
             },
         ),
         ev("sco.orchestrator.acquire", {"launched": 3, "deleted": 0, "launch_failures": 0}),
+        ev("sco.orchestrator.reclaim", {"finished": [{"name": "n-0", "late_s": 42.5, "state": "deleted"}]}),
         ev("ansible.builtin.debug", {"msg": "ignored"}),
     ]
     s = summarise(events)
@@ -107,6 +108,7 @@ def test_summary_from_runner_events() -> None:
     assert (s["launched"], s["deleted"], s["failed_tasks"]) == (3, 0, [])
     text = "\n".join(summary_lines(s))
     assert "demand: web 6 units; 1 uncontracted (not counted)" in text and "launched 3, deleted 0" in text
+    assert "finished the reclaim of n-0: deleted 42.5 s after its T (deleted)" in text  # the other host's reclaim
     failed = summarise([ev("sco.orchestrator.plan", {"msg": "module options: invalid"}, "runner_on_failed")])
     assert failed["failed_tasks"] == ["plan: module options: invalid"]
 

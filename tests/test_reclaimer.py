@@ -397,3 +397,84 @@ def test_the_reclaim_step_fails_with_the_clouds_words_while_an_instance_is_not_g
     assert "step-0" in str(e.value) and "timed out" in str(e.value)  # keystoneauth's own words
     with FleetState(fleet_dsn) as st:
         assert st.instance(inst.id).state == "notified"
+
+
+# --- issue 21: two control hosts; a reclaim whose host dies before T is finished by the other ---------------
+
+
+@pytest.mark.slow
+def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  # type: ignore[no-untyped-def]
+    openstack_cloud, cloud, fleet_dsn, tmp_path, nats_server
+) -> None:
+    """Host A's `sco reclaim` sends the notices and is killed -9 before T; host B's control-loop run (the reclaim
+    step with finish, as control_loop.yml runs it) deletes each instance at its recorded T, or at once when T has
+    passed, saying how late, and sends no second notice. While A runs, B's finish leaves the hall to it."""
+    from sco.control import loop
+    from sco.control.acquirer import Acquirer, PlanEntry
+    from sco.control.runner import summary_lines
+
+    hall = "twohosts"
+    env = {**_env(tmp_path, fleet_dsn, tmp_path / "clouds.yaml"), "SCO_NATS_URL": nats_server.url}
+    (tmp_path / "clouds.yaml").write_text(yaml.safe_dump({"clouds": {"c": openstack_cloud.cloud_config}}))
+    host_a = [*SCO, "reclaim", "--hall", hall, "--os-cloud", "c"]
+    host_b = {"hall": hall, "finish": True, "cloud": openstack_cloud.cloud_config, "state_dsn": fleet_dsn}
+    with FleetState(fleet_dsn) as st:
+        st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "e1", 3))
+            late, *on_time = sorted(st.instances(hall), key=lambda i: i.slot)
+
+            def noticed(names: list[str]) -> bool:
+                return all("notice.metadata_written" in kinds(st, i.id) for i in st.instances(hall) if i.name in names)
+
+            def host_a_until_noticed(names: list[str], window: float) -> None:
+                p = subprocess.Popen([*host_a, "--window", str(window), *names], env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+                procs.append(p)
+                wait_for(lambda: noticed(names) or p.poll() is not None, 60, f"host A's notices to {names}")
+                assert p.poll() is None, p.communicate()
+                if names == [i.name for i in on_time]:  # A alive and holding the hall: B leaves it alone
+                    busy = loop.run("reclaim", host_b, False)
+                    assert busy["changed"] is False and "another writer holds" in busy["busy"], busy
+                os.kill(p.pid, signal.SIGKILL)  # the control host dies before T
+                p.wait(10)
+
+            host_a_until_noticed([late.name], 4)
+            host_a_until_noticed([i.name for i in on_time], 15)
+            t_late = st.instance(late.id).terminate_at
+            t_on_time = min(st.instance(i.id).terminate_at for i in on_time)
+            assert t_late is not None and st.now() < t_on_time  # B starts before the others' T...
+            wait_for(lambda: st.now() > t_late + 2, 30, "the first instance's T to pass by 2 s")  # ...after this one's
+
+            out = loop.run("reclaim", host_b, False)
+            finished = {f["name"]: f for f in out["finished"]}
+            print({n: (f["late_s"], f["state"]) for n, f in finished.items()})  # the figures for the notes
+            assert set(finished) == {late.name, *(i.name for i in on_time)} and out["reclaimed"] == []
+            assert finished[late.name]["late_s"] >= 2  # said: deleted after its T, as soon as B ran
+            for i in on_time:  # deleted at the recorded T, never before it, and well inside the next window
+                assert 0 <= finished[i.name]["late_s"] < 15, finished[i.name]
+                assert finished[i.name]["deleted_at"] >= st.instance(i.id).terminate_at
+            for i in [late, *on_time]:
+                assert st.instance(i.id).state == "deleted"
+                assert cloud.compute.find_server(i.server_id, ignore_missing=True) is None
+                k = kinds(st, i.id)
+                assert k.count("reclaim.scheduled") == 1 and k.count("notice.published") == 1, k  # no 2nd notice
+            lines = summary_lines({**_EMPTY_SUMMARY, "finished_reclaims": [
+                {"name": n, "late_s": f["late_s"], "state": f["state"]} for n, f in finished.items()]})  # fmt: skip
+            assert any(late.name in x and "s after its T" in x for x in lines), lines
+            again = loop.run("reclaim", host_b, False)  # nothing left under way: nothing done
+            assert again == {"changed": False, "reclaimed": [], "finished": []}
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for s in cloud.compute.servers(tags=f"sco-hall={hall}"):
+                cloud.compute.delete_server(s.id, ignore_missing=True)
+
+
+_EMPTY_SUMMARY: dict[str, Any] = {
+    "demand_units": {}, "uncontracted": 0, "plan_digest": "", "plan_changed": False, "planned": {},
+    "shortfall_units": {}, "granted": [], "refused": [], "launched": 0, "deleted": 0, "launch_failed": 0,
+    "failed_tasks": [],
+}  # fmt: skip

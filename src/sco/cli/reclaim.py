@@ -25,7 +25,8 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
     from sco.provider.reclaimer import drain_floor, window_problem
     from sco.state.db import dsn_from_env
 
-    if not args.nats:
+    noticing = bool(args.nodes or args.before_leases)  # --finish alone sends no notice
+    if not args.nats and noticing:
         raise ConfigError("no notice relay: give --nats URL or set $SCO_NATS_URL")
     floor = None
     if args.bundle:  # the hall's contracts: the window must fit the largest drain budget plus the margin
@@ -47,18 +48,20 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
         raise ConfigError("; ".join(bad))
 
     key_files = args.notice_key or ([os.environ["SCO_NOTICE_KEY"]] if os.environ.get("SCO_NOTICE_KEY") else [])
-    if not key_files:
+    if not key_files and noticing:
         raise ConfigError(
             "no notice key: give --notice-key KEY or set $SCO_NOTICE_KEY (agents refuse unsigned notices)"
         )
     settings = ReclaimSettings(
-        hall=args.hall, nodes=tuple(args.nodes), window_s=args.window, nats_url=args.nats,
+        hall=args.hall, nodes=tuple(args.nodes), window_s=args.window, nats_url=args.nats or "",
         signing_keys=[load_private(Path(k)) for k in key_files], dsn=dsn_from_env(args.dsn),
         nats_auth=_nats_auth(args), lock_wait_s=args.lock_wait, wait=not args.no_wait, floor=floor,
         retry_for_s=args.retry_for, call_timeout_s=args.call_timeout, before_leases=args.before_leases,
     )  # fmt: skip
-    if not settings.nodes and not settings.before_leases:
-        raise ConfigError("name the instances (NODE...) to reclaim, or give --before-leases")
+    if not settings.nodes and not settings.before_leases and not args.finish:
+        raise ConfigError("name the instances (NODE...) to reclaim, or give --before-leases or --finish")
+    if not settings.wait and not settings.nodes and not settings.before_leases:
+        raise ConfigError("--finish deletes at T: it cannot be given with --no-wait alone")
 
     def said(rc: Any) -> None:
         sent = "published" if rc.published_at else "NOT published (relay down; metadata only)"
@@ -66,7 +69,10 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
 
     cloud = _cloud(args.os_cloud, args.call_timeout)
     for r in asyncio.run(reclaim(settings, cloud, on_notice=said)):
-        if settings.wait:
+        if r.get("finished"):  # noticed by an earlier run that stopped before T
+            when = f"{r['late_s']:.1f} s after its T" if r["late_s"] > 1.0 else "at its T"
+            print(f"{r['name']}: {r['state']}, finished (deleted {when}; agent: {r['agent'] or 'no account'})")
+        elif settings.wait:
             print(f"{r['name']}: {r['state']} (agent: {r['agent'] or 'no account'})")
     return 0
 
@@ -92,6 +98,11 @@ def register(sub: Any) -> None:
     )
     x.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another writer of the hall")
     x.add_argument("--no-wait", action="store_true", help="send the notices and return (a later run deletes)")
+    x.add_argument(
+        "--finish", action="store_true",
+        help="finish the hall's reclaims an earlier run noticed (delete each at its T, at once if T has passed);"
+        " without NODE needs no --nats nor --notice-key",
+    )  # fmt: skip
     x.add_argument(
         "--retry-for", type=float, default=120.0, metavar="S",
         help="seconds past the last T to keep retrying deletes Nova refuses (then exit 9; the next run retries)",

@@ -496,35 +496,55 @@ def step_reclaim(o: ReclaimOptions, check: bool, store: Any = None) -> dict[str,
 
     # the hall's contracts, when given: the window must fit the largest drain budget plus the margin
     floor = None
-    if o.hall.bundle:
-        b = load_bundle(o.hall)
-        floor = drain_floor(b.policy, b.contracts)
-    if (problem := window_problem("window", o.window, floor)) is not None:
-        raise ConfigError(problem)  # before check mode returns: a window that cannot drain is refused there too
-    if not o.nodes and not o.before_leases:  # before_leases: also what a host lease starting soon would preempt
-        return {"changed": False, "reclaimed": []}
+    if o.nodes or o.before_leases:  # finishing alone gives no window: each instance keeps its recorded T
+        if o.hall.bundle:
+            b = load_bundle(o.hall)
+            floor = drain_floor(b.policy, b.contracts)
+        if (problem := window_problem("window", o.window, floor)) is not None:
+            raise ConfigError(problem)  # before check mode returns: a window that cannot drain is refused there too
     live = {i.name: i for i in store.fleet(hall)}
+    # finish: the reclaims under way that no run is finishing (their control host stopped before T)
+    under = sorted(n for n, i in live.items() if i.state == "deleting") if o.finish else []
+    if not o.nodes and not o.before_leases and not under:  # before_leases: what a host lease would preempt
+        return {"changed": False, "reclaimed": [], "finished": []}
     unknown = [n for n in o.nodes if n not in live]
     if unknown:
         raise ConfigError(f"hall {hall}: no live instance named {', '.join(unknown)}")
     todo = [n for n in o.nodes if live[n].state != "deleting"]  # already under reclaim: nothing to do again
-    result: dict[str, Any] = {"changed": bool(todo), "reclaimed": [], "would_reclaim": todo}
-    if check or not (todo or o.before_leases):
+    result: dict[str, Any] = {
+        "changed": bool(todo or under),
+        "reclaimed": [],
+        "finished": [],
+        "would_reclaim": todo,
+        "would_finish": under,
+    }
+    if check or not (todo or o.before_leases or under):
         return result
     from sco.contract.signing import load_private
     from sco.provider.reclaim_job import ReclaimSettings, reclaim
+    from sco.state.db import HallBusy
 
-    if not o.nats_url:
+    noticing = bool(todo or o.before_leases)
+    if noticing and not o.nats_url:
         raise ConfigError("nats_url: the hall's notice relay")
-    if not o.notice_keys:
+    if noticing and not o.notice_keys:
         raise ConfigError(
             "notice_keys: give the hall's notice signing key(s) (or $SCO_NOTICE_KEY): agents refuse unsigned notices"
         )
     settings = ReclaimSettings(
-        hall=hall, nodes=tuple(todo), window_s=o.window, nats_url=o.nats_url,
+        hall=hall, nodes=tuple(todo), window_s=o.window, nats_url=o.nats_url or "",
         signing_keys=[load_private(Path(k)) for k in o.notice_keys], dsn=store.dsn, nats_auth=dict(o.nats_auth),
-        lock_wait_s=o.lock_wait, wait=o.wait, floor=floor, retry_for_s=o.retry_for, before_leases=o.before_leases,
+        lock_wait_s=o.lock_wait, wait=o.wait or not noticing, floor=floor, retry_for_s=o.retry_for,
+        before_leases=o.before_leases,
     )  # fmt: skip
-    result["reclaimed"] = asyncio.run(reclaim(settings, o.cloud.connect()))
-    result["changed"] = bool(result["reclaimed"])
+    try:
+        done = asyncio.run(reclaim(settings, o.cloud.connect()))
+    except HallBusy as e:
+        if noticing:
+            raise
+        # another run holds the hall (a reclaim under way on the other control host): it finishes them
+        return {**result, "changed": False, "busy": str(e)}
+    result["reclaimed"] = [r for r in done if not r.get("finished")]
+    result["finished"] = [r for r in done if r.get("finished")]
+    result["changed"] = bool(done)
     return result

@@ -233,6 +233,8 @@ class ReclaimOptions:
     lock_wait: float = 0.0
     wait: bool = True
     retry_for: float = 120.0
+    finish: bool = False
+    """Also finish the hall's reclaims under way (noticed by a run that stopped before T): delete each at its T."""
 
     @classmethod
     def from_params(cls, p: Params) -> ReclaimOptions:
@@ -256,6 +258,7 @@ class ReclaimOptions:
             lock_wait=_non_negative(p, "lock_wait", 0.0),
             wait=bool(p.get("wait", True)),
             retry_for=_positive(p, "retry_for", 120.0),
+            finish=bool(p.get("finish")),
         )
 
     @property

@@ -39,6 +39,7 @@ _STEPS = {
     "sco.orchestrator.plan": "plan",
     "sco.orchestrator.arbitrate": "arbitrate",
     "sco.orchestrator.acquire": "acquire",
+    "sco.orchestrator.reclaim": "reclaim",
 }
 
 
@@ -58,7 +59,13 @@ def summarise(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     arb = (res.get("arbitrate") or {}).get("arbitration") or {}
     acq = res.get("acquire") or {}
     rec = (res.get("reconcile") or {}).get("reconciliation") or {}
+    fin = res.get("reclaim") or {}
     return {
+        # reclaims an earlier run noticed and this one deleted (its control host stopped before T)
+        "finished_reclaims": [
+            {"name": f["name"], "late_s": f.get("late_s", 0), "state": f.get("state")} for f in fin.get("finished", [])
+        ],
+        "reclaim_busy": fin.get("busy"),
         "demand_units": demand.get("units", {}),
         "uncontracted": demand.get("uncontracted", 0),
         "plan_digest": plan.get("digest", ""),
@@ -89,6 +96,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"demand: {', '.join(f'{c} {u:g} units' for c, u in sorted(s['demand_units'].items())) or 'none'}"
         + (f"; {s['uncontracted']} uncontracted (not counted)" if s["uncontracted"] else ""),
     ]
+    for f in s.get("finished_reclaims", []):
+        late = f"{f['late_s']:.1f} s after its T" if f["late_s"] > 1.0 else "at its T"
+        lines.append(f"finished the reclaim of {f['name']}: deleted {late} ({f['state']})")
     rec = s.get("reconcile") or {}
     if rec.get("drift"):
         lines.append(

@@ -62,7 +62,9 @@ async def reclaim(
     s: ReclaimSettings, cloud: Any, *, on_notice: Callable[[Any], None] | None = None
 ) -> list[dict[str, Any]]:
     """Notice ``s.nodes`` (instances already under reclaim keep their T), then delete every instance of the hall
-    under reclaim at its T until Nova confirms it gone. Returns one dict per noticed instance; raises
+    under reclaim at its T until Nova confirms it gone (also those an earlier run noticed and did not finish: at
+    their recorded T, or at once when it has passed). Returns one dict per noticed instance, then one per
+    finished one (``finished``, with ``late_s``: how long after its T its delete went out); raises
     ReclaimIncomplete (exit 9) naming every instance not confirmed gone and the cloud's last word on it."""
     import asyncio
 
@@ -83,8 +85,8 @@ async def reclaim(
             for rc in done:
                 if on_notice is not None:
                     on_notice(rc)
-            if s.wait:
-                await r.run(s.hall)
+            if s.wait:  # also finishes the reclaims earlier runs noticed (a control host that stopped before T)
+                await r.run(s.hall, follow_events=bool(s.nats_url))
             out = [
                 {
                     "name": rc.instance.name,
@@ -96,7 +98,14 @@ async def reclaim(
                     "agent": rc.agent_state,
                 }
                 for rc in done
-            ]
+            ] + [
+                {
+                    "name": f["name"], "notice": None, "terminate_at": f["terminate_at"], "published": None,
+                    "state": st.instance(iid).state, "agent": f["agent"], "finished": True,
+                    "deleted_at": f["deleted_at"], "late_s": f["late_s"],
+                }
+                for iid, f in r.finished.items()
+            ]  # fmt: skip
             if r.unconfirmed:
                 names = {i.id: i.name for i in st.instances(s.hall, states=None)}
                 problems = [

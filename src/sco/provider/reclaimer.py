@@ -204,11 +204,12 @@ class Reclaimer:
         # nats.connect's credentials (user/password, token, nkeys_seed or user_credentials): the relay's
         # reclaimer identity, which may publish notices and read the hall's events
         self.nats_auth = dict(nats_auth or {})
-        if not signing_keys:
-            raise ConfigError("no notice key: the hall's agents refuse unsigned notices (hall policy noticeKeys)")
         self.nc: Any = None
         self._relay_down_until = 0.0
         self.reclaims: dict[int, Reclaim] = {}
+        # instance id -> what this run deleted of the reclaims another run noticed (a control host that stopped
+        # before T): its T, when the delete went out, how late, what the agent had said
+        self.finished: dict[int, dict[str, Any]] = {}
         self._calls = asyncio.Semaphore(nova_concurrency)
 
     async def _connect(self) -> Any:
@@ -272,6 +273,8 @@ class Reclaimer:
         Each T is recorded first (a crash from then on still deletes at T), then every notice goes on the relay
         (milliseconds each), then the metadata writes (a Nova call each) run in parallel.
         """
+        if not self.signing_keys:  # finishing what is under reclaim needs none; a notice does
+            raise ConfigError("no notice key: the hall's agents refuse unsigned notices (hall policy noticeKeys)")
         targets = self._targets(hall, nodes)
         out = [self._schedule(hall, inst, (gone_by or {}).get(inst.name)) for inst in targets]
         try:
@@ -526,6 +529,17 @@ class Reclaimer:
         at = self.clock()
         if r is not None:
             r.deleted_at = at
+        elif inst.id not in self.finished:  # noticed by an earlier run: said with how late it comes, if late
+            late = round(max(0.0, at - inst.terminate_at), 3)
+            self.finished[inst.id] = {
+                "name": inst.name, "terminate_at": inst.terminate_at, "deleted_at": round(at, 3), "late_s": late,
+                "agent": inst.state,
+            }  # fmt: skip
+            if late > 1.0:
+                log.warning(
+                    "%s: deleted %.1f s after its T: the run that noticed it stopped before T (this run finished it)",
+                    inst.name, late,
+                )  # fmt: skip
         self.backoff.pop(inst.id, None)
         self.state.transition(
             inst.id, "deleting", "instance.delete_requested", only_from=RECLAIMING,

@@ -81,6 +81,17 @@ options:
     description: Seconds to wait for the hall's fleet-state writer lock.
     type: float
     default: 0
+  finish:
+    description:
+      - Also finish the hall's reclaims under way that no run is finishing - instances an earlier run noticed
+        whose run stopped before their T (its control host died); each is deleted at its recorded T, or at once
+        when T has passed, and returned in RV(finished) with how late.
+      - Needs neither O(nats_url) nor O(notice_keys) when no node is named. While another run holds the hall's
+        lock (a reclaim under way elsewhere, which finishes them itself), the task changes nothing and returns
+        RV(busy).
+      - The control loop's playbook runs it on every run, so a second control host finishes what the first began.
+    type: bool
+    default: false
 attributes:
   check_mode:
     description: Reports which instances would be reclaimed; sends no notice and deletes nothing.
@@ -117,6 +128,22 @@ would_reclaim:
   returned: success
   type: list
   elements: str
+finished:
+  description:
+    - With O(finish), per instance an earlier run noticed and this one deleted - name, terminate_at, deleted_at,
+      late_s (seconds past its T when the delete went out, 0 when on time), state after the run, and agent.
+  returned: success
+  type: list
+  elements: dict
+would_finish:
+  description: With O(finish), the names under reclaim that this run finishes (or in check mode would).
+  returned: success
+  type: list
+  elements: str
+busy:
+  description: With O(finish) and no node named, why nothing was done - another run holds the hall's lock.
+  returned: when another run holds the hall
+  type: str
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -139,6 +166,7 @@ def main() -> None:
         "wait": {"type": "bool", "default": True},
         "retry_for": {"type": "float", "default": 120},
         "lock_wait": {"type": "float", "default": 0},
+        "finish": {"type": "bool", "default": False},
     }
     module = AnsibleModule(
         argument_spec=spec,
