@@ -14,8 +14,8 @@ process of its own, so the nodes' arrival times are not taken on the publisher's
 - ``notice_fanout``: the reclaimer's identity publishes signed notices (``sco.provider.reclaimer``'s
   notice_document and publish_notice, one after another as ``Reclaimer.notify`` does: publish and flush each) to
   10 % of the nodes; each node records when its notice arrived. Latency of each notice from its publish call to
-  its arrival (p50/p99/max), and from the first publish to the last arrival. Every notice is verified against the
-  reclaimer's key after the run (not timed).
+  its arrival (p50/p99/max), and from the first publish to the last arrival; $SCO_BENCH_REPEATS rounds to the
+  same nodes, medians. Every notice is verified against the reclaimer's key after the run (not timed).
 - ``events``: every node publishes one drain event through its own account into SCO_EVENTS with a Nats-Msg-Id,
   as the agent's publisher does (a JetStream publish), all at once; total time (first publish to last ack),
   events/s, ack latency p50/p99 from each publish call (waited for up to 30 s, so that every ack is measured; those
@@ -38,9 +38,11 @@ process of its own, so the nodes' arrival times are not taken on the publisher's
   ``reads`` times two more reads of the same state: FleetState.instances() (the acquirer's and reclaimer's read)
   and ``sco hall status``.
 
-Growth: each figure's cost per node (per notice for the fan-out; a per-message latency as it is) at each size,
-and its ratio to the smallest size's; ``"linear": true`` when that ratio stays within LINEAR_WITHIN at every size
-(cost growing at most in proportion to the hall).
+Growth: each figure's cost per node at each size (per notice for the fan-out's total; the fan-out's per-notice
+latencies as they are: each notice is alone on the wire; the events' ack latencies per node: N acks of a burst of N
+at once), and its ratio to the smallest size's; ``"linear": true`` when that ratio stays within LINEAR_WITHIN at
+every size (cost growing at most in proportion to the hall). The relay's CPU is read from /proc in clock ticks
+(10 ms): small figures at 500 nodes are coarse.
 
 Sizes: $SCO_BENCH_HALL_SIZES, e.g. ``500`` (a quick run) or ``500,1000,5000`` (the default); ``N:P`` sets the
 pools (``20:2``).
@@ -362,6 +364,26 @@ def fanout_figures(result: dict[str, Any], pub: Any) -> dict[str, Any]:
     }
 
 
+def fanout_rounds(rounds: list[tuple[dict[str, Any], dict[str, float]]], pub: Any) -> dict[str, Any]:
+    """Each round's figures; medians over the rounds (the maximum of the maxima), counts summed."""
+    each = [{**fanout_figures(fan, pub), **used} for fan, used in rounds]
+
+    def med(key: str) -> float | None:
+        values = [x[key] for x in each if x[key] is not None]
+        return round(statistics.median(values), 2) if values else None
+
+    return {
+        "rounds": len(each),
+        "notices": each[0]["notices"],
+        "sent": sum(x["notices"] for x in each),
+        "delivered": sum(x["delivered"] for x in each),
+        "invalid": sum(x["invalid"] for x in each),
+        **{k: med(k) for k in ("p50_ms", "p99_ms", "publish_all_ms", "first_publish_to_last_delivery_ms")},
+        "max_ms": max((x["max_ms"] for x in each if x["max_ms"] is not None), default=None),
+        **{k: med(k) for k in ("relay_cpu_ms", "nodes_cpu_ms")},
+    }
+
+
 async def stream_counts(url: str, auth: dict[str, Any]) -> dict[str, int]:
     import nats
 
@@ -545,6 +567,7 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
         idle = varz(monitor)
 
         relay_pid = srv.proc.pid if srv.proc else 0
+        targets = noticed(nodes)
 
         async def nats_part() -> dict[str, Any]:
             fleet = Fleet(srv.url, lambda user: as_user(creds, user), nodes, relay_pid)
@@ -553,9 +576,11 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
                 with cpu(relay_pid) as out["connect_cpu"]:
                     out["connect_s"] = await fleet.connect()
                 out["connected"] = varz(monitor)
-                with cpu(relay_pid) as out["fanout_cpu"]:
-                    out["fan"] = await fanout(fleet, srv.url, creds / "reclaimer.nk", tmp / "notice.key",
-                                              noticed(nodes))  # fmt: skip
+                out["fans"] = []
+                for _ in range(repeats):  # rounds to the same nodes (a notice repeated, as after a restart)
+                    with cpu(relay_pid) as used:
+                        fan = await fanout(fleet, srv.url, creds / "reclaimer.nk", tmp / "notice.key", targets)
+                    out["fans"].append((fan, used))
                 out["ev"] = await fleet.events()
                 await fleet.heartbeats()
                 out["counts"] = await stream_counts(srv.url, as_user(creds, "control"))
@@ -578,10 +603,7 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
             "rss_kib_per_node": round((connected["mem"] - idle["mem"]) / 1024 / nodes_n, 1),
             "bench_process_rss_mib": r["bench_rss"], "client_errors": r["errors"],
         })  # fmt: skip
-        lines.append({
-            "figure": "notice_fanout", "nodes": nodes_n, **fanout_figures(r["fan"], notice_key.public),
-            **r["fanout_cpu"],
-        })  # fmt: skip
+        lines.append({"figure": "notice_fanout", "nodes": nodes_n, **fanout_rounds(r["fans"], notice_key.public)})
         lat = ev["latencies"]
         lines.append({
             "figure": "events", "nodes": nodes_n, "acked": len(lat), "failed": ev["failed"],
@@ -609,7 +631,7 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
         write_keypair(key, tmp / "signing.key", trust / "signing.pub")
         (tmp / "bundle.json").write_bytes(hall_bundle(tmp, key))
         pools, demand = plan_inputs(nodes, pools_n)
-        reclaims = {s[0]: s[1] for s in r["fan"]["sent"]}
+        reclaims = {s[0]: s[1] for s in r["fans"][-1][0]["sent"]}
         filled = fill(dsn, nodes, pools, reclaims)
         common = {"hall": HALL, "state_dsn": dsn, "bundle": str(tmp / "bundle.json"), "trust_dir": str(trust)}
         env = {"SCO_NATS_URL": srv.url, "SCO_NATS_NKEY_SEED": str(creds / "control.nk")}
@@ -663,21 +685,38 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 
 # --- growth ------------------------------------------------------------------------------------------------
 
-# (figure, metric, what to divide by: "nodes", "notices" or None for a per-message figure)
+# (figure, metric, divided by: "nodes", "notices", or None for a per-message latency that should stay flat).
+# The events are a burst of N at once: their ack latencies are divided by N (the last ack waits for the burst).
 GROWTH = [
     ("relay", "rss_mib_connected", "nodes"),
     ("relay", "render_and_start_s", "nodes"),
     ("relay", "connect_all_s", "nodes"),
+    ("relay", "connect_relay_cpu_ms", "nodes"),
     ("notice_fanout", "p50_ms", None),
     ("notice_fanout", "p99_ms", None),
     ("notice_fanout", "first_publish_to_last_delivery_ms", "notices"),
     ("events", "total_ms", "nodes"),
-    ("events", "ack_p50_ms", None),
-    ("events", "ack_p99_ms", None),
+    ("events", "ack_p50_ms", "nodes"),
+    ("events", "ack_p99_ms", "nodes"),
+    ("events", "relay_cpu_ms", "nodes"),
+    ("events", "nodes_cpu_ms", "nodes"),
     ("control_loop", "run_ms_median", "nodes"),
     ("control_loop", "statements_per_run", "nodes"),
+    ("control_loop", "phases.plan.ms", "nodes"),
+    ("control_loop", "phases.arbitrate.ms", "nodes"),
+    ("control_loop", "phases.acquire_offline.ms", "nodes"),
+    ("control_loop", "phases.heartbeats.ms", "nodes"),
+    ("control_loop", "phases.gauges.ms", "nodes"),
+    ("control_loop", "reads.hall_status.ms", "nodes"),
     ("control_loop", "fill_s", "nodes"),
 ]
+
+
+def _get(line: dict[str, Any] | None, path: str) -> Any:
+    v: Any = line
+    for key in path.split("."):
+        v = v.get(key) if isinstance(v, dict) else None
+    return v
 
 
 def growth(lines: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -686,12 +725,11 @@ def growth(lines: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     for figure, metric, per in GROWTH:
         per_unit: dict[int, float] = {}
         for n in sizes:
-            x = by.get((figure, n))
-            v = x.get(metric) if x else None
-            if v is None:
+            line = by.get((figure, n))
+            v = _get(line, metric)
+            if line is None or v is None:
                 continue
-            d = 1 if per is None else (x["notices"] if per == "notices" else n)  # type: ignore[index]
-            per_unit[n] = float(v) / d
+            per_unit[n] = float(v) / (1 if per is None else line["notices"] if per == "notices" else n)
         base = per_unit.get(sizes[0])
         ratio = {n: round(v / base, 2) if base else None for n, v in per_unit.items()}
         yield {
