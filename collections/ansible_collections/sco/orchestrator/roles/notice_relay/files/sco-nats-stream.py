@@ -4,6 +4,11 @@ events, and their heartbeats (the last one per node, in memory: sco.provider.hea
 Prints one JSON line per stream: {"stream": NAME, "action": "created" | "updated" | "unchanged"}. Waits up to --wait
 seconds for the server that has just started; exits non-zero with a message when it cannot reach it or JetStream
 refuses.
+
+On a cluster every relay runs it after its own start, at about the same time: JetStream creates a stream once (the
+others are told it exists and report "unchanged", or "updated" when they changed it themselves), and while the
+cluster has no leader yet (its servers starting, a replica count it cannot place yet) each step is tried again,
+with backoff and jitter, until --wait runs out.
 """
 
 from __future__ import annotations
@@ -11,12 +16,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
+import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import nats
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
+
+# JetStream's answers that pass: no meta leader yet (10008), too few servers up for the replicas (10023), no peer
+# known to have room yet (10005: a relay that has just started has not told the leader its storage), another relay
+# created the stream with the other configuration a moment ago (10058: read it again), a leader change under way
+# (10074 no suitable peers, 10060 stream not current). 503: nobody answers JetStream's API yet. A lasting one (too
+# little storage for the stream's limits) is said when --wait runs out.
+TRANSIENT = {10005, 10008, 10023, 10058, 10060, 10074}
+# The stream's metadata key naming the run of this tool that created it.
+CREATOR = "sco.created-by"
 
 
 def wanted(args: argparse.Namespace) -> StreamConfig:
@@ -28,6 +48,7 @@ def wanted(args: argparse.Namespace) -> StreamConfig:
         max_age=float(args.max_age),
         max_bytes=int(args.max_bytes),
         duplicate_window=float(args.duplicate_window),
+        num_replicas=args.replicas,
     )
 
 
@@ -44,11 +65,15 @@ def heartbeats_wanted(args: argparse.Namespace) -> StreamConfig:
         # the server's own default, said: nats-py's is 0, which the server stores as 120 s, so every later run
         # found the stream "differing" and updated it (the relay's ExecStartPost was never idempotent)
         duplicate_window=120.0,
+        num_replicas=args.replicas,
     )
 
 
 def differs(have: StreamConfig, want: StreamConfig) -> bool:
-    fields = ("subjects", "retention", "storage", "max_age", "max_bytes", "duplicate_window", "max_msgs_per_subject")
+    fields = (
+        "subjects", "retention", "storage", "max_age", "max_bytes", "duplicate_window", "max_msgs_per_subject",
+        "num_replicas",
+    )  # fmt: skip
     return any(getattr(have, f) != getattr(want, f) for f in fields if getattr(want, f) is not None)
 
 
@@ -73,20 +98,56 @@ async def ensure(args: argparse.Namespace) -> list[tuple[str, str]]:
         js = nc.jetstream(timeout=5)
         done = []
         for want in [wanted(args)] + ([heartbeats_wanted(args)] if args.heartbeat_stream else []):
-            try:
-                have = (await js.stream_info(want.name)).config
-            except NotFoundError:
-                await js.add_stream(want)
-                done.append((want.name, "created"))
-                continue
-            if differs(have, want):
-                await js.update_stream(want)
-                done.append((want.name, "updated"))
-            else:
-                done.append((want.name, "unchanged"))
+            done.append((want.name, await retried(lambda w=want: converge(nc, js, w), end, want.name)))
         return done
     finally:
         await nc.close()
+
+
+async def converge(nc: Any, js: Any, want: StreamConfig) -> str:
+    try:
+        have = (await js.stream_info(want.name)).config
+    except NotFoundError:
+        return await create(nc, want)
+    if differs(have, want):
+        await js.update_stream(want.evolve(metadata=have.metadata))
+        return "updated"
+    return "unchanged"
+
+
+async def create(nc: Any, want: StreamConfig) -> str:
+    # Every relay of a cluster may find the stream missing at once. Each asks for it with a mark of its own: the
+    # first request makes it; the others' differ from it in that mark only, JetStream refuses them (10058, "already
+    # in use with a different configuration"), and their next try finds the stream made.
+    mark = uuid.uuid4().hex
+    mine = want.evolve(metadata={**(want.metadata or {}), CREATOR: mark})
+    msg = await nc.request(f"$JS.API.STREAM.CREATE.{want.name}", json.dumps(mine.as_dict()).encode(), timeout=5)
+    answer = json.loads(msg.data)
+    if "error" in answer:
+        e = answer["error"]
+        raise APIError(code=e.get("code"), err_code=e.get("err_code"), description=e.get("description"))
+    return "created" if (answer.get("config", {}).get("metadata") or {}).get(CREATOR) == mark else "unchanged"
+
+
+async def retried(step: Callable[[], Awaitable[str]], end: float, name: str) -> str:
+    loop = asyncio.get_running_loop()
+    delay = 0.2
+    while True:
+        try:
+            return await step()
+        except (TimeoutError, APIError, NoRespondersError, NatsTimeoutError) as e:
+            code = getattr(e, "err_code", None)
+            passing = code in TRANSIENT or getattr(e, "code", None) == 503 or not isinstance(e, APIError)
+            if not passing or loop.time() + delay > end:
+                raise SystemExit(f"sco-nats-stream: stream {name}: {describe(e)}") from None
+        await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: the relays of a cluster start together
+        delay = min(delay * 2, 2.0)
+
+
+def describe(e: Exception) -> str:
+    if isinstance(e, APIError):
+        return f"JetStream refused: {e.description} (err_code {e.err_code})"
+    return f"JetStream did not answer in time ({type(e).__name__})"
 
 
 def main() -> None:
@@ -103,7 +164,8 @@ def main() -> None:
     p.add_argument("--duplicate-window", type=float, default=120)
     p.add_argument("--heartbeat-stream", default="SCO_HEARTBEATS", help='"" for none')
     p.add_argument("--heartbeat-max-age", type=float, default=86400)
-    p.add_argument("--wait", type=float, default=15)
+    p.add_argument("--replicas", type=int, default=1, choices=range(1, 6), help="copies of each stream (a cluster)")
+    p.add_argument("--wait", type=float, default=15, help="seconds to wait for the server and a JetStream leader")
     args = p.parse_args()
     try:
         done = asyncio.run(ensure(args))
