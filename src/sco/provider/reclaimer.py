@@ -226,7 +226,9 @@ class Reclaimer:
             try:
                 self.nc = await asyncio.wait_for(
                     nats.connect(
-                        self.nats_url, connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True,
+                        # every relay of the hall's cluster (comma-separated): nats-py fails over between them
+                        [u.strip() for u in self.nats_url.split(",") if u.strip()],
+                        connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True,
                         error_cb=said, **self.nats_auth,
                     ),
                     5,
