@@ -10,7 +10,9 @@ process of its own, so the nodes' arrival times are not taken on the publisher's
 ``hall_scale`` yields one JSON object per figure and size, then one growth object per figure:
 
 - ``relay``: the relay's RSS from /varz with its configuration loaded and no client, then with the N nodes
-  connected (and subscribed to their notice subjects), and after the runs below.
+  connected (and subscribed to their notice subjects), and after the runs below; how long a relay with this
+  configuration takes to start accepting connections, and its CPU meanwhile (a restart, the role's handler for
+  any change of the configuration, leaves the hall without a relay that long).
 - ``notice_fanout``: the reclaimer's identity publishes signed notices (``sco.provider.reclaimer``'s
   notice_document and publish_notice, one after another as ``Reclaimer.notify`` does: publish and flush each) to
   10 % of the nodes; each node records when its notice arrived. Latency of each notice from its publish call to
@@ -59,6 +61,7 @@ import os
 import re
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -162,6 +165,45 @@ def own_rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return round(int(line.split()[1]) / 1024, 1)
     return 0.0
+
+
+def relay_start(conf: Path, tmp: Path) -> dict[str, float]:
+    """How long a relay with this configuration takes from its start to accepting connections (what a restart
+    of the relay, the role's handler on any change of its configuration, leaves the hall without notices), and
+    the CPU it spent meanwhile: a second nats-server with a copy of the configuration on other ports."""
+    import socket
+
+    from tests.harness import free_port
+
+    port, monitor = free_port(), free_port()
+    text, n = re.subn(r'^listen: "([^"]+):\d+"$', f'listen: "127.0.0.1:{port}"', conf.read_text(), flags=re.M)
+    text, m = re.subn(r'^http: "127\.0\.0\.1:\d+"$', f'http: "127.0.0.1:{monitor}"', text, flags=re.M)
+    text, k = re.subn(r'^(\s*store_dir: )"[^"]*"$', f'\\1"{tmp / "js-copy"}"', text, flags=re.M)
+    if (n, m, k) != (1, 1, 1):
+        raise RuntimeError(f"{conf}: no single listen, http and store_dir line to move to other ports ({n}, {m}, {k})")
+    copy = tmp / "nats-copy.conf"
+    copy.write_text(text)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "nats-server"), "-c", str(copy)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        while True:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            if proc.poll() is not None or time.monotonic() - t0 > 300:
+                raise RuntimeError(f"nats-server -c {copy}: not accepting connections (exit {proc.poll()})")
+            time.sleep(0.02)
+        return {"start_s": round(time.monotonic() - t0, 2), "start_cpu_s": round(_cpu_s(proc.pid), 2)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # --- the nodes -----------------------------------------------------------------------------------------
@@ -517,8 +559,9 @@ def loop_run(dsn: str, common: dict[str, Any], pools: list[dict[str, Any]], dema
                 )
             with phase("finish"):
                 store.finish_run(run_id, "ok", {"run_id": run_id, "launched": out["acquire"]["launched"]})
-            with phase("heartbeats"):
+            with phase("heartbeats"), _timed(heartbeats, "read") as relay_read:
                 out["heartbeats"] = heartbeats.collect_for_loop(store.conn, HALL, env)
+            phases["heartbeats"]["relay_read_ms"] = ms(sum(relay_read))  # the rest: recording them
             with phase("gauges"):
                 out["gauges"] = len(metrics.fleet_gauges(store, HALL))
         finally:
@@ -565,6 +608,7 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
     lines: list[dict[str, Any]] = []
     try:
         idle = varz(monitor)
+        restart = relay_start(tmp / "nats.conf", tmp)
 
         relay_pid = srv.proc.pid if srv.proc else 0
         targets = noticed(nodes)
@@ -595,7 +639,7 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
         connected, ev, counts = r["connected"], r["ev"], r["counts"]
         lines.append({
             "figure": "relay", "nodes": nodes_n, "config_kib": round((tmp / "nats.conf").stat().st_size / 1024),
-            "render_and_start_s": round(relay_up_s, 1), "connect_all_s": round(r["connect_s"], 2),
+            "render_and_start_s": round(relay_up_s, 1), **restart, "connect_all_s": round(r["connect_s"], 2),
             **{f"connect_{k}": v for k, v in r["connect_cpu"].items()},
             "connections": connected["connections"], "subscriptions": connected.get("subscriptions"),
             "rss_mib_idle": rss_mib(idle), "rss_mib_connected": rss_mib(connected),
@@ -646,8 +690,11 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
                 runs.append(loop_run(dsn, common, pools, demand, env, counter))
             read = reads(dsn, counter)
         last = runs[-1]
-        ph = {
-            name: {**last["phases"][name], "ms": round(statistics.median(r["phases"][name]["ms"] for r in runs), 2)}
+        ph = {  # times: medians over the runs; counts: the last run's (the same in every run)
+            name: {
+                k: round(statistics.median(r["phases"][name][k] for r in runs), 2) if k.endswith("ms") else v
+                for k, v in last["phases"][name].items()
+            }
             for name in last["phases"]
         }
         plan = last["plan"]["plan"]
@@ -667,6 +714,26 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
     finally:
         srv.stop()
     return lines
+
+
+@contextlib.contextmanager
+def _timed(module: Any, name: str) -> Iterator[list[float]]:
+    """Seconds spent in async ``module.name`` meanwhile (split a product's call in two without changing it)."""
+    real = getattr(module, name)
+    spent: list[float] = []
+
+    async def timed(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await real(*a, **kw)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    setattr(module, name, timed)
+    try:
+        yield spent
+    finally:
+        setattr(module, name, real)
 
 
 @contextlib.contextmanager
@@ -690,6 +757,8 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 GROWTH = [
     ("relay", "rss_mib_connected", "nodes"),
     ("relay", "render_and_start_s", "nodes"),
+    ("relay", "start_s", "nodes"),
+    ("relay", "start_cpu_s", "nodes"),
     ("relay", "connect_all_s", "nodes"),
     ("relay", "connect_relay_cpu_ms", "nodes"),
     ("notice_fanout", "p50_ms", None),
@@ -736,7 +805,8 @@ def growth(lines: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             "figure": figure, "growth": metric, "per": per or "message",
             "per_unit": {str(n): float(f"{v:.4g}") for n, v in per_unit.items()},
             "ratio_to_smallest": {str(n): r for n, r in ratio.items()},
-            "linear": all(r is not None and r <= LINEAR_WITHIN for r in ratio.values()),
+            # None: the smallest size's figure was 0 (a CPU time under one clock tick), no ratio to take
+            "linear": None if None in ratio.values() else all(r <= LINEAR_WITHIN for r in ratio.values() if r),
             "linear_if_ratio_at_most": LINEAR_WITHIN,
         }  # fmt: skip
 

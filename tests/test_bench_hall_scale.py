@@ -56,8 +56,8 @@ def test_the_hall_scale_benchmark_at_20_nodes_counts_every_notice_event_and_inst
 
     growth = [x for x in lines if "growth" in x]
     assert {x["figure"] for x in growth} == set(sizes)
-    for g in growth:  # one size: every ratio is 1
-        assert g["ratio_to_smallest"] == {"20": 1.0} and g["linear"] is True, g
+    for g in growth:  # one size: every ratio is 1, or none when the figure was 0 (CPU under one clock tick)
+        assert (g["ratio_to_smallest"], g["linear"]) in [({"20": 1.0}, True), ({"20": None}, None)], g
 
 
 def test_a_size_the_benchmark_cannot_run_is_one_line_naming_the_variable() -> None:
