@@ -17,7 +17,16 @@ jobs=${MOLECULE_JOBS:-3}
 [[ $jobs =~ ^[1-9][0-9]*$ ]] || { echo "molecule: MOLECULE_JOBS=$jobs: expected a positive integer" >&2; exit 2; }
 scenarios=("$@")
 if [ ${#scenarios[@]} -eq 0 ]; then
-  for d in molecule/*/molecule.yml; do scenarios+=("$(basename "$(dirname "$d")")"); done
+  # every scenario but the opt-in ones (a file `opt-in` beside molecule.yml says why: hall-ha does not fit in CI's
+  # time); those run when named (make molecule SCENARIO=hall-ha)
+  for d in molecule/*/molecule.yml; do
+    s=$(basename "$(dirname "$d")")
+    if [ -f "molecule/$s/opt-in" ]; then
+      echo "molecule: scenario $s left out (opt-in, run it by name: $(head -n1 "molecule/$s/opt-in"))"
+      continue
+    fi
+    scenarios+=("$s")
+  done
 fi
 # The wheels the roles install from, built for this checkout's sources (the scenarios' inventories read the
 # variable: a shared name would be repointed by another checkout's run on the same machine). Built once, here,

@@ -83,3 +83,29 @@ def test_a_lock_held_too_long_fails_the_scenario_by_name(tmp_path: Path) -> None
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
         lock.unlink(missing_ok=True)
+
+
+def test_an_opt_in_scenario_runs_only_when_named(tmp_path: Path) -> None:
+    """make molecule (no name: CI) leaves out a scenario with an `opt-in` file and says why; named, it runs."""
+    every, opt_in = (f"locktest-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    checkout = _checkout(tmp_path / "worktree", every)
+    (checkout / "molecule" / opt_in).mkdir()
+    (checkout / "molecule" / opt_in / "molecule.yml").write_text("---\n")
+    (checkout / "molecule" / opt_in / "opt-in").write_text("too long for CI\n")
+    env = {**os.environ, "VENV": "venv", "MOLECULE_JOBS": "1"}
+    try:
+        r = subprocess.run(
+            ["bash", "scripts/molecule.sh"], cwd=checkout, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"scenario {every} passed" in r.stdout, r.stdout
+        assert f"scenario {opt_in} left out (opt-in, run it by name: too long for CI)" in r.stdout, r.stdout
+        assert f"scenario {opt_in} passed" not in r.stdout, r.stdout
+        named = subprocess.run(
+            ["bash", "scripts/molecule.sh", opt_in], cwd=checkout, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert named.returncode == 0 and f"scenario {opt_in} passed" in named.stdout, named.stdout + named.stderr
+    finally:
+        for s in (every, opt_in):
+            shutil.rmtree(BASE / f"{s}-controller", ignore_errors=True)
+            (BASE / f".{s}.lock").unlink(missing_ok=True)
