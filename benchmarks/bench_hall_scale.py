@@ -264,7 +264,9 @@ class Fleet:
 
     async def close(self) -> None:
         await asyncio.gather(*(nc.close() for nc in self.ncs.values()), return_exceptions=True)
+        self.ncs.clear()
         gc.unfreeze()
+        gc.collect()  # the N clients' garbage gone before the fleet state's figures are taken
 
     async def events(self) -> dict[str, Any]:
         """One drain event per node through its own account, all at once, as the agent's publisher sends it
