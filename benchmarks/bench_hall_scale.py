@@ -210,8 +210,12 @@ def relay_start(conf: Path, tmp: Path) -> dict[str, float]:
 
 
 def inbox_prefix(node: str) -> str:
-    """The agent's (sco.agent.config): _INBOX.<hall>.<node>, dots made '_'."""
-    return f"_INBOX.{HALL.replace('.', '_')}.{node.replace('.', '_')}"
+    """The agent's inbox prefix for ``node``: AgentConfig's own property (the relay grants a node that alone)."""
+    from types import SimpleNamespace
+
+    from sco.agent.config import AgentConfig
+
+    return str(AgentConfig.inbox_prefix.fget(SimpleNamespace(hall=HALL, node=node)))  # type: ignore[attr-defined]
 
 
 class Fleet:
