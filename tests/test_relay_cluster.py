@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,14 +66,14 @@ class Relay:
     def conf(self) -> Path:
         return self.dir / "nats.conf"
 
-    def item(self, peers: list[str]) -> dict[str, Any]:
+    def item(self, peers: list[str], conf: Path | None = None) -> dict[str, Any]:
         return {
-            "name": self.name, "conf": str(self.conf), "port": self.port, "monitor": self.monitor,
+            "name": self.name, "conf": str(conf or self.conf), "port": self.port, "monitor": self.monitor,
             "cluster": self.cluster, "store": str(self.dir / "js"), "creds": str(self.creds), "peers": peers,
         }  # fmt: skip
 
-    def start(self) -> Relay:
-        self.srv = RoleRelay(self.dir, self.conf, self.port).start()
+    def start(self, conf: Path | None = None) -> Relay:
+        self.srv = RoleRelay(self.dir, conf or self.conf, self.port).start()
         return self
 
     def kill(self) -> None:
@@ -166,9 +167,9 @@ def leader_of(rs: list[Relay], creds: Path, stream: str) -> Relay:
     return wait_for(found, 20, f"a leader of {stream}", interval=0.2)  # type: ignore[no-any-return]
 
 
-def started(rs: list[Relay]) -> list[Relay]:
+def started(rs: list[Relay], conf: str | None = None) -> list[Relay]:
     for r in rs:
-        r.start()
+        r.start(r.dir / conf if conf else None)
     # every relay a member of one cluster: each one's JetStream meta group counts them all
     wait_for(lambda: all(r.get("jsz").get("meta_cluster", {}).get("cluster_size") == len(rs) for r in rs), 20,
              "the relays' cluster")  # fmt: skip
@@ -296,11 +297,12 @@ def test_a_third_relay_scales_the_streams_to_three_copies_keeping_their_events(t
     the stream tool once the third relay runs, and keep their events. (One relay to a cluster is not this path: the
     role refuses it, see test_role_units; nats-server drops a standalone server's streams as orphans on joining.)"""
     rs = relays(tmp_path, 3)
-    two = [f"127.0.0.1:{r.cluster}" for r in rs[:2]]
-    render(tmp_path, [r.item(two) for r in rs[:2]], ["a"])
+    two, three = [f"127.0.0.1:{r.cluster}" for r in rs[:2]], [f"127.0.0.1:{r.cluster}" for r in rs]
+    # both the two relays' configuration and, for the role's run with a third relay in the group, all three's
+    render(tmp_path, [r.item(two, r.dir / "two.conf") for r in rs[:2]] + [r.item(three) for r in rs], ["a"])
     creds = rs[0].creds
     try:
-        started(rs[:2])
+        started(rs[:2], "two.conf")
         assert sorted(a["action"] for run in stream_tool(rs[:2], replicas=2) for a in run) == [
             "created",
             "created",
@@ -316,11 +318,9 @@ def test_a_third_relay_scales_the_streams_to_three_copies_keeping_their_events(t
             await nc.close()
 
         asyncio.run(events())
-        # the role's run with the third relay in the group: every relay's configuration again, each restarted
+        # the role's run with the third relay in the group: every relay's new configuration, each restarted
         for r in rs[:2]:
             r.stop()
-        three = [f"127.0.0.1:{r.cluster}" for r in rs]
-        render(tmp_path, [r.item(three) for r in rs], ["a"])
         started(rs)
         runs = stream_tool(rs, replicas=3)
         for stream in ("SCO_EVENTS", "SCO_HEARTBEATS"):
@@ -339,16 +339,24 @@ def test_a_third_relay_scales_the_streams_to_three_copies_keeping_their_events(t
             r.stop()
 
 
-VALIDATE = """
-- name: The relay role's checks, on a relay whose running configuration is {{ running }}
-  hosts: localhost
-  gather_facts: false
-  tasks:
-    - name: Validate
-      ansible.builtin.include_role:
-        name: sco.orchestrator.notice_relay
-        tasks_from: validate.yml
-"""
+def validate_play(cases: dict[str, dict[str, Any]]) -> str:
+    """One playbook running the role's checks once per case (task vars beat the role's vars/main.yml, so
+    _notice_relay_conf can point at a test file), each saying "<case>: ok" or "<case>: refused: <message>"."""
+    blocks = []
+    for name, case in cases.items():
+        blocks.append({
+            "name": name,
+            "block": [
+                {"name": f"check {name}", "ansible.builtin.include_role": {"name": "sco.orchestrator.notice_relay",
+                                                                          "tasks_from": "validate.yml"},
+                 "vars": case},
+                {"name": f"say {name}", "ansible.builtin.debug": {"msg": f"{name}: ok"}},
+            ],
+            "rescue": [{"name": f"say {name}", "ansible.builtin.debug": {
+                "msg": f"{name}: refused: {{{{ ansible_failed_result.msg }}}}"}}],
+        })  # fmt: skip
+    return json.dumps([{"name": "The relay role's checks", "hosts": "localhost", "gather_facts": False,
+                        "tasks": blocks}])  # fmt: skip
 
 
 def test_a_single_relay_is_not_made_a_cluster_member_unless_told(tmp_path: Path) -> None:
@@ -360,15 +368,20 @@ def test_a_single_relay_is_not_made_a_cluster_member_unless_told(tmp_path: Path)
     member.write_text('server_name: "local-r1"\ncluster {\n  name: "local"\n}\n')
     ev = {"sco_hall": "local", "notice_relay_nodes": ["a"], "notice_relay_credentials_dir": str(tmp_path / "creds"),
           "notice_relay_cluster_peers": ["r1.example:6222", "r2.example:6222", "r3.example:6222"]}  # fmt: skip
-    refused = run_playbook(tmp_path, VALIDATE, {**ev, "running": str(single), "_notice_relay_conf": str(single)})
-    assert refused.returncode != 0
-    assert "runs as a single relay" in refused.stdout and "notice_relay_cluster_from_single=true" in refused.stdout
-    for conf, told in ((single, True), (member, False), (tmp_path / "none.conf", False)):
-        ok = run_playbook(
-            tmp_path, VALIDATE,
-            {**ev, "running": str(conf), "_notice_relay_conf": str(conf), "notice_relay_cluster_from_single": told},
-        )  # fmt: skip
-        assert ok.returncode == 0, (conf, ok.stdout + ok.stderr)
+    cases = {
+        "single": {"_notice_relay_conf": str(single)},
+        "single-told": {"_notice_relay_conf": str(single), "notice_relay_cluster_from_single": True},
+        "member": {"_notice_relay_conf": str(member)},
+        "new": {"_notice_relay_conf": str(tmp_path / "none.conf")},
+    }
+    out = run_playbook(tmp_path, validate_play(cases), ev)
+    assert out.returncode == 0, out.stdout + out.stderr
+    msgs = [json.loads(f'"{m}"') for m in re.findall(r'"msg": "((?:[^"\\]|\\.)*)"', out.stdout)]
+    said = dict(m.split(": ", 1) for m in msgs if m.split(": ", 1)[0] in cases)
+    assert said.keys() == cases.keys(), out.stdout
+    assert said["single"].startswith("refused: notice_relay: localhost runs as a single relay"), said
+    assert "notice_relay_cluster_from_single=true" in said["single"], said
+    assert {k: v for k, v in said.items() if k != "single"} == {"single-told": "ok", "member": "ok", "new": "ok"}
 
 
 SHOW = """
