@@ -104,7 +104,7 @@ def bench_relay_identities() -> Iterator[dict[str, Any]]:
                 def up(monitor: int = monitor) -> bool:
                     try:
                         with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=1) as r:
-                            return r.status == 200
+                            return bool(r.status == 200)
                     except OSError:
                         return False
 

@@ -146,7 +146,7 @@ async def stream_messages(r: Relay, creds: Path) -> list[tuple[str, str]]:
         out = []
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             m = await js.get_msg("SCO_EVENTS", seq)
-            out.append(((m.headers or {}).get("Nats-Msg-Id", ""), m.subject))
+            out.append(((m.headers or {}).get("Nats-Msg-Id", ""), m.subject or ""))
         return out
     finally:
         await nc.close()
@@ -231,13 +231,9 @@ async def notice_across(dead: Relay, sender: Relay, receiver: Relay, creds: Path
     got: asyncio.Queue[bytes] = asyncio.Queue()
     node = await nats.connect(receiver.url, **as_user(creds, "node-b"), inbox_prefix="_INBOX.local.b")
     key = generate()
-    reclaimer = Reclaimer(
-        None,
-        None,
-        f"{dead.url}, {sender.url}",
-        signing_keys=[key],
-        nats_auth=as_user(creds, "reclaimer"),  # type: ignore[arg-type]
-    )
+    nothing: Any = None  # no cloud and no fleet state: only its connection to the relays is used here
+    reclaimer = Reclaimer(nothing, nothing, f"{dead.url}, {sender.url}", signing_keys=[key],
+                          nats_auth=as_user(creds, "reclaimer"))  # fmt: skip
     try:
 
         async def on(msg: Any) -> None:
@@ -368,7 +364,7 @@ def test_a_single_relay_is_not_made_a_cluster_member_unless_told(tmp_path: Path)
     member.write_text('server_name: "local-r1"\ncluster {\n  name: "local"\n}\n')
     ev = {"sco_hall": "local", "notice_relay_nodes": ["a"], "notice_relay_credentials_dir": str(tmp_path / "creds"),
           "notice_relay_cluster_peers": ["r1.example:6222", "r2.example:6222", "r3.example:6222"]}  # fmt: skip
-    cases = {
+    cases: dict[str, dict[str, Any]] = {
         "single": {"_notice_relay_conf": str(single)},
         "single-told": {"_notice_relay_conf": str(single), "notice_relay_cluster_from_single": True},
         "member": {"_notice_relay_conf": str(member)},
