@@ -17,7 +17,8 @@ VENV=${VENV:-.venv}
 APT_PACKAGES=(python3 python3-venv python3-dev gcc make git ca-certificates systemd procps slurm-wlm lua5.1
   debootstrap openssh-client socat iproute2 openssl dbus openjdk-17-jre-headless chromium
   ceph-mon ceph-osd ceph-mgr radosgw ceph-common prometheus
-  prometheus-node-exporter)
+  prometheus-node-exporter
+  patroni python3-etcd etcd-server postgresql-15)
 
 need_apt=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -27,7 +28,9 @@ if ((${#need_apt[@]})); then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   echo "setup: apt-get install ${need_apt[*]}"
   $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq
-  # RUNLEVEL=1: Debian would start ceph's (and others') daemons system-wide; the tests start their own.
+  # RUNLEVEL=1: Debian would start ceph's (and others') daemons system-wide; the tests start their own. Without
+  # systemd as PID 1 that also keeps etcd's and PostgreSQL's init scripts (Debian's main cluster, port 5432) and
+  # Patroni's from starting: the fleet-state tests run their own members (sco_devkit.devcluster.patroni).
   DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
     --no-install-recommends "${need_apt[@]}" >/dev/null
 fi

@@ -52,11 +52,33 @@ def check_dsn(dsn: str, where: str = "fleet-state DSN") -> None:
     from psycopg.conninfo import conninfo_to_dict
 
     try:
-        conninfo_to_dict(dsn)
+        parts = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as e:
         raise ConfigError(
             f"{where}: not a libpq connection string such as 'host=db user=sco dbname=sco': {libpq_parse_error(e)}"
         ) from None
+    # A Patroni cluster without a proxy: host=a,b,c port=p1,p2,p3 (or one port for every host). libpq only finds a
+    # count mismatch when it connects, with a message that does not say which setting to fix.
+    hosts = _listed(parts.get("host")) or _listed(parts.get("hostaddr"))
+    for key in ("port", "hostaddr"):
+        given = _listed(parts.get(key))
+        if len(given) > 1 and len(given) != len(hosts):
+            raise ConfigError(
+                f"{where}: {len(given)} {key} values for {len(hosts)} hosts: give one {key} for every host"
+                f" (in the same order) or a single {key} for all"
+            )
+
+
+def _listed(value: object) -> list[str]:
+    return [] if value in (None, "") else str(value).split(",")
+
+
+def is_multi_host(dsn: str) -> bool:
+    """Several hosts (a Patroni cluster's members), so libpq picks one: the one it picks must take writes."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    parts = conninfo_to_dict(dsn)
+    return len(_listed(parts.get("host")) or _listed(parts.get("hostaddr"))) > 1
 
 
 # libpq's own deadlines on a connection (a DSN's own values win): TCP keepalives find a server or a network that
@@ -77,7 +99,11 @@ def connect(dsn: str, *, autocommit: bool = True) -> Any:
 
     check_dsn(dsn)
     given = conninfo_to_dict(dsn)
-    full = make_conninfo(dsn, **{k: v for k, v in _CLIENT_DEADLINES.items() if k not in given})
+    defaults = dict(_CLIENT_DEADLINES)
+    if is_multi_host(dsn):
+        # Patroni's members: without this libpq keeps the first that answers, a standby as readily as the primary
+        defaults["target_session_attrs"] = "read-write"
+    full = make_conninfo(dsn, **{k: v for k, v in defaults.items() if k not in given})
     try:
         return psycopg.connect(full, autocommit=autocommit)
     except psycopg.OperationalError as e:
@@ -127,10 +153,22 @@ def applied(conn: Any) -> dict[int, tuple[str, str]]:
     return {v: (n, s) for v, n, s in conn.execute("SELECT version, name, sha256 FROM schema_migration")}
 
 
+def require_primary(conn: Any, what: str) -> None:
+    """``conn`` must be on a server that takes writes: a Patroni standby (in recovery) refuses every write, and a
+    lock taken there is one the primary's writers never see."""
+    if conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]:
+        info = conn.info
+        raise StateError(
+            f"fleet state at host={info.host} port={info.port}: {what}: this server is a read-only standby; connect"
+            " to the primary (list every member in the DSN with target_session_attrs=read-write)"
+        )
+
+
 def migrate(conn: Any, directory: Path = MIGRATIONS) -> list[Migration]:
     """Apply every migration not yet recorded, in order; returns those applied now."""
     todo = migrations(directory)
     done: list[Migration] = []
+    require_primary(conn, "cannot migrate")
     conn.execute("SELECT pg_advisory_lock(%s, %s)", (_NS, _MIGRATE_KEY))
     try:
         conn.execute(
@@ -203,6 +241,7 @@ def hall_lock(
     give with a fencing token checked by every write.
     """
     key = (_NS + 1, _hall_key(hall))
+    require_primary(conn, f"hall {hall}: cannot take the writer's lock")
     if idle_timeout_s is not None:
         ms = str(max(1, round(idle_timeout_s * 1000)))
         conn.execute(
