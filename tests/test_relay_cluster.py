@@ -373,6 +373,7 @@ def test_a_single_relay_is_not_made_a_cluster_member_unless_told(tmp_path: Path)
         "single-told": {"_notice_relay_conf": str(single), "notice_relay_cluster_from_single": True},
         "member": {"_notice_relay_conf": str(member)},
         "new": {"_notice_relay_conf": str(tmp_path / "none.conf")},
+        "four-copies": {"_notice_relay_conf": str(member), "notice_relay_stream_replicas": 4},
     }
     out = run_playbook(tmp_path, validate_play(cases), ev)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -381,7 +382,9 @@ def test_a_single_relay_is_not_made_a_cluster_member_unless_told(tmp_path: Path)
     assert said.keys() == cases.keys(), out.stdout
     assert said["single"].startswith("refused: notice_relay: localhost runs as a single relay"), said
     assert "notice_relay_cluster_from_single=true" in said["single"], said
-    assert {k: v for k, v in said.items() if k != "single"} == {"single-told": "ok", "member": "ok", "new": "ok"}
+    assert said["four-copies"].startswith("refused: notice_relay: notice_relay_stream_replicas is 4;"), said
+    rest = {k: v for k, v in said.items() if k not in ("single", "four-copies")}
+    assert rest == {"single-told": "ok", "member": "ok", "new": "ok"}, said
 
 
 SHOW = """
