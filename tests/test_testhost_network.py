@@ -103,3 +103,22 @@ def test_destroy_removes_the_network_after_a_run_that_died(scenario: str) -> Non
     assert not [ln for ln in _links() if ln.startswith("v") and scenario in ln]
     # and destroy again, with nothing there, is no error
     hosts.destroy(scenario)
+
+
+def test_hosts_get_the_addresses_a_static_inventory_names(scenario: str) -> None:
+    """create.yml passes NAME=ADDRESS (the inventory's ansible_host): Ansible's groups['all'] has no fixed order,
+    so an address by position would put one host's services on another's address."""
+    prefix = network_prefix(scenario)
+    hosts.create(scenario, [f"g1={prefix}.201", "g2"], network=True)
+    for name, want in (("g1", f"{prefix}.201"), ("g2", f"{prefix}.12")):
+        own = hosts.test_host(scenario, name).ssh("ip", "-4", "-o", "addr", "show", "eth0").stdout
+        assert f"inet {want}/24" in own, own
+    got = hosts.test_host(scenario, "g2").ssh("ping", "-c", "1", "-W", "2", "g1", check=False)
+    assert got.returncode == 0 and f"({prefix}.201)" in got.stdout, got.stdout + got.stderr
+
+
+def test_an_address_outside_the_network_is_refused(scenario: str) -> None:
+    with pytest.raises(ValueError, match=r"192\.0\.2\.7 is not a free address of 10\.231\."):
+        hosts.create(scenario, ["b1=192.0.2.7"], network=True)
+    with pytest.raises(SystemExit, match="NAME=ADDRESS needs --network"):
+        hosts.create(scenario, [f"b1={network_prefix(scenario)}.20"])

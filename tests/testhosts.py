@@ -140,12 +140,17 @@ class TestNetwork:
             raise ValueError(f"test network {self.ns}: host index {index} outside 0..239")
         return f"{self.prefix}.{self.FIRST + index}"
 
-    def join(self, host: TestHost) -> str:
-        """Plug ``host`` (created, its namespace there) in: eth0 with the next address, a default route through
-        the bridge (so a host has a default IPv4 address as a real one does; nothing lies beyond it). Returns the
-        address. Call :meth:`write_hosts` once every host has joined."""
+    def join(self, host: TestHost, addr: str | None = None) -> str:
+        """Plug ``host`` (created, its namespace there) in: eth0 with ``addr`` (one of this /24's, not taken;
+        default: the next one), a default route through the bridge (so a host has a default IPv4 address as a real
+        one does; nothing lies beyond it). Returns the address. Call :meth:`write_hosts` once every host has
+        joined."""
         index = len(self.members)
-        addr = self.address(index)
+        if addr is None:
+            addr = self.address(index)
+        last = addr.removeprefix(f"{self.prefix}.")
+        if addr == last or not last.isdigit() or not 1 <= int(last) <= 254 or addr in self.members.values():
+            raise ValueError(f"test network {self.ns}: {host.name}: {addr} is not a free address of {self.prefix}.0/24")
         port = f"v{index}"
         # both ends made in their namespaces at once: no name is ever taken in the machine's own namespace
         _ip("-n", self.ns, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", host.ns)

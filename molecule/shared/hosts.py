@@ -3,13 +3,14 @@ sshd in a chroot, reached over real SSH through `ip netns exec NS socat`), under
 inventory can be static and testinfra can read it: netns `scom-<scenario>-<host>`, files under
 /var/tmp/sco-molecule/<scenario>/ (one run of a scenario per machine at a time: scripts/molecule.sh's lock).
 
-    python molecule/shared/hosts.py create [--network] SCENARIO HOST...
+    python molecule/shared/hosts.py create [--network] SCENARIO HOST[=ADDRESS]...
     python molecule/shared/hosts.py destroy SCENARIO
     python molecule/shared/hosts.py network SCENARIO HOST...   # prints the addresses --network would give
 
 With --network the hosts share a private /24 (tests.testhosts.TestNetwork: a bridge in netns `scomnet-<scenario>`,
-eth0 in each host, 10.231.<n>.<11 + i> for the i-th host named, n from the scenario's name, every name in each
-host's /etc/hosts); without, a host has only its loopback, as before.
+eth0 in each host, the address given as HOST=ADDRESS (a static inventory's ansible_host) or else 10.231.<n>.<11 + i>
+for the i-th host named, n from the scenario's name, every name in each host's /etc/hosts); without, a host has
+only its loopback, as before.
     python molecule/shared/hosts.py wheelhouse     # prints the directory of wheels the roles install from
 """
 
@@ -56,8 +57,14 @@ def addresses(scenario: str, names: list[str]) -> dict[str, str]:
 
 
 def create(scenario: str, names: list[str], network: bool = False) -> None:
+    """``names``: host names, or NAME=ADDRESS with --network (the address a static inventory gives the host; the
+    others get theirs in the order named)."""
+    given = dict(n.split("=", 1) if "=" in n else (n, "") for n in names)
+    names = [n.split("=", 1)[0] for n in names]
     if len(set(names)) != len(names):
         raise SystemExit(f"hosts.py create {scenario}: a host named twice in {names}")
+    if any(given.values()) and not network:
+        raise SystemExit(f"hosts.py create {scenario}: NAME=ADDRESS needs --network")
     destroy(scenario)
     (scenario_dir(scenario) / "hosts").mkdir(parents=True, exist_ok=True)
     # written first: a run that dies half-way is still cleaned up by name (destroy also lists the namespaces)
@@ -67,7 +74,7 @@ def create(scenario: str, names: list[str], network: bool = False) -> None:
     if network:
         net = test_network(scenario).create()
         for h in hosts:
-            net.join(h)
+            net.join(h, given[h.name] or None)
         net.write_hosts(hosts)
         out["network"] = {"namespace": net.ns, "addresses": net.members}
     print(json.dumps(out))
