@@ -4,9 +4,12 @@ database and the schema, a second run changes nothing, bad settings fail naming 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +22,29 @@ from tests.testhosts import REPO
 VENV = Path(sys.executable).parent.parent
 
 
-def play(tmp: Path, extravars: dict[str, Any], check: bool = False, playbook: str | None = None) -> Any:
+LOCAL = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+
+
+def play(
+    tmp: Path,
+    extravars: dict[str, Any],
+    check: bool = False,
+    playbook: str | None = None,
+    inventory: dict[str, Any] | None = None,
+    limit: str | None = None,
+) -> Any:
     import ansible_runner
 
     pdd = tmp / f"runner-{len(list(tmp.glob('runner-*')))}"
     (pdd / "project").mkdir(parents=True)
     (pdd / "project" / "fleet_state.yml").write_text(playbook or (REPO / "playbooks" / "fleet_state.yml").read_text())
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    args = (["--check"] if check else []) + ([f"--limit={limit}"] if limit else [])
     return ansible_runner.run(
         private_data_dir=str(pdd),
         playbook="fleet_state.yml",
-        inventory={"all": {"children": {"sco_control": {"hosts": {"localhost": local}}}}},
+        inventory=inventory or {"all": {"children": {"sco_control": {"hosts": {"localhost": LOCAL}}}}},
         extravars=extravars,
-        cmdline="--check" if check else None,
+        cmdline=" ".join(args) or None,
         quiet=True,
         envvars={
             "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"),
@@ -40,8 +53,8 @@ def play(tmp: Path, extravars: dict[str, Any], check: bool = False, playbook: st
     )
 
 
-def changed(r: Any) -> int:
-    return int(r.stats["changed"].get("localhost", 0)) if r.stats else -1
+def changed(r: Any, host: str = "localhost") -> int:
+    return int(r.stats["changed"].get(host, 0)) if r.stats else -1
 
 
 def output(r: Any) -> str:
@@ -178,7 +191,7 @@ def test_check_mode_lists_pending_migrations_of_an_existing_database(
         ({"fleet_state_port": 70000}, "fleet_state_port"),
         ({"fleet_state_ssl_mode": "sometimes"}, "fleet_state_ssl_mode"),
         ({"fleet_state_venv": "/nonexistent/venv"}, "fleet_state_venv"),
-        ({"fleet_state_patroni_enabled": True}, "fleet_state_patroni_etcd_hosts"),
+        ({"fleet_state_patroni_enabled": True}, "fleet_state_patroni_members"),
     ],
 )
 def test_bad_settings_fail_naming_the_variable(
@@ -191,35 +204,203 @@ def test_bad_settings_fail_naming_the_variable(
     assert not admin_query(postgres, "SELECT 1 FROM pg_roles WHERE rolname = %s", names["user"])  # nothing done
 
 
-def test_patroni_settings_rendered_and_said_not_installed(postgres: Any, tmp_path: Path, names: dict[str, str]) -> None:
-    conf = tmp_path / "patroni" / "patroni.yml"
-    ev = settings(
-        postgres,
-        tmp_path,
-        names,
-        fleet_state_patroni_enabled=True,
-        fleet_state_patroni_config=str(conf),
-        fleet_state_patroni_owner="root",
-        fleet_state_admin_password="superuser-secret",
-        fleet_state_patroni_replication_password="replication-secret",
-        fleet_state_patroni_etcd_hosts=["10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379"],
-        fleet_state_patroni_allowed_networks=["10.0.0.0/24"],
-        fleet_state_patroni_parameters={"max_connections": 500},
+def _ports_free_on(addrs: list[str], n: int) -> list[int]:
+    """``n`` TCP ports free on every one of ``addrs`` (the members listen on the same ports, each on its address)."""
+    import socket
+
+    found: list[int] = []
+    while len(found) < n:
+        with socket.socket() as s:
+            s.bind((addrs[0], 0))
+            port = int(s.getsockname()[1])
+        try:
+            for a in addrs[1:]:
+                with socket.socket() as s:
+                    s.bind((a, port))
+        except OSError:
+            continue
+        if port not in found:
+            found.append(port)
+    return found
+
+
+def _unit(path: Path) -> dict[str, str]:
+    """The [Service] settings of a unit file (each key once in the role's units)."""
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        k, sep, v = line.partition("=")
+        if sep and not line.startswith("#"):
+            out.setdefault(k.strip(), v.strip())
+    return out
+
+
+def _log_tails(root: Path) -> str:
+    return "\n".join(
+        f"--- {f}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:]) for f in root.glob("*/*.log")
     )
-    r = play(tmp_path, ev)
-    assert r.rc == 0, output(r)
-    said = messages(r, "runner_on_ok")
-    assert any("does NOT install Patroni" in m for m in said), said
-    p = yaml.safe_load(conf.read_text())
-    assert oct(conf.stat().st_mode & 0o777) == "0o600"
-    assert p["scope"] == "sco-fleet" and p["name"] == "localhost"
-    assert p["etcd3"]["hosts"] == ["10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379"]
-    assert p["bootstrap"]["dcs"]["synchronous_mode"] is True
-    assert p["bootstrap"]["dcs"]["postgresql"]["parameters"]["max_connections"] == 500
-    assert p["postgresql"]["authentication"]["replication"]["password"] == "replication-secret"
-    assert "host all all 10.0.0.0/24 scram-sha-256" in p["postgresql"]["pg_hba"]
-    r = play(tmp_path, ev)
-    assert r.rc == 0 and changed(r) == 0, output(r)
+
+
+def _run_unit(path: Path, log: Path) -> subprocess.Popen[bytes]:
+    """What systemd would run: ExecStart as the unit's User, with its Environment (no systemd as PID 1 here)."""
+    import pwd
+    import shlex
+
+    u = _unit(path)
+    pw = pwd.getpwnam(u["User"])
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/"}
+    if "Environment" in u:
+        k, _, v = u["Environment"].partition("=")
+        env[k] = v
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        return subprocess.Popen(
+            shlex.split(u["ExecStart"]),
+            user=pw.pw_uid,
+            group=pw.pw_gid,
+            env=env,
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=fd,
+            stderr=fd,
+            start_new_session=True,
+        )
+    finally:
+        os.close(fd)
+
+
+def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str]) -> None:
+    """Three members on 127.0.0.1-3 (the same ports, as production's hosts): the role renders etcd's and Patroni's
+    settings and installs and enables their units without starting them (no systemd here); the units' command lines
+    start a working cluster; the control host's run then creates the database on the primary, migrates it once and
+    writes a DSN listing every member, and the members' part changes nothing the second time."""
+    import shutil
+    import tempfile
+    import urllib.request
+
+    from sco_devkit.devcluster.patroni import kill_postgres
+
+    addrs = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    pg, api, client, peer = _ports_free_on(addrs, 4)
+    # not pytest's 0700 tmp_path: etcd and postgres must reach their directories
+    root = Path(tempfile.mkdtemp(prefix="sco-role-patroni-"))
+    os.chmod(root, 0o755)
+    members = {
+        f"m{i}": {
+            **LOCAL,
+            "ansible_host": a,
+            "fleet_state_patroni_listen_address": a,
+            "fleet_state_etcd_listen_address": a,
+            "fleet_state_patroni_config": str(root / f"m{i}" / "patroni" / "patroni.yml"),
+            "fleet_state_patroni_data_dir": str(root / f"m{i}" / "pg" / "data"),
+            "fleet_state_patroni_socket_dir": str(root / f"m{i}" / "pg"),
+            "fleet_state_etcd_config": str(root / f"m{i}" / "etcd" / "etcd.yml"),
+            "fleet_state_etcd_data_dir": str(root / f"m{i}" / "etcd" / "data"),
+        }
+        for i, a in enumerate(addrs)
+    }
+    inventory = {
+        "all": {
+            "children": {
+                "sco_fleet_state": {"hosts": members},
+                "sco_control": {"hosts": {"localhost": LOCAL}},
+            }
+        }
+    }
+    ev = {
+        "fleet_state_patroni_enabled": True,
+        "fleet_state_patroni_install": False,  # Debian's packages are on this machine (scripts/setup.sh)
+        "_fleet_state_unit_dir": str(root) + "/{{ inventory_hostname }}/systemd",
+        "fleet_state_port": pg,
+        "fleet_state_patroni_restapi_port": api,
+        "fleet_state_etcd_client_port": client,
+        "fleet_state_etcd_peer_port": peer,
+        "fleet_state_patroni_ttl": 10,
+        "fleet_state_patroni_loop_wait": 1,
+        "fleet_state_patroni_retry_timeout": 3,
+        "fleet_state_patroni_allowed_networks": ["127.0.0.0/8"],
+        "fleet_state_admin_password": "patroni-superuser-secret",
+        "fleet_state_patroni_replication_password": "replication-secret",
+        "fleet_state_ssl_mode": "disable",
+        "fleet_state_db_name": names["db"],
+        "fleet_state_db_user": names["user"],
+        "fleet_state_db_password": "correct-horse-battery",
+        "fleet_state_install": False,
+        "fleet_state_venv": str(VENV),
+        "fleet_state_dsn_file": str(root / "control" / "fleet-state.env"),
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    tmp = root / "runs"
+    tmp.mkdir()
+    try:
+        r = play(tmp, ev, inventory=inventory, limit="sco_fleet_state")
+        assert r.rc == 0, output(r)
+        said = messages(r, "runner_on_ok")
+        assert any("no systemd runs on m0" in m for m in said), said
+        for m in members:
+            units = root / m / "systemd"
+            for u in ("sco-etcd.service", "sco-patroni.service"):
+                assert (units / "multi-user.target.wants" / u).resolve() == units / u  # enabled
+            for debian in ("etcd.service", "patroni.service", "postgresql.service"):
+                assert os.readlink(units / debian) == "/dev/null"  # masked: no postinst starts them
+        for u in ("sco-etcd.service", "sco-patroni.service"):
+            # exits 0 even for a bad unit: what it says is the verdict
+            v = subprocess.run(["systemd-analyze", "verify", str(root / "m0" / "systemd" / u)], capture_output=True)
+            assert v.stderr.decode().strip() == "", v.stderr.decode()
+        conf = yaml.safe_load((root / "m1" / "patroni" / "patroni.yml").read_text())
+        assert conf["etcd3"]["hosts"] == [f"{a}:{client}" for a in addrs]
+        assert conf["bootstrap"]["dcs"]["synchronous_mode"] is True
+        assert conf["postgresql"]["bin_dir"] == "/usr/lib/postgresql/15/bin"
+        etcd = yaml.safe_load((root / "m1" / "etcd" / "etcd.yml").read_text())
+        assert etcd["initial-cluster"] == ",".join(f"m{i}=http://{a}:{peer}" for i, a in enumerate(addrs))
+
+        # what the units would run: etcd first (each waits for a quorum), then Patroni
+        for m in members:
+            procs.append(_run_unit(root / m / "systemd" / "sco-etcd.service", root / m / "etcd.log"))
+        for m in members:
+            procs.append(_run_unit(root / m / "systemd" / "sco-patroni.service", root / m / "patroni.log"))
+
+        def status(a: str, path: str) -> int:
+            try:
+                with urllib.request.urlopen(f"http://{a}:{api}{path}", timeout=2) as resp:
+                    return int(resp.status)
+            except OSError as e:
+                return int(getattr(e, "code", 0) or 0)
+
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            if all(status(a, "/health") == 200 for a in addrs) and any(status(a, "/sync") == 200 for a in addrs):
+                break
+            assert all(p.poll() is None for p in procs), f"a daemon exited:\n{_log_tails(root)}"
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"no healthy cluster within 90 s:\n{_log_tails(root)}")
+
+        r = play(tmp, ev, inventory=inventory)
+        assert r.rc == 0, output(r)
+        assert [changed(r, m) for m in members] == [0, 0, 0], output(r)  # the members' part is idempotent
+        env = (root / "control" / "fleet-state.env").read_text()
+        dsn = next(x for x in env.splitlines() if x.startswith("SCO_DB_DSN=")).split("=", 1)[1].strip('"')
+        assert f"host={','.join(addrs)} port={pg} " in dsn and "target_session_attrs=read-write" in dsn
+        with connect(dsn) as c:
+            assert c.execute("SELECT pg_is_in_recovery(), current_user").fetchone() == (False, names["user"])
+            assert sorted(c.execute("SELECT version FROM schema_migration").fetchall()) == [
+                (m.version,) for m in migrations()
+            ]
+            primary = c.info.host
+        # synchronous replication is in force on the primary the role's settings made
+        admin = f"host={primary} port={pg} user=postgres password=patroni-superuser-secret dbname=postgres"
+        with connect(admin) as c:
+            assert "sync" in [row[0] for row in c.execute("SELECT sync_state FROM pg_stat_replication")]
+
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        for m in members:
+            kill_postgres(root / m / "pg" / "data")
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_cli_migrate_check_applies_nothing(postgres: Any, names: dict[str, str]) -> None:
