@@ -269,10 +269,11 @@ def _run_unit(path: Path, log: Path) -> subprocess.Popen[bytes]:
 
 
 def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str]) -> None:
-    """Three members on 127.0.0.1-3 (the same ports, as production's hosts): the role renders etcd's and Patroni's
-    settings and installs and enables their units without starting them (no systemd here); the units' command lines
-    start a working cluster; the control host's run then creates the database on the primary, migrates it once and
-    writes a DSN listing every member, and the members' part changes nothing the second time."""
+    """Three members on 127.0.0.1-3 (the same ports, as production's hosts): check mode changes nothing; the role
+    renders etcd's and Patroni's settings and installs and enables their units without starting them (no systemd
+    here); the units' command lines start a working cluster; the control host's run then creates the database on
+    the primary, migrates it once and writes a DSN listing every member, and the members' part changes nothing the
+    second time."""
     import shutil
     import tempfile
     import urllib.request
@@ -332,6 +333,9 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
     tmp = root / "runs"
     tmp.mkdir()
     try:
+        r = play(tmp, ev, inventory=inventory, limit="sco_fleet_state", check=True)
+        assert r.rc == 0, output(r)
+        assert changed(r, "m0") > 0 and not (root / "m0").exists(), output(r)  # says what it would do, does none
         r = play(tmp, ev, inventory=inventory, limit="sco_fleet_state")
         assert r.rc == 0, output(r)
         said = messages(r, "runner_on_ok")
