@@ -20,6 +20,7 @@ from sco.state.db import StateError, applied, check_dsn, connect, hall_lock, mig
 from sco.state.fleet import FleetState, Pool
 from sco_devkit.devcluster.patroni import SUPERUSER_PASSWORD, PatroniCluster
 from tests.cli_run import SCO, one_line_error, sco
+from tests.harness import wait_for
 
 DB = "sco_fleet"
 
@@ -59,7 +60,18 @@ def test_the_multi_host_dsn_reaches_the_primary_whatever_the_order(cluster: Patr
     # connect() asks for read-write itself when the DSN lists several hosts and says nothing
     with connect(dsn) as c:
         assert server(c) == (primary.pg_port, False)
-    # plain libpq without it lands on the first standby: what connect() guards against
+
+    # plain libpq without it lands on the first standby: what connect() guards against. That standby must be
+    # taking connections first: a member Patroni reports healthy may still refuse them for a moment (libpq then
+    # goes on to the next host, and this would land on the primary for that reason instead)
+    def takes_connections() -> bool:
+        try:
+            with psycopg.connect(cluster.member_dsn(standbys[0], DB), autocommit=True, connect_timeout=2):
+                return True
+        except psycopg.OperationalError:
+            return False
+
+    wait_for(takes_connections, 60, f"standby {standbys[0].name} to take connections")
     with psycopg.connect(dsn, autocommit=True) as c:
         assert server(c) == (standbys[0].pg_port, True)
 
