@@ -45,6 +45,11 @@ _HEAVY = {
 }  # fmt: skip
 
 
+# Modules that start one cluster for all their tests (a module fixture: Patroni with etcd): kept on one
+# worker, so the cluster starts once, not once per worker that picks up one of their tests.
+_ONE_WORKER = {"test_patroni"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups into node id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # on the workers, where xdist reads the groups off the collected items (its own dist option says "no" there)
@@ -60,6 +65,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif "ceph" in getattr(item, "fixturenames", ()):
             # one Ceph cluster (~20 s to start, ~450 MiB) for every checkpoint-store test, not one per worker
             item.add_marker(pytest.mark.xdist_group(name="ceph"))
+            rank[item.nodeid] = 2
+        elif module in _ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(name=module))
             rank[item.nodeid] = 2
         elif module in _HEAVY:
             rank[item.nodeid] = 2
