@@ -46,11 +46,15 @@ class TestHost:
         subprocess.run(["mount", "-t", "proc", "proc", str(self.root / "proc")], check=True)
         subprocess.run(["ip", "netns", "add", self.ns], check=True)
         subprocess.run(["ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up"], check=True)
+        # A session of its own: made by molecule's create playbook (the command module), sshd would be in the
+        # Ansible worker's process group, which the worker kills (killpg SIGTERM) when ansible-playbook terminates
+        # it: every host of the scenario lost its sshd seconds after create, now and then
         with open(self.root.parent / f"{self.name}.sshd.log", "ab") as log:
             subprocess.Popen(
                 ["ip", "netns", "exec", self.ns, "chroot", str(self.root), "/usr/sbin/sshd", "-D", "-e"],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
+                start_new_session=True,
             )
         end = time.monotonic() + 15
         while time.monotonic() < end:
