@@ -422,8 +422,8 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
         st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
         procs: list[subprocess.Popen[str]] = []
         try:
-            Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "e1", 3))
-            late, *on_time = sorted(st.instances(hall), key=lambda i: i.slot)
+            Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "e1", 4))
+            late, *on_time, untold = sorted(st.instances(hall), key=lambda i: i.slot)
 
             def noticed(names: list[str]) -> bool:
                 return all("notice.metadata_written" in kinds(st, i.id) for i in st.instances(hall) if i.name in names)
@@ -442,6 +442,11 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
 
             host_a_until_noticed([late.name], 4)
             host_a_until_noticed([i.name for i in on_time], 15)
+            # a third host A killed between recording T and sending anything: T in the fleet state, nobody told
+            # (set after A's runs: a run with the notice key would tell it with a whole window, as below)
+            st.transition(
+                untold.id, "notified", "reclaim.scheduled", reclaim_id="reclaim-untold", terminate_at=st.now() + 3
+            )
             t_late = st.instance(late.id).terminate_at
             t_on_time = min(st.instance(i.id).terminate_at for i in on_time)
             assert t_late is not None and st.now() < t_on_time  # B starts before the others' T...
@@ -463,8 +468,26 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
             lines = summary_lines({**_EMPTY_SUMMARY, "finished_reclaims": [
                 {"name": n, "late_s": f["late_s"], "state": f["state"]} for n, f in finished.items()]})  # fmt: skip
             assert any(late.name in x and "s after its T" in x for x in lines), lines
-            again = loop.run("reclaim", host_b, False)  # nothing left under way: nothing done
-            assert again == {"changed": False, "reclaimed": [], "finished": []}
+            # the untold one was never deleted: no notice was ever sent, and B has no key to send one
+            assert untold.name not in finished and [u["name"] for u in out["unnoticed"]] == [untold.name]
+            assert "never sent" in out["unnoticed"][0]["why"] and st.instance(untold.id).state == "notified"
+            assert cloud.compute.get_server(untold.server_id).status == "ACTIVE"
+            again = loop.run("reclaim", host_b, False)  # nothing else under way: nothing done, the untold one said
+            assert (again["changed"], again["finished"], [u["name"] for u in again["unnoticed"]]) == (
+                False, [], [untold.name]
+            )  # fmt: skip
+            # a run with the notice key tells the node, with a whole window of its own, then deletes at that T
+            key = subprocess.run([*host_a, "--finish", "--window", "4"], env=env, capture_output=True, text=True,
+                                 timeout=120)  # fmt: skip
+            assert key.returncode == 0, key.stdout + key.stderr
+            inst = st.instance(untold.id)
+            assert inst.state == "deleted" and inst.reclaim_id != "reclaim-untold"
+            k = kinds(st, untold.id)
+            assert k.count("reclaim.rescheduled") == 1 and k.count("notice.published") == 1, k
+            told = next(e for e in st.events(instance_id=untold.id) if e["kind"] == "notice.published")
+            sent = next(e for e in st.events(instance_id=untold.id) if e["kind"] == "instance.delete_requested")
+            assert sent["at"] >= told["detail"]["terminate_at"] >= told["at"] + 3.9  # its whole window
+            assert cloud.compute.find_server(untold.server_id, ignore_missing=True) is None
         finally:
             for p in procs:
                 if p.poll() is None:

@@ -68,13 +68,17 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
         print(f"{rc.instance.name}: notice {rc.notice['id']} {sent}, deleted at {rc.terminate_at:.3f}", flush=True)
 
     cloud = _cloud(args.os_cloud, args.call_timeout)
+    rc = 0
     for r in asyncio.run(reclaim(settings, cloud, on_notice=said)):
-        if r.get("finished"):  # noticed by an earlier run that stopped before T
+        if r.get("unnoticed"):  # its notice was never sent, and no key here to send it
+            print(f"{r['name']}: NOT deleted: {r['unnoticed']}")
+            rc = 9  # left under reclaim: not finished
+        elif r.get("finished"):  # noticed by an earlier run that stopped before T
             when = f"{r['late_s']:.1f} s after its T" if r["late_s"] > 1.0 else "at its T"
             print(f"{r['name']}: {r['state']}, finished (deleted {when}; agent: {r['agent'] or 'no account'})")
         elif settings.wait:
             print(f"{r['name']}: {r['state']} (agent: {r['agent'] or 'no account'})")
-    return 0
+    return rc
 
 
 def register(sub: Any) -> None:

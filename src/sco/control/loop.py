@@ -544,7 +544,11 @@ def step_reclaim(o: ReclaimOptions, check: bool, store: Any = None) -> dict[str,
             raise
         # another run holds the hall (a reclaim under way on the other control host): it finishes them
         return {**result, "changed": False, "busy": str(e)}
-    result["reclaimed"] = [r for r in done if not r.get("finished")]
+    result["reclaimed"] = [r for r in done if not r.get("finished") and not r.get("unnoticed")]
     result["finished"] = [r for r in done if r.get("finished")]
-    result["changed"] = bool(done)
+    # never noticed (their run stopped between recording T and sending) and no key here: left, loudly
+    result["unnoticed"] = [{"name": r["name"], "why": r["unnoticed"]} for r in done if r.get("unnoticed")]
+    if result["unnoticed"]:
+        result["warnings"] = [f"{u['name']}: {u['why']}" for u in result["unnoticed"]]
+    result["changed"] = bool(result["reclaimed"] or result["finished"])
     return result

@@ -66,6 +66,7 @@ def summarise(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             {"name": f["name"], "late_s": f.get("late_s", 0), "state": f.get("state")} for f in fin.get("finished", [])
         ],
         "reclaim_busy": fin.get("busy"),
+        "unnoticed_reclaims": [f"{u['name']}: {u['why']}" for u in fin.get("unnoticed", [])],
         "demand_units": demand.get("units", {}),
         "uncontracted": demand.get("uncontracted", 0),
         "plan_digest": plan.get("digest", ""),
@@ -99,6 +100,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     for f in s.get("finished_reclaims", []):
         late = f"{f['late_s']:.1f} s after its T" if f["late_s"] > 1.0 else "at its T"
         lines.append(f"finished the reclaim of {f['name']}: deleted {late} ({f['state']})")
+    lines += [f"NOT finished the reclaim of {u}" for u in s.get("unnoticed_reclaims", [])]
     rec = s.get("reconcile") or {}
     if rec.get("drift"):
         lines.append(

@@ -64,7 +64,8 @@ async def reclaim(
     """Notice ``s.nodes`` (instances already under reclaim keep their T), then delete every instance of the hall
     under reclaim at its T until Nova confirms it gone (also those an earlier run noticed and did not finish: at
     their recorded T, or at once when it has passed). Returns one dict per noticed instance, then one per
-    finished one (``finished``, with ``late_s``: how long after its T its delete went out); raises
+    finished one (``finished``, with ``late_s``: how long after its T its delete went out), then one per instance
+    left because its notice was never sent and this run has no key to send it (``unnoticed``: why); raises
     ReclaimIncomplete (exit 9) naming every instance not confirmed gone and the cloud's last word on it."""
     import asyncio
 
@@ -105,6 +106,9 @@ async def reclaim(
                     "deleted_at": f["deleted_at"], "late_s": f["late_s"],
                 }
                 for iid, f in r.finished.items()
+            ] + [
+                {"name": st.instance(iid).name, "state": st.instance(iid).state, "unnoticed": why}
+                for iid, why in r.unnoticed.items()
             ]  # fmt: skip
             if r.unconfirmed:
                 names = {i.id: i.name for i in st.instances(s.hall, states=None)}

@@ -53,6 +53,9 @@ _FOLD: dict[str, tuple[str | None, tuple[str, ...]]] = {
     **{t: ("draining", ("notified",)) for t in _DRAINING},
 }
 _RECORDED_PREFIXES = ("notice.", "node.", "drain.", "scheduler.", "job.")
+# A notice was tried on a channel (sent or not): the node may know its T. None of these for the reclaim it is
+# under: the run that recorded T stopped before it told anyone.
+_NOTICE_TRIES = ("notice.published", "notice.publish_failed", "notice.metadata_written", "notice.metadata_failed")
 
 
 # Below this no drain is possible whatever the contracts say: the agent grants at least 1 s of grace and reports
@@ -210,6 +213,10 @@ class Reclaimer:
         # instance id -> what this run deleted of the reclaims another run noticed (a control host that stopped
         # before T): its T, when the delete went out, how late, what the agent had said
         self.finished: dict[int, dict[str, Any]] = {}
+        # instance id -> why it is not deleted: under reclaim by a run that stopped before it sent the notice, and
+        # this run has no notice key to send one (deleting it at T would take the node's work without warning)
+        self.unnoticed: dict[int, str] = {}
+        self._told: set[int] = set()  # instances whose notice was tried (looked up once a run)
         self._calls = asyncio.Semaphore(nova_concurrency)
 
     async def _connect(self) -> Any:
@@ -222,16 +229,18 @@ class Reclaimer:
             async def said(e: Exception) -> None:  # nats-py's default prints a traceback per attempt
                 log.debug("relay %s: %s", strip_userinfo(self.nats_url), strip_userinfo_in_text(str(e)))
 
-            # nats-py retries a refused first connection whatever its options say: bound the first one.
+            # nats-py retries a refused first connection whatever its options say: bound the first one. Each relay
+            # that drops packets costs its 2 s connect_timeout, so the bound grows with the cluster (three silent
+            # relays before a live one took 6 s, past a fixed 5 s), capped so a dead relay list fails in time.
+            servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
             try:
                 self.nc = await asyncio.wait_for(
                     nats.connect(
-                        # every relay of the hall's cluster (comma-separated): nats-py fails over between them
-                        [u.strip() for u in self.nats_url.split(",") if u.strip()],
+                        servers,  # every relay of the hall's cluster: nats-py fails over between them
                         connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True,
                         error_cb=said, **self.nats_auth,
                     ),
-                    5,
+                    min(15.0, 3.0 + 2.0 * len(servers)),
                 )  # fmt: skip
             except BaseException:
                 self._relay_down_until = time.monotonic() + 30
@@ -279,6 +288,10 @@ class Reclaimer:
             raise ConfigError("no notice key: the hall's agents refuse unsigned notices (hall policy noticeKeys)")
         targets = self._targets(hall, nodes)
         out = [self._schedule(hall, inst, (gone_by or {}).get(inst.name)) for inst in targets]
+        await self._send(hall, out)
+        return out
+
+    async def _send(self, hall: str, out: list[Reclaim]) -> None:
         try:
             nc = await self._connect()
         except Exception as e:  # the relay is down: the metadata channel still carries every notice
@@ -293,7 +306,55 @@ class Reclaimer:
                     error=f"relay {strip_userinfo(self.nats_url)} unreachable",
                 )  # fmt: skip
         await asyncio.gather(*(self._write_metadata(hall, r) for r in out))
-        return out
+
+    def _never_told(self, inst: Instance) -> bool:
+        """Under reclaim by an earlier run that recorded its T and stopped before it tried either channel (a
+        control host that died between the two): the node does not know it is being reclaimed."""
+        if inst.id in self.unnoticed:
+            return True
+        if inst.id in self.reclaims or inst.id in self._told or inst.state != "notified":
+            return False  # noticed by this run, or the agent has answered (draining, drained, overrun)
+        tried = any(
+            e["kind"] in _NOTICE_TRIES and (e["detail"] or {}).get("notice") == inst.reclaim_id
+            for e in self.state.events(instance_id=inst.id)
+        )
+        if tried:
+            self._told.add(inst.id)
+        return not tried
+
+    async def _tell_or_hold(self, hall: str, due: list[Instance]) -> list[Instance]:
+        """The instances of ``due`` whose notice was never sent are noticed now, with a whole window (their
+        recorded T was never told to anyone), or, without a notice key, held back from the delete and said.
+        Returns the ones this run may delete at their T."""
+        untold = [i for i in due if self._never_told(i)]
+        if not untold:
+            return [i for i in due if i.id not in self.unnoticed]
+        if not self.signing_keys:
+            for inst in untold:
+                if inst.id not in self.unnoticed:
+                    why = (
+                        f"its notice {inst.reclaim_id} was never sent (the run that recorded its T stopped first) and"
+                        " this run has no notice key: not deleted; run `sco reclaim --finish` with the notice key"
+                    )
+                    self.unnoticed[inst.id] = why
+                    self.state.event(hall, "notice.never_sent", instance_id=inst.id, pool=inst.pool, error=why)
+                    log.warning("%s: %s", inst.name, why)
+            return [i for i in due if i.id not in self.unnoticed]
+        out = []
+        for inst in untold:
+            started = self.clock()
+            nid, t = f"reclaim-{uuid.uuid4().hex[:16]}", started + self.window_s
+            self.state.transition(
+                inst.id, "notified", "reclaim.rescheduled", only_from=("notified",), reclaim_id=nid, terminate_at=t,
+                window_s=round(self.window_s, 3), replaces=inst.reclaim_id,
+                because="its notice was never sent (the run that recorded its T stopped first)",
+            )  # fmt: skip
+            r = Reclaim(self.state.instance(inst.id), notice_document(nid, hall, inst.name, t, started), t, started)
+            self.reclaims[inst.id] = r
+            out.append(r)
+            self.unnoticed.pop(inst.id, None)
+        await self._send(hall, out)
+        return self.state.due(hall)
 
     def _schedule(self, hall: str, inst: Instance, by: tuple[float, str] | None = None) -> Reclaim:
         started = self.clock()
@@ -463,7 +524,10 @@ class Reclaimer:
                 last_t = max((i.terminate_at or now for i in due), default=now)
                 # every run makes at least one attempt at what is due, however late it starts
                 if passes and ((stop is not None and stop.is_set()) or now > max(started, last_t) + self.retry_for_s):
-                    self._leave(hall, due, now)
+                    self._leave(hall, [i for i in due if i.id not in self.unnoticed], now)
+                    return
+                due = await self._tell_or_hold(hall, due)
+                if not due:  # only instances it may not delete are left (said in unnoticed)
                     return
                 await self._pass(hall, due, now)
                 passes += 1

@@ -86,6 +86,9 @@ options:
       - Also finish the hall's reclaims under way that no run is finishing - instances an earlier run noticed
         whose run stopped before their T (its control host died); each is deleted at its recorded T, or at once
         when T has passed, and returned in RV(finished) with how late.
+      - An instance whose notice was never sent (its run stopped between recording T and telling the node) is
+        noticed now with a whole O(window) when O(notice_keys) are given, and otherwise left under reclaim and
+        returned in RV(unnoticed); it is never deleted without a notice.
       - Needs neither O(nats_url) nor O(notice_keys) when no node is named. While another run holds the hall's
         lock (a reclaim under way elsewhere, which finishes them itself), the task changes nothing and returns
         RV(busy).
@@ -140,6 +143,15 @@ would_finish:
   returned: success
   type: list
   elements: str
+unnoticed:
+  description:
+    - With O(finish), instances under reclaim whose notice was never sent (the run that recorded their T stopped
+      before telling anyone) and that this run did not delete because it has no O(notice_keys) to send one - name
+      and why. They stay under reclaim; a run with the notice key notices them with a whole window, then deletes.
+      Each is also a warning.
+  returned: success
+  type: list
+  elements: dict
 busy:
   description: With O(finish) and no node named, why nothing was done - another run holds the hall's lock.
   returned: when another run holds the hall
