@@ -419,3 +419,53 @@ def test_agents_and_the_control_loop_are_given_every_relay(tmp_path: Path) -> No
     urls = "nats://10.0.0.1:4222,nats://r2:4333,nats://r3:4222"
     assert given(relays3, "three") == {"agent": urls, "control": urls}
     assert given({}, "none") == {"agent": "nats://127.0.0.1:4222", "control": ""}
+
+
+def test_the_stream_tool_gives_up_at_its_wait_when_no_relay_listens(tmp_path: Path) -> None:
+    """nats-py retries a refused first connection whatever its options say: the tool ran on (a traceback every 2 s)
+    until something killed it (review of issue 21). --wait now bounds it: one line, non-zero."""
+    import nkeys
+
+    seed = tmp_path / "relay-admin.nk"
+    seed.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER) + b"\n")
+    argv = [sys.executable, str(ROLE / "files/sco-nats-stream.py"), "--server", f"nats://127.0.0.1:{free_port()}",
+            "--nkey-seed", str(seed), "--hall", "local", "--wait", "2"]  # fmt: skip
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60)  # a hang meets this timeout
+    assert p.returncode != 0 and p.stdout == ""
+    assert p.stderr.strip().startswith("sco-nats-stream: cannot reach nats://127.0.0.1:") and "in 2 s" in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_the_reclaimer_reaches_a_live_relay_behind_several_silent_ones(tmp_path: Path) -> None:
+    """Each relay that accepts and never answers (or drops packets) costs nats-py its 2 s connect_timeout, in an
+    order of its own choosing: with a fixed 5 s bound on the first connect, three silent relays before the live one
+    left the notices to the metadata alone (review of issue 21: 2 of 8). The bound now grows with the relay list."""
+    import socket
+
+    from sco.contract.signing import generate
+    from sco.provider.reclaimer import Reclaimer
+    from tests.harness import NatsServer
+
+    silent = []
+    for _ in range(4):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        silent.append(s)
+    live = NatsServer(tmp_path / "nats").start()
+    try:
+        urls = ",".join([*(f"nats://127.0.0.1:{s.getsockname()[1]}" for s in silent), live.url])
+        for _ in range(2):  # nats-py shuffles the list: twice, so the live one is rarely first both times
+
+            async def connect() -> bool:
+                r: Any = Reclaimer(None, None, urls, signing_keys=[generate()])  # type: ignore[arg-type]
+                try:
+                    return bool((await r._connect()).is_connected)
+                finally:
+                    await r.close()
+
+            assert asyncio.run(connect())
+    finally:
+        live.stop()
+        for s in silent:
+            s.close()

@@ -87,12 +87,21 @@ async def ensure(args: argparse.Namespace) -> list[tuple[str, str]]:
     nc = None
     loop = asyncio.get_running_loop()
     end = loop.time() + args.wait
+
+    async def quiet(e: Exception) -> None:  # nats-py's default prints a traceback per refused attempt
+        pass
+
     while nc is None:
         try:
-            nc = await nats.connect(args.server, connect_timeout=2, max_reconnect_attempts=0, **auth)
+            # nats-py retries a refused first connection whatever max_reconnect_attempts says: --wait bounds it
+            nc = await asyncio.wait_for(
+                nats.connect(args.server, connect_timeout=2, max_reconnect_attempts=0, error_cb=quiet, **auth),
+                max(0.5, end - loop.time()),
+            )
         except Exception as e:  # the server may still be starting
             if loop.time() > end:
-                raise SystemExit(f"sco-nats-stream: cannot reach {args.server}: {e}") from None
+                why = str(e) or type(e).__name__
+                raise SystemExit(f"sco-nats-stream: cannot reach {args.server} in {args.wait:g} s: {why}") from None
             await asyncio.sleep(0.3)
     try:
         js = nc.jetstream(timeout=5)
