@@ -80,6 +80,11 @@ def test_a_dsn_whose_ports_do_not_match_its_hosts_is_a_configuration_error() -> 
     with pytest.raises(ConfigError, match=r"--dsn: 2 port values for 3 hosts"):
         check_dsn("host=a,b,c port=1,2 dbname=x", "--dsn")
     check_dsn("host=a,b,c port=5432 dbname=x")  # one port for all
+    # libpq takes one hostaddr per host, never one for all (it failed at connect, exit 11, with its own words)
+    with pytest.raises(ConfigError, match=r"1 hostaddr values for 2 hosts: give one hostaddr for every host"):
+        check_dsn("host=a,b hostaddr=127.0.0.1 dbname=x")
+    check_dsn("host=a hostaddr=127.0.0.1 dbname=x")
+    check_dsn("host=a,b hostaddr=127.0.0.1,127.0.0.2 port=5432 dbname=x")
     check_dsn("host=a,b,c port=1,2,3 dbname=x")
     p = sco("db", "migrate", "--dsn", "host=a,b,c port=1,2 dbname=x password=hunter22")
     one_line_error(p, 5, "--dsn", "port values for 3 hosts")

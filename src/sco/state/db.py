@@ -62,10 +62,12 @@ def check_dsn(dsn: str, where: str = "fleet-state DSN") -> None:
     hosts = _listed(parts.get("host")) or _listed(parts.get("hostaddr"))
     for key in ("port", "hostaddr"):
         given = _listed(parts.get(key))
-        if len(given) > 1 and len(given) != len(hosts):
+        # a single port serves every host; libpq takes no such shortcut for hostaddr: one per host, always
+        if given and len(given) != len(hosts) and (key == "hostaddr" or len(given) > 1):
+            alone = " or a single port for all" if key == "port" else ""
             raise ConfigError(
                 f"{where}: {len(given)} {key} values for {len(hosts)} hosts: give one {key} for every host"
-                f" (in the same order) or a single {key} for all"
+                f" (in the same order){alone}"
             )
 
 
