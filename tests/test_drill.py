@@ -354,6 +354,8 @@ def _instances(st: Any, hall: str, names: list[str], *, window: float) -> list[A
         inst = st.request(hall, "spot", "e", slot, name)
         st.transition(inst.id, "active", "instance.active", server_id=f"srv-{name}")
         st.transition(inst.id, "notified", "reclaim.scheduled", reclaim_id=f"r-{name}", terminate_at=st.now() + window)
+        # its notice went out (a reclaim whose notice was never tried is told again first, not deleted at T)
+        st.event(hall, "notice.published", instance_id=inst.id, pool="spot", notice=f"r-{name}")
         out.append(st.instance(inst.id))
     return out
 
