@@ -42,9 +42,9 @@ def _under_reclaim(st: FleetState, hall: str, names: list[str], *, window: float
     return out
 
 
-def _active(st: FleetState, hall: str, name: str, server_id: str) -> Any:
+def _active(st: FleetState, hall: str, name: str, server_id: str, slot: int = 0) -> Any:
     st.ensure_pool(Pool(hall, "spot", flavor="f", image="i"))
-    inst = st.request(hall, "spot", "e", 0, name)
+    inst = st.request(hall, "spot", "e", slot, name)
     st.transition(inst.id, "active", "instance.active", server_id=server_id)
     return st.instance(inst.id)
 
@@ -228,7 +228,10 @@ def test_the_hall_lock_does_not_outlive_a_hung_or_killed_run(fleet_dsn: str) -> 
 # --- defect 15: PostgreSQL restarted mid-run --------------------------------------------------------------------
 
 
-def test_postgresql_restarted_mid_reclaim_exits_11_without_a_traceback(tmp_path: Path) -> None:
+def test_postgresql_restarted_mid_reclaim_is_connected_again_and_a_lasting_loss_exits_11(tmp_path: Path) -> None:
+    """The fleet state restarts while a run waits for T (what a Patroni failover is to the run): the run connects
+    again, takes the hall's lock again and goes on to its deletes. One that stays away past --reconnect-for ends
+    the run with exit 11 and no traceback, T kept for the next run."""
     from sco.state.db import connect, migrate
     from sco.state.embedded import EmbeddedPostgres
 
@@ -240,23 +243,45 @@ def test_postgresql_restarted_mid_reclaim_exits_11_without_a_traceback(tmp_path:
             migrate(c)
         with FleetState(dsn) as st:
             _active(st, "pgr", "pgr-0", "srv-pgr")
+            _active(st, "pgr", "pgr-1", "srv-pgr1", slot=1)
         # OpenStack refused at once (nobody listens): the run waits for T, talking to the fleet state
         env = _env(tmp_path, dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
-        proc = subprocess.Popen(
-            [*SCO, "reclaim", "--hall", "pgr", "--os-cloud", "c", "--window", "8", "pgr-0"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "pgr-0: notice reclaim-" in line, line + (proc.stderr.read() if proc.stderr else "")
+
+        def run(node: str, *more: str) -> subprocess.Popen[str]:
+            proc = subprocess.Popen(
+                [*SCO, "reclaim", "--hall", "pgr", "--os-cloud", "c", "--window", "8", "--retry-for", "1", *more,
+                 node],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert f"{node}: notice reclaim-" in line, line + (proc.stderr.read() if proc.stderr else "")
+            return proc
+
+        proc = run("pgr-0")
         pg.stop()
         pg.start()
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=90)
+        # it went on to its delete at T: refused by the absent cloud, so not confirmed (9), not a lost session (11)
+        assert proc.returncode == 9, out + err
+        assert "connected again, lock taken" in err and "Traceback" not in err, err
+        with FleetState(dsn) as st:  # its delete at T was tried (after the restart) and refused by the cloud
+            (inst,) = st.instances("pgr", names=["pgr-0"])
+            failed = [e for e in st.events(instance_id=inst.id) if e["kind"] == "delete.failed"]
+            assert failed and inst.state == "notified", st.events(instance_id=inst.id)
+            assert all(e["at"] >= inst.terminate_at for e in failed)
+
+        proc = run("pgr-1", "--reconnect-for", "3")
+        pg.stop()
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            pg.start()
         assert proc.returncode == 11, out + err
         assert "Traceback" not in err
-        assert "the fleet state went away mid-reclaim" in err and "run again" in err
+        assert "the fleet state went away mid-reclaim" in err and "run again" in err and "for 3 s" in err, err
         with FleetState(dsn) as st:  # T was recorded first: the next run still deletes at T
-            (inst,) = st.instances("pgr")
+            (inst,) = st.instances("pgr", names=["pgr-1"])
             assert inst.state == "notified" and inst.terminate_at is not None
     finally:
         pg.destroy()

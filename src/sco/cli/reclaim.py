@@ -57,6 +57,7 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
         signing_keys=[load_private(Path(k)) for k in key_files], dsn=dsn_from_env(args.dsn),
         nats_auth=_nats_auth(args), lock_wait_s=args.lock_wait, wait=not args.no_wait, floor=floor,
         retry_for_s=args.retry_for, call_timeout_s=args.call_timeout, before_leases=args.before_leases,
+        reconnect_for_s=args.reconnect_for,
     )  # fmt: skip
     if not settings.nodes and not settings.before_leases and not args.finish:
         raise ConfigError("name the instances (NODE...) to reclaim, or give --before-leases or --finish")
@@ -101,6 +102,10 @@ def register(sub: Any) -> None:
         help="the hall's notice signing key (repeatable) [$SCO_NOTICE_KEY]",
     )
     x.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another writer of the hall")
+    x.add_argument(
+        "--reconnect-for", type=float, default=90.0, metavar="S",
+        help="a fleet state lost mid-run (a Patroni failover): connect again and retake the hall's lock for this long",
+    )  # fmt: skip
     x.add_argument("--no-wait", action="store_true", help="send the notices and return (a later run deletes)")
     x.add_argument(
         "--finish", action="store_true",

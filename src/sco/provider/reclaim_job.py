@@ -6,15 +6,21 @@ Kept out of the CLI and the module so both say and do the same thing.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sco.contract.signing import PrivateKey
 from sco.errors import ConfigError, Problem
-from sco.provider.reclaimer import DrainFloor, Reclaimer, ReclaimIncomplete
-from sco.state.db import hall_lock
+from sco.provider.reclaimer import Backoff, DrainFloor, Reclaimer, ReclaimIncomplete
+from sco.state.db import HallBusy, SessionLost, StateError, hall_lock
 from sco.state.fleet import FleetState
+
+log = logging.getLogger("sco.reclaimer")
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,9 @@ class ReclaimSettings:
     lease_lookahead_s: float = 60.0
     """How often the runs that look come (the control loop's period): a lease is seen at least a window early."""
     lease_margin_s: float = 10.0
+    reconnect_for_s: float = 90.0
+    """A fleet state that goes away mid-run (a Patroni failover, a PostgreSQL restart) is connected to again, and the
+    hall's lock taken again, for this long before the run gives up (Patroni's default ttl is 30 s)."""
 
     def __post_init__(self) -> None:
         import math
@@ -51,6 +60,7 @@ class ReclaimSettings:
                 ("retry_for", self.retry_for_s, 0 <= self.retry_for_s <= 86400, "0 to 86400 seconds"),
                 ("call_timeout", self.call_timeout_s, 0 < self.call_timeout_s <= 600, "more than 0 and at most 600 s"),
                 ("lock_wait", self.lock_wait_s, 0 <= self.lock_wait_s <= 3600, "0 to 3600 seconds"),
+                ("reconnect_for", self.reconnect_for_s, 0 <= self.reconnect_for_s <= 3600, "0 to 3600 seconds"),
             )
             if not (math.isfinite(v) and ok)
         ]
@@ -69,10 +79,9 @@ async def reclaim(
     ReclaimIncomplete (exit 9) naming every instance not confirmed gone and the cloud's last word on it."""
     import asyncio
 
-    with (
-        FleetState(s.dsn, application="sco reclaim") as st,
-        hall_lock(st.conn, s.hall, wait_s=s.lock_wait_s, idle_timeout_s=s.lock_idle_s),
-    ):
+    with contextlib.ExitStack() as held:
+        st = held.enter_context(FleetState(s.dsn, application="sco reclaim"))
+        held.enter_context(hall_lock(st.conn, s.hall, wait_s=s.lock_wait_s, idle_timeout_s=s.lock_idle_s))
         r = Reclaimer(
             cloud, st, s.nats_url, window_s=s.window_s, signing_keys=s.signing_keys, nats_auth=s.nats_auth,
             retry_for_s=s.retry_for_s, call_timeout_s=s.call_timeout_s, floor=s.floor,
@@ -86,8 +95,12 @@ async def reclaim(
             for rc in done:
                 if on_notice is not None:
                     on_notice(rc)
-            if s.wait:  # also finishes the reclaims earlier runs noticed (a control host that stopped before T)
-                await r.run(s.hall, follow_events=bool(s.nats_url))
+            while s.wait:  # also finishes the reclaims earlier runs noticed (a control host that stopped before T)
+                try:
+                    await r.run(s.hall, follow_events=bool(s.nats_url))
+                    break
+                except SessionLost as lost:  # the lock went with the session: take both again, then go on
+                    st = r.state = await _take_back(s, held, lost)
             out = [
                 {
                     "name": rc.instance.name,
@@ -124,6 +137,34 @@ async def reclaim(
             return out
         finally:
             await r.close()
+
+
+async def _take_back(s: ReclaimSettings, held: contextlib.ExitStack, lost: SessionLost) -> FleetState:
+    """A new session and the hall's lock again after ``lost`` (the multi-host DSN finds the new primary), trying
+    with capped backoff and jitter for up to ``s.reconnect_for_s``. The instances under reclaim keep their recorded
+    T, so the run goes on where it was. HallBusy if another writer took the hall meanwhile (it finishes them);
+    ``lost`` itself, with the last error, when no writable fleet state came back in time."""
+    import asyncio
+
+    import psycopg
+
+    held.close()  # the dead session (its lock is gone with it: nothing to unlock)
+    end, backoff, last = time.monotonic() + s.reconnect_for_s, Backoff(base_s=0.5, cap_s=5.0), ""
+    while True:
+        try:
+            st = held.enter_context(FleetState(s.dsn, application="sco reclaim"))
+            held.enter_context(hall_lock(st.conn, s.hall, wait_s=0, idle_timeout_s=s.lock_idle_s))
+            log.warning("hall %s: the fleet state's session was lost mid-reclaim; connected again, lock taken", s.hall)
+            return st
+        except HallBusy:
+            raise
+        except (StateError, psycopg.Error) as e:  # not reachable yet, a standby still, or gone again
+            held.close()
+            last = str(e)
+        now = time.monotonic()
+        if now >= end:
+            raise SessionLost(f"{lost} (no writable fleet state for {s.reconnect_for_s:g} s after: {last[:300]})")
+        await asyncio.sleep(min(end - now, backoff.failed(0.0, random.random)))
 
 
 async def _before_leases(s: ReclaimSettings, cloud: Any, st: FleetState, now: float) -> dict[str, tuple[float, str]]:

@@ -35,7 +35,7 @@ from sco._redact import strip_userinfo, strip_userinfo_in_text
 from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey
 from sco.errors import ConfigError, Problem, ScoError
-from sco.state.db import StateError
+from sco.state.db import SessionLost
 from sco.state.fleet import RECLAIMING, FleetState, Instance
 
 log = logging.getLogger("sco.reclaimer")
@@ -504,7 +504,7 @@ class Reclaimer:
         ``stop`` is set, or retry_for_s past the later of this run's start and the last T; what is then not
         confirmed gone is in ``unconfirmed`` (with the cloud's last word) and stays under reclaim for the next run.
 
-        A fleet state that goes away mid-run (PostgreSQL restarted, the session ended) raises StateError."""
+        A fleet state that goes away mid-run (PostgreSQL restarted, the session ended) raises SessionLost."""
         import psycopg
 
         sub = None
@@ -536,7 +536,7 @@ class Reclaimer:
                 wait = min([self.gone_poll_s, *(u for u in (*upcoming, *retries) if u > 0)])
                 await asyncio.sleep(max(0.01, wait))
         except psycopg.Error as e:
-            raise StateError(
+            raise SessionLost(
                 f"hall {hall}: the fleet state went away mid-reclaim (the hall's lock with it):"
                 f" {' '.join(str(e).split())[:300]}; instances under reclaim keep their T: run again"
             ) from None

@@ -39,6 +39,11 @@ class HallBusy(StateError):
     exit_code = 8
 
 
+class SessionLost(StateError):
+    """The fleet state's session ended mid-run (PostgreSQL restarted, a Patroni failover, the session ended for its
+    silence): the hall's lock went with it."""
+
+
 def dsn_from_env(dsn: str | None) -> str:
     value = dsn or os.environ.get("SCO_DB_DSN")
     if not value:
