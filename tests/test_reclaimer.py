@@ -287,6 +287,83 @@ def test_postgresql_restarted_mid_reclaim_is_connected_again_and_a_lasting_loss_
         pg.destroy()
 
 
+def test_a_write_the_fleet_state_refuses_ends_the_run_with_its_reason_not_a_reconnect_loop(tmp_path: Path) -> None:
+    """A refusal by a live server (here a trigger standing for a full disk or a permission) is not a lost session:
+    the run ends with exit 11 naming it, at once, instead of connecting again for ever (it did: 877 reconnects a
+    minute in review)."""
+    from sco.state.db import connect, migrate
+    from sco.state.embedded import EmbeddedPostgres
+
+    pg = EmbeddedPostgres().start()
+    try:
+        pg.create_database("fleet")
+        dsn = pg.dsn("fleet")
+        with connect(dsn) as c:
+            migrate(c)
+            c.execute(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.kind = 'delete.pending'"
+                " THEN RAISE EXCEPTION 'refused: stands for a full disk'; END IF; RETURN NEW; END $$"
+            )
+            c.execute("CREATE TRIGGER refuse BEFORE INSERT ON lifecycle_event FOR EACH ROW EXECUTE FUNCTION refuse()")
+        with FleetState(dsn) as st:
+            _active(st, "ref", "ref-0", "srv-ref")
+        env = _env(tmp_path, dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
+        out = subprocess.run(
+            [*SCO, "reclaim", "--hall", "ref", "--os-cloud", "c", "--window", "3", "--retry-for", "2", "ref-0"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 11, out.stdout + out.stderr
+        assert "refused the reclaim's write: refused: stands for a full disk" in out.stderr, out.stderr
+        assert "connected again" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    finally:
+        pg.destroy()
+
+
+def test_a_fleet_state_lost_while_noticing_is_connected_again_and_the_untold_node_told_with_a_whole_window(
+    tmp_path: Path,
+) -> None:
+    """PostgreSQL restarts while the run is noticing (T recorded, the dead relay being tried): the run connects
+    again, and the node, whose notice no channel was tried for, is told with a whole window of its own before its
+    delete (it was a traceback and exit 1, the node never told)."""
+    from sco.state.db import connect, migrate
+    from sco.state.embedded import EmbeddedPostgres
+
+    pg = EmbeddedPostgres().start()
+    try:
+        pg.create_database("fleet")
+        dsn = pg.dsn("fleet")
+        with connect(dsn) as c:
+            migrate(c)
+        with FleetState(dsn) as st:
+            inst = _active(st, "lost", "lost-0", "srv-lost")
+        env = _env(tmp_path, dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
+        proc = subprocess.Popen(
+            [*SCO, "reclaim", "--hall", "lost", "--os-cloud", "c", "--window", "3", "--retry-for", "2", "lost-0"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+        def scheduled() -> bool:
+            with FleetState(dsn) as st:
+                return st.instance(inst.id).state == "notified"
+
+        wait_for(scheduled, 30, "T recorded")  # the dead relay takes seconds before anything else is recorded
+        pg.stop()
+        pg.start()
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 9, out + err  # the delete went out at T and the absent cloud refused it
+        assert "Traceback" not in err and "connected again, lock taken" in err, err
+        with FleetState(dsn) as st:
+            evs = st.events(instance_id=inst.id)
+            k = [e["kind"] for e in evs]
+            assert k.count("reclaim.scheduled") == 1 and k.count("reclaim.rescheduled") == 1, k
+            told = next(e for e in evs if e["kind"] == "reclaim.rescheduled")
+            assert "notice.publish_failed" in k and "notice.metadata_failed" in k, k  # both channels tried
+            first = next(e for e in evs if e["kind"] == "delete.failed")
+            assert first["at"] >= told["detail"]["window_s"] + told["at"] - 0.5, (told, first)  # a whole window
+    finally:
+        pg.destroy()
+
+
 # --- defect 14 and 13 against the real OpenStack ---------------------------------------------------------------
 
 

@@ -16,11 +16,14 @@ from typing import Any
 
 from sco.contract.signing import PrivateKey
 from sco.errors import ConfigError, Problem
-from sco.provider.reclaimer import Backoff, DrainFloor, Reclaimer, ReclaimIncomplete
+from sco.provider.reclaimer import Backoff, DrainFloor, Reclaimer, ReclaimIncomplete, db_failure
 from sco.state.db import HallBusy, SessionLost, StateError, hall_lock
 from sco.state.fleet import FleetState
 
 log = logging.getLogger("sco.reclaimer")
+
+# A run whose session keeps going (more failovers than a hall has in a day) stops and says so.
+MAX_SESSION_LOSSES = 5
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ async def reclaim(
     ReclaimIncomplete (exit 9) naming every instance not confirmed gone and the cloud's last word on it."""
     import asyncio
 
+    import psycopg
+
     with contextlib.ExitStack() as held:
         st = held.enter_context(FleetState(s.dsn, application="sco reclaim"))
         held.enter_context(hall_lock(st.conn, s.hall, wait_s=s.lock_wait_s, idle_timeout_s=s.lock_idle_s))
@@ -86,12 +91,23 @@ async def reclaim(
             cloud, st, s.nats_url, window_s=s.window_s, signing_keys=s.signing_keys, nats_auth=s.nats_auth,
             retry_for_s=s.retry_for_s, call_timeout_s=s.call_timeout_s, floor=s.floor,
         )  # fmt: skip
+        losses = 0
         try:
             nodes, gone_by = list(s.nodes), {}
             if s.before_leases:
                 gone_by = await asyncio.wait_for(_before_leases(s, cloud, st, st.now()), 4 * s.call_timeout_s)
                 nodes += [n for n in gone_by if n not in nodes]
-            done = await r.notify(s.hall, nodes, gone_by=gone_by) if nodes else []
+            try:
+                done = await r.notify(s.hall, nodes, gone_by=gone_by) if nodes else []
+            except psycopg.Error as e:
+                lost = db_failure(st, s.hall, e)
+                if not isinstance(lost, SessionLost) or not s.wait:
+                    raise lost from None
+                # T is recorded before anything is sent: the run below tells whoever this one had not told yet,
+                # each with a whole window (this run has the notice key)
+                st = r.state = await _take_back(s, held, lost)
+                losses, done = losses + 1, []
+                r.reclaims.clear()  # what was told is what the fleet state recorded as tried, nothing else
             for rc in done:
                 if on_notice is not None:
                     on_notice(rc)
@@ -100,7 +116,10 @@ async def reclaim(
                     await r.run(s.hall, follow_events=bool(s.nats_url))
                     break
                 except SessionLost as lost:  # the lock went with the session: take both again, then go on
+                    if losses >= MAX_SESSION_LOSSES:
+                        raise SessionLost(f"{lost} (lost {losses + 1} times in this run: giving up)") from None
                     st = r.state = await _take_back(s, held, lost)
+                    losses += 1
             out = [
                 {
                     "name": rc.instance.name,
@@ -135,6 +154,8 @@ async def reclaim(
                     problems,
                 )
             return out
+        except psycopg.Error as e:  # outside the notices and the deletes: said as what it is, never a traceback
+            raise db_failure(st, s.hall, e) from None
         finally:
             await r.close()
 
@@ -156,8 +177,11 @@ async def _take_back(s: ReclaimSettings, held: contextlib.ExitStack, lost: Sessi
             held.enter_context(hall_lock(st.conn, s.hall, wait_s=0, idle_timeout_s=s.lock_idle_s))
             log.warning("hall %s: the fleet state's session was lost mid-reclaim; connected again, lock taken", s.hall)
             return st
-        except HallBusy:
-            raise
+        except HallBusy as busy:
+            raise HallBusy(
+                f"{busy} (this run lost its session mid-reclaim and that writer took the hall meanwhile: it finishes"
+                " the instances under reclaim; nothing to run again)"
+            ) from None
         except (StateError, psycopg.Error) as e:  # not reachable yet, a standby still, or gone again
             held.close()
             last = str(e)

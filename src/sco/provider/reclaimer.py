@@ -35,10 +35,27 @@ from sco._redact import strip_userinfo, strip_userinfo_in_text
 from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey
 from sco.errors import ConfigError, Problem, ScoError
-from sco.state.db import SessionLost
+from sco.state.db import SessionLost, StateError
 from sco.state.fleet import RECLAIMING, FleetState, Instance
 
 log = logging.getLogger("sco.reclaimer")
+
+
+def db_failure(state: FleetState, hall: str, e: Exception) -> StateError:
+    """What a fleet-state error mid-reclaim is: SessionLost when the connection itself is gone (PostgreSQL
+    restarted, a failover: the run may connect again and go on), else a StateError naming the server's refusal (a
+    full disk, a permission, a timeout: connecting again would only meet it again)."""
+    why = " ".join(str(e).split())[:500]
+    if state.conn.closed or state.conn.broken:
+        return SessionLost(
+            f"hall {hall}: the fleet state went away mid-reclaim (the hall's lock with it): {why}; instances under"
+            " reclaim keep their T: run again"
+        )
+    return StateError(
+        f"hall {hall}: the fleet state refused the reclaim's write: {why}; instances under reclaim keep their T:"
+        " run again once it is fixed"
+    )
+
 
 NOTICE_SUBJECT = "sco.notice.{hall}.{node}"
 EVENTS_SUBJECT = "sco.events.{hall}.>"
@@ -536,10 +553,7 @@ class Reclaimer:
                 wait = min([self.gone_poll_s, *(u for u in (*upcoming, *retries) if u > 0)])
                 await asyncio.sleep(max(0.01, wait))
         except psycopg.Error as e:
-            raise SessionLost(
-                f"hall {hall}: the fleet state went away mid-reclaim (the hall's lock with it):"
-                f" {' '.join(str(e).split())[:300]}; instances under reclaim keep their T: run again"
-            ) from None
+            raise db_failure(self.state, hall, e) from None
         finally:
             if sub is not None:
                 # Events already in flight still land: give the subscription a moment to drain.
