@@ -469,3 +469,105 @@ def test_the_reclaimer_reaches_a_live_relay_behind_several_silent_ones(tmp_path:
         live.stop()
         for s in silent:
             s.close()
+
+
+def test_the_reclaimer_follows_the_agents_events_on_a_relay_cluster(tmp_path: Path) -> None:
+    """The reclaimer's durable consumer on the R3 event stream is made within run()'s 10 s bound, and an agent's
+    event reaches its fold, with the stream's leader as the first relay in its list and not."""
+    from sco.contract.signing import generate
+    from sco.provider.reclaimer import Reclaimer
+
+    rs = relays(tmp_path, 3)
+    peers = [f"127.0.0.1:{r.cluster}" for r in rs]
+    render(tmp_path, [r.item(peers) for r in rs], ["a"])
+    creds = rs[0].creds
+    try:
+        started(rs)
+        stream_tool(rs)
+        urls = ",".join(r.url for r in rs)
+
+        async def follow() -> tuple[float, list[tuple[str, str]]]:
+            folded: list[tuple[str, str]] = []
+            r = Reclaimer(None, None, urls, signing_keys=[generate()], nats_auth=as_user(creds, "reclaimer"))
+            r.fold = lambda hall, ev, subject: folded.append((subject, ev["type"]))  # type: ignore[method-assign]
+            t0 = time.monotonic()
+            sub = await asyncio.wait_for(r._follow_events("local"), 10)  # as run() bounds it
+            took = time.monotonic() - t0
+            nc = await nats.connect(rs[1].url, inbox_prefix="_INBOX.local.a", **as_user(creds, "node-a"))
+            await nc.jetstream(timeout=5).publish("sco.events.local.a", json.dumps({"type": "drain.started"}).encode())
+            await nc.close()
+            end = time.monotonic() + 10
+            while not folded and time.monotonic() < end:
+                await asyncio.sleep(0.1)
+            await sub.unsubscribe()
+            await r.close()
+            return took, folded
+
+        took, folded = asyncio.run(follow())
+        print(f"\nthe reclaimer's consumer on a 3-relay cluster made in {took:.2f} s")
+        assert folded == [("sco.events.local.a", "drain.started")], folded
+    finally:
+        for r in rs:
+            r.stop()
+
+
+def test_a_reclaim_that_cannot_follow_the_events_at_first_keeps_trying(tmp_path: Path, fleet_dsn: str) -> None:
+    """The relays are all down when the run starts (a stream failover under way is the same to it): the run goes on
+    with its deletes and keeps trying to follow SCO_EVENTS, so an agent's account that comes once the relays are
+    back still reaches the fleet state (it was lost for the whole run)."""
+    from sco.contract.signing import generate
+    from sco.provider.reclaimer import Reclaimer
+    from sco.state.fleet import FleetState, Pool
+
+    rs = relays(tmp_path, 3)
+    peers = [f"127.0.0.1:{r.cluster}" for r in rs]
+    render(tmp_path, [r.item(peers) for r in rs], ["a"])
+    creds = rs[0].creds
+    hall = "local"
+    try:
+        started(rs)
+        stream_tool(rs)
+        for r in rs:
+            r.stop()
+        with FleetState(fleet_dsn) as st:
+            st.ensure_pool(Pool(hall, "spot", flavor="f", image="i"))
+            inst = st.request(hall, "spot", "follow", 0, "a")
+            st.transition(inst.id, "active", "instance.active", server_id="srv-a")
+            st.transition(inst.id, "notified", "reclaim.scheduled", reclaim_id="reclaim-a", terminate_at=st.now() + 120)
+            st.event(hall, "notice.published", instance_id=inst.id, notice="reclaim-a")
+
+            async def scenario() -> None:
+                stop = asyncio.Event()
+                r = Reclaimer(None, st, ",".join(x.url for x in rs), signing_keys=[generate()],
+                              nats_auth=as_user(creds, "reclaimer"))  # fmt: skip
+                run = asyncio.create_task(r.run(hall, stop=stop))
+                await asyncio.sleep(12)  # the first subscription has given up (its bound is 10 s)
+                assert not run.done()
+                for x in rs:
+                    x.start()
+                nc = await nats.connect(rs[2].url, inbox_prefix="_INBOX.local.a", **as_user(creds, "node-a"))
+                ev = {"type": "drain.started", "node": "a", "notice": "reclaim-a", "at": time.time()}
+                js, end = nc.jetstream(timeout=5), time.monotonic() + 60
+                while True:  # as the agent does: until the restarted cluster's stream has a leader to ack it
+                    try:
+                        await js.publish("sco.events.local.a", json.dumps(ev).encode(), headers={"Nats-Msg-Id": "a-1"})
+                        break
+                    except Exception:
+                        assert time.monotonic() < end, "the restarted relays' stream never acknowledged"
+                        await asyncio.sleep(0.5)
+                await nc.close()
+                end = time.monotonic() + 40
+                while time.monotonic() < end and "agent.drain.started" not in [
+                    e["kind"] for e in st.events(instance_id=inst.id)
+                ]:
+                    await asyncio.sleep(0.3)
+                stop.set()
+                await asyncio.wait_for(run, 30)
+                await r.close()
+
+            asyncio.run(scenario())
+            kinds = [e["kind"] for e in st.events(instance_id=inst.id)]
+            assert "agent.drain.started" in kinds, kinds
+    finally:
+        for r in rs:
+            r.stop()

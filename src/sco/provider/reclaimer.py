@@ -513,6 +513,22 @@ class Reclaimer:
             manual_ack=True,
         )
 
+    async def _follow_later(self, hall: str) -> Any:
+        """The agents' events followed as soon as the relay lets the run subscribe: tried again with capped backoff
+        and jitter until it works (the run cancels it when it ends)."""
+        backoff = Backoff(1.0, 8.0)
+        while True:
+            await asyncio.sleep(backoff.failed(0.0, self.rand))
+            try:
+                sub = await asyncio.wait_for(self._follow_events(hall), 10)
+            except Exception as e:
+                log.debug("agent events still unavailable (%s)", _cloud_message(e))
+                continue
+            log.warning(
+                "agent events followed again (attempt %d): their accounts reach the fleet state", backoff.attempts + 1
+            )
+            return sub
+
     # --- delete at T -----------------------------------------------------------------------------------
 
     async def run(self, hall: str, *, follow_events: bool = True, stop: asyncio.Event | None = None) -> None:
@@ -525,6 +541,7 @@ class Reclaimer:
         import psycopg
 
         sub = None
+        retry: asyncio.Task[Any] | None = None
         self.unconfirmed = {}
         try:
             if follow_events:
@@ -532,6 +549,9 @@ class Reclaimer:
                     sub = await asyncio.wait_for(self._follow_events(hall), 10)
                 except Exception as e:
                     log.warning("agent events unavailable (%s): deleting on time regardless", _cloud_message(e))
+                    # a relay or the stream's leader lost for a moment (a failover under way): the agents' accounts
+                    # still belong in the fleet state, so the run keeps trying beside its deletes
+                    retry = asyncio.create_task(self._follow_later(hall))
             started, passes = self.clock(), 0
             while True:
                 now = self.clock()
@@ -555,6 +575,13 @@ class Reclaimer:
         except psycopg.Error as e:
             raise db_failure(self.state, hall, e) from None
         finally:
+            if retry is not None:
+                if retry.done() and not retry.cancelled() and retry.exception() is None:
+                    sub = retry.result()
+                else:
+                    retry.cancel()
+                    with contextlib.suppress(BaseException):
+                        await retry
             if sub is not None:
                 # Events already in flight still land: give the subscription a moment to drain.
                 with contextlib.suppress(Exception):
