@@ -39,6 +39,10 @@ class TestHost:
         shutil.copy(f"{self.key}.pub", ssh / "authorized_keys")
         (self.root / "etc" / "hostname").write_text(f"{self.name}\n")
         (self.root / "run" / "sshd").mkdir(parents=True, exist_ok=True)
+        # /dev/shm as a real machine has it (world-writable, sticky): POSIX semaphores (Python's multiprocessing
+        # locks, which Patroni takes when it fails over) are files there; the rootfs leaves a root-only directory
+        (self.root / "dev" / "shm").mkdir(parents=True, exist_ok=True)
+        (self.root / "dev" / "shm").chmod(0o1777)
         (self.root / "etc" / "ssh" / "sshd_config.d" / "sco-test.conf").write_text(
             "ListenAddress 127.0.0.1\nPermitRootLogin prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
         )
