@@ -228,140 +228,131 @@ def test_the_hall_lock_does_not_outlive_a_hung_or_killed_run(fleet_dsn: str) -> 
 # --- defect 15: PostgreSQL restarted mid-run --------------------------------------------------------------------
 
 
-def test_postgresql_restarted_mid_reclaim_is_connected_again_and_a_lasting_loss_exits_11(tmp_path: Path) -> None:
+@pytest.fixture
+def own_pg(tmp_path: Path) -> Iterator[tuple[Any, str, dict[str, str]]]:
+    """A PostgreSQL of the test's own (it stops and restarts it), migrated; the env of a run against it with a cloud
+    nobody listens on (OpenStack refuses at once) and a dead relay."""
+    from sco.state.db import connect, migrate
+    from sco.state.embedded import EmbeddedPostgres
+
+    pg = EmbeddedPostgres().start()
+    try:
+        pg.create_database("fleet")
+        dsn = pg.dsn("fleet")
+        with connect(dsn) as c:
+            migrate(c)
+        yield pg, dsn, _env(tmp_path, dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
+    finally:
+        pg.destroy()
+
+
+def test_postgresql_restarted_mid_reclaim_is_connected_again_and_a_lasting_loss_exits_11(
+    own_pg: tuple[Any, str, dict[str, str]],
+) -> None:
     """The fleet state restarts while a run waits for T (what a Patroni failover is to the run): the run connects
     again, takes the hall's lock again and goes on to its deletes. One that stays away past --reconnect-for ends
     the run with exit 11 and no traceback, T kept for the next run."""
-    from sco.state.db import connect, migrate
-    from sco.state.embedded import EmbeddedPostgres
+    pg, dsn, env = own_pg  # OpenStack refused at once (nobody listens): runs wait for T, on the fleet state
+    with FleetState(dsn) as st:
+        _active(st, "pgr", "pgr-0", "srv-pgr")
+        _active(st, "pgr", "pgr-1", "srv-pgr1", slot=1)
 
-    pg = EmbeddedPostgres().start()
+    def run(node: str, *more: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [*SCO, "reclaim", "--hall", "pgr", "--os-cloud", "c", "--window", "8", "--retry-for", "1", *more,
+             node],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert f"{node}: notice reclaim-" in line, line + (proc.stderr.read() if proc.stderr else "")
+        return proc
+
+    proc = run("pgr-0")
+    pg.stop()
+    pg.start()
+    out, err = proc.communicate(timeout=90)
+    # it went on to its delete at T: refused by the absent cloud, so not confirmed (9), not a lost session (11)
+    assert proc.returncode == 9, out + err
+    assert "connected again, lock taken" in err and "Traceback" not in err, err
+    with FleetState(dsn) as st:  # its delete at T was tried (after the restart) and refused by the cloud
+        (inst,) = st.instances("pgr", names=["pgr-0"])
+        failed = [e for e in st.events(instance_id=inst.id) if e["kind"] == "delete.failed"]
+        assert failed and inst.state == "notified", st.events(instance_id=inst.id)
+        assert all(e["at"] >= inst.terminate_at for e in failed)
+
+    proc = run("pgr-1", "--reconnect-for", "3")
+    pg.stop()
     try:
-        pg.create_database("fleet")
-        dsn = pg.dsn("fleet")
-        with connect(dsn) as c:
-            migrate(c)
-        with FleetState(dsn) as st:
-            _active(st, "pgr", "pgr-0", "srv-pgr")
-            _active(st, "pgr", "pgr-1", "srv-pgr1", slot=1)
-        # OpenStack refused at once (nobody listens): the run waits for T, talking to the fleet state
-        env = _env(tmp_path, dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
-
-        def run(node: str, *more: str) -> subprocess.Popen[str]:
-            proc = subprocess.Popen(
-                [*SCO, "reclaim", "--hall", "pgr", "--os-cloud", "c", "--window", "8", "--retry-for", "1", *more,
-                 node],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert f"{node}: notice reclaim-" in line, line + (proc.stderr.read() if proc.stderr else "")
-            return proc
-
-        proc = run("pgr-0")
-        pg.stop()
-        pg.start()
-        out, err = proc.communicate(timeout=90)
-        # it went on to its delete at T: refused by the absent cloud, so not confirmed (9), not a lost session (11)
-        assert proc.returncode == 9, out + err
-        assert "connected again, lock taken" in err and "Traceback" not in err, err
-        with FleetState(dsn) as st:  # its delete at T was tried (after the restart) and refused by the cloud
-            (inst,) = st.instances("pgr", names=["pgr-0"])
-            failed = [e for e in st.events(instance_id=inst.id) if e["kind"] == "delete.failed"]
-            assert failed and inst.state == "notified", st.events(instance_id=inst.id)
-            assert all(e["at"] >= inst.terminate_at for e in failed)
-
-        proc = run("pgr-1", "--reconnect-for", "3")
-        pg.stop()
-        try:
-            out, err = proc.communicate(timeout=60)
-        finally:
-            pg.start()
-        assert proc.returncode == 11, out + err
-        assert "Traceback" not in err
-        assert "the fleet state went away mid-reclaim" in err and "run again" in err and "for 3 s" in err, err
-        with FleetState(dsn) as st:  # T was recorded first: the next run still deletes at T
-            (inst,) = st.instances("pgr", names=["pgr-1"])
-            assert inst.state == "notified" and inst.terminate_at is not None
+        out, err = proc.communicate(timeout=60)
     finally:
-        pg.destroy()
+        pg.start()
+    assert proc.returncode == 11, out + err
+    assert "Traceback" not in err
+    assert "the fleet state went away mid-reclaim" in err and "run again" in err and "for 3 s" in err, err
+    with FleetState(dsn) as st:  # T was recorded first: the next run still deletes at T
+        (inst,) = st.instances("pgr", names=["pgr-1"])
+        assert inst.state == "notified" and inst.terminate_at is not None
 
 
-def test_a_write_the_fleet_state_refuses_ends_the_run_with_its_reason_not_a_reconnect_loop(tmp_path: Path) -> None:
+def test_a_write_the_fleet_state_refuses_ends_the_run_with_its_reason_not_a_reconnect_loop(
+    own_pg: tuple[Any, str, dict[str, str]],
+) -> None:
     """A refusal by a live server (here a trigger standing for a full disk or a permission) is not a lost session:
     the run ends with exit 11 naming it, at once, instead of connecting again for ever (it did: 877 reconnects a
     minute in review)."""
-    from sco.state.db import connect, migrate
-    from sco.state.embedded import EmbeddedPostgres
+    from sco.state.db import connect
 
-    pg = EmbeddedPostgres().start()
-    try:
-        pg.create_database("fleet")
-        dsn = pg.dsn("fleet")
-        with connect(dsn) as c:
-            migrate(c)
-            c.execute(
-                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.kind = 'delete.pending'"
-                " THEN RAISE EXCEPTION 'refused: stands for a full disk'; END IF; RETURN NEW; END $$"
-            )
-            c.execute("CREATE TRIGGER refuse BEFORE INSERT ON lifecycle_event FOR EACH ROW EXECUTE FUNCTION refuse()")
-        with FleetState(dsn) as st:
-            _active(st, "ref", "ref-0", "srv-ref")
-        env = _env(tmp_path, dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
-        out = subprocess.run(
-            [*SCO, "reclaim", "--hall", "ref", "--os-cloud", "c", "--window", "3", "--retry-for", "2", "ref-0"],
-            env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert out.returncode == 11, out.stdout + out.stderr
-        assert "refused the reclaim's write: refused: stands for a full disk" in out.stderr, out.stderr
-        assert "connected again" not in out.stderr and "Traceback" not in out.stderr, out.stderr
-    finally:
-        pg.destroy()
+    _, dsn, env = own_pg  # OpenStack refused at once (nobody listens): runs wait for T, on the fleet state
+    with connect(dsn) as c:
+        c.execute(
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.kind = 'delete.pending'"
+            " THEN RAISE EXCEPTION 'refused: stands for a full disk'; END IF; RETURN NEW; END $$"
+        )
+        c.execute("CREATE TRIGGER refuse BEFORE INSERT ON lifecycle_event FOR EACH ROW EXECUTE FUNCTION refuse()")
+    with FleetState(dsn) as st:
+        _active(st, "ref", "ref-0", "srv-ref")
+    out = subprocess.run(
+        [*SCO, "reclaim", "--hall", "ref", "--os-cloud", "c", "--window", "3", "--retry-for", "2", "ref-0"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 11, out.stdout + out.stderr
+    assert "refused the reclaim's write: refused: stands for a full disk" in out.stderr, out.stderr
+    assert "connected again" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_a_fleet_state_lost_while_noticing_is_connected_again_and_the_untold_node_told_with_a_whole_window(
-    tmp_path: Path,
+    own_pg: tuple[Any, str, dict[str, str]],
 ) -> None:
     """PostgreSQL restarts while the run is noticing (T recorded, the dead relay being tried): the run connects
     again, and the node, whose notice no channel was tried for, is told with a whole window of its own before its
     delete (it was a traceback and exit 1, the node never told)."""
-    from sco.state.db import connect, migrate
-    from sco.state.embedded import EmbeddedPostgres
+    pg, dsn, env = own_pg  # OpenStack refused at once (nobody listens): runs wait for T, on the fleet state
+    with FleetState(dsn) as st:
+        inst = _active(st, "lost", "lost-0", "srv-lost")
+    proc = subprocess.Popen(
+        [*SCO, "reclaim", "--hall", "lost", "--os-cloud", "c", "--window", "3", "--retry-for", "2", "lost-0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
 
-    pg = EmbeddedPostgres().start()
-    try:
-        pg.create_database("fleet")
-        dsn = pg.dsn("fleet")
-        with connect(dsn) as c:
-            migrate(c)
+    def scheduled() -> bool:
         with FleetState(dsn) as st:
-            inst = _active(st, "lost", "lost-0", "srv-lost")
-        env = _env(tmp_path, dsn, _clouds_yaml(tmp_path / "clouds.yaml", f"http://127.0.0.1:{free_port()}/v3"))
-        proc = subprocess.Popen(
-            [*SCO, "reclaim", "--hall", "lost", "--os-cloud", "c", "--window", "3", "--retry-for", "2", "lost-0"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            return st.instance(inst.id).state == "notified"
 
-        def scheduled() -> bool:
-            with FleetState(dsn) as st:
-                return st.instance(inst.id).state == "notified"
-
-        wait_for(scheduled, 30, "T recorded")  # the dead relay takes seconds before anything else is recorded
-        pg.stop()
-        pg.start()
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 9, out + err  # the delete went out at T and the absent cloud refused it
-        assert "Traceback" not in err and "connected again, lock taken" in err, err
-        with FleetState(dsn) as st:
-            evs = st.events(instance_id=inst.id)
-            k = [e["kind"] for e in evs]
-            assert k.count("reclaim.scheduled") == 1 and k.count("reclaim.rescheduled") == 1, k
-            told = next(e for e in evs if e["kind"] == "reclaim.rescheduled")
-            assert "notice.publish_failed" in k and "notice.metadata_failed" in k, k  # both channels tried
-            first = next(e for e in evs if e["kind"] == "delete.failed")
-            assert first["at"] >= told["detail"]["window_s"] + told["at"] - 0.5, (told, first)  # a whole window
-    finally:
-        pg.destroy()
+    wait_for(scheduled, 30, "T recorded")  # the dead relay takes seconds before anything else is recorded
+    pg.stop()
+    pg.start()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 9, out + err  # the delete went out at T and the absent cloud refused it
+    assert "Traceback" not in err and "connected again, lock taken" in err, err
+    with FleetState(dsn) as st:
+        evs = st.events(instance_id=inst.id)
+        k = [e["kind"] for e in evs]
+        assert k.count("reclaim.scheduled") == 1 and k.count("reclaim.rescheduled") == 1, k
+        told = next(e for e in evs if e["kind"] == "reclaim.rescheduled")
+        assert "notice.publish_failed" in k and "notice.metadata_failed" in k, k  # both channels tried
+        first = next(e for e in evs if e["kind"] == "delete.failed")
+        assert first["at"] >= told["detail"]["window_s"] + told["at"] - 0.5, (told, first)  # a whole window
 
 
 # --- defect 14 and 13 against the real OpenStack ---------------------------------------------------------------
