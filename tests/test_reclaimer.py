@@ -345,6 +345,7 @@ def test_a_fleet_state_lost_while_noticing_is_connected_again_and_the_untold_nod
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 9, out + err  # the delete went out at T and the absent cloud refused it
     assert "Traceback" not in err and "connected again, lock taken" in err, err
+    assert "lost-0: notice reclaim-" in out, out  # the notice it sent after the loss is said (it said nothing)
     with FleetState(dsn) as st:
         evs = st.events(instance_id=inst.id)
         k = [e["kind"] for e in evs]

@@ -91,7 +91,7 @@ async def reclaim(
             cloud, st, s.nats_url, window_s=s.window_s, signing_keys=s.signing_keys, nats_auth=s.nats_auth,
             retry_for_s=s.retry_for_s, call_timeout_s=s.call_timeout_s, floor=s.floor,
         )  # fmt: skip
-        losses = 0
+        losses, notice_lost = 0, False
         try:
             nodes, gone_by = list(s.nodes), {}
             if s.before_leases:
@@ -106,7 +106,7 @@ async def reclaim(
                 # T is recorded before anything is sent: the run below tells whoever this one had not told yet,
                 # each with a whole window (this run has the notice key)
                 st = r.state = await _take_back(s, held, lost)
-                losses, done = losses + 1, []
+                losses, done, notice_lost = losses + 1, [], True
                 r.reclaims.clear()  # what was told is what the fleet state recorded as tried, nothing else
             for rc in done:
                 if on_notice is not None:
@@ -120,6 +120,11 @@ async def reclaim(
                         raise SessionLost(f"{lost} (lost {losses + 1} times in this run: giving up)") from None
                     st = r.state = await _take_back(s, held, lost)
                     losses += 1
+            if notice_lost:  # the nodes the run told again after the loss are this run's notices
+                done = [rc for rc in r.reclaims.values() if rc.instance.name in nodes]
+                for rc in done:
+                    if on_notice is not None:
+                        on_notice(rc)
             out = [
                 {
                     "name": rc.instance.name,

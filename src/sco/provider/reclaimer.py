@@ -226,6 +226,8 @@ class Reclaimer:
         self.nats_auth = dict(nats_auth or {})
         self.nc: Any = None
         self._relay_down_until = 0.0
+        self._connecting = asyncio.Lock()  # one relay connection per run (the events' retry connects beside it)
+        self.gone_by: dict[str, tuple[float, str]] = {}
         self.reclaims: dict[int, Reclaim] = {}
         # instance id -> what this run deleted of the reclaims another run noticed (a control host that stopped
         # before T): its T, when the delete went out, how late, what the agent had said
@@ -236,11 +238,16 @@ class Reclaimer:
         self._told: set[int] = set()  # instances whose notice was tried (looked up once a run)
         self._calls = asyncio.Semaphore(nova_concurrency)
 
-    async def _connect(self) -> Any:
+    async def _connect(self, *, retrying: bool = False) -> Any:
+        async with self._connecting:
+            return await self._connect_once(retrying)
+
+    async def _connect_once(self, retrying: bool) -> Any:
         if self.nc is None or self.nc.is_closed:
             import nats
 
-            if time.monotonic() < self._relay_down_until:  # it just failed: the run does not wait on it again
+            # it just failed: the run does not wait on it again (the events' retry, beside the run, does)
+            if not retrying and time.monotonic() < self._relay_down_until:
                 raise ConnectionError(f"relay {strip_userinfo(self.nats_url)} unreachable a moment ago")
 
             async def said(e: Exception) -> None:  # nats-py's default prints a traceback per attempt
@@ -259,6 +266,8 @@ class Reclaimer:
                     ),
                     min(15.0, 3.0 + 2.0 * len(servers)),
                 )  # fmt: skip
+            except asyncio.CancelledError:  # the run stopped waiting (its end, a bound): says nothing of the relay
+                raise
             except BaseException:
                 self._relay_down_until = time.monotonic() + 30
                 raise
@@ -304,6 +313,7 @@ class Reclaimer:
         if not self.signing_keys:  # finishing what is under reclaim needs none; a notice does
             raise ConfigError("no notice key: the hall's agents refuse unsigned notices (hall policy noticeKeys)")
         targets = self._targets(hall, nodes)
+        self.gone_by.update(gone_by or {})  # a node told again later (a lost session) keeps its deadline
         out = [self._schedule(hall, inst, (gone_by or {}).get(inst.name)) for inst in targets]
         await self._send(hall, out)
         return out
@@ -361,9 +371,12 @@ class Reclaimer:
         for inst in untold:
             started = self.clock()
             nid, t = f"reclaim-{uuid.uuid4().hex[:16]}", started + self.window_s
+            by = self.gone_by.get(inst.name)
+            if by is not None and by[0] < t:  # a host lease's deadline this run knows: never past it
+                t = max(started, by[0])
             self.state.transition(
                 inst.id, "notified", "reclaim.rescheduled", only_from=("notified",), reclaim_id=nid, terminate_at=t,
-                window_s=round(self.window_s, 3), replaces=inst.reclaim_id,
+                window_s=round(t - started, 3), replaces=inst.reclaim_id,
                 because="its notice was never sent (the run that recorded its T stopped first)",
             )  # fmt: skip
             r = Reclaim(self.state.instance(inst.id), notice_document(nid, hall, inst.name, t, started), t, started)
@@ -486,8 +499,8 @@ class Reclaimer:
         current = max(live, key=lambda i: i.id).reclaim_id
         return current is not None and ev.get("notice") == current
 
-    async def _follow_events(self, hall: str) -> Any:
-        nc = await self._connect()
+    async def _follow_events(self, hall: str, *, retrying: bool = False) -> Any:
+        nc = await self._connect(retrying=retrying)
         js = nc.jetstream(timeout=5)
         try:
             await js.stream_info(self.events_stream)
@@ -520,7 +533,7 @@ class Reclaimer:
         while True:
             await asyncio.sleep(backoff.failed(0.0, self.rand))
             try:
-                sub = await asyncio.wait_for(self._follow_events(hall), 10)
+                sub = await asyncio.wait_for(self._follow_events(hall, retrying=True), 10)
             except Exception as e:
                 log.debug("agent events still unavailable (%s)", _cloud_message(e))
                 continue
