@@ -4,6 +4,7 @@ rootfs in its own network namespace. Check mode, for real, and again (idempotent
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from sco.contract.signing import generate, write_keypair
+from sco.control.loop import node_environment
 from tests.testhosts import REPO, TestHost
 
 
@@ -249,3 +251,16 @@ def test_bake_image_installs_and_enables_without_host_state(tmp_path: Path, host
     out = host.ssh("/opt/sco/bin/sco-agent", "check-config", "--config", "/etc/sco/agent.toml").stdout
     hostname = host.ssh("hostname", "-s").stdout.strip()
     assert f"node {hostname}, hall local, kubernetes" in out
+    # the instance the control loop launches: cloud-init writes the acquire step's agent.env, which names the node
+    # by its Nova server (the agent reads only SCO_AGENT_* keys: SCO_NODE used to be ignored, the node misnamed)
+    env = node_environment({"SCO_AGENT_BUNDLE_URL": "http://distributor:8470/v1/halls/local/bundle.json"},
+                           "local", "local-spot-e1-3")  # fmt: skip
+    text = "".join(f"{k}={v}\n" for k, v in env.items())
+    host.ssh(f"printf %s {shlex.quote(text)} > /etc/sco/agent.env")  # ssh hands the remote shell one line
+    try:
+        out = host.ssh(
+            "set -a; . /etc/sco/agent.env; /opt/sco/bin/sco-agent check-config --config /etc/sco/agent.toml"
+        ).stdout
+        assert "node local-spot-e1-3, hall local, kubernetes" in out, out
+    finally:
+        host.ssh("rm", "-f", "/etc/sco/agent.env")

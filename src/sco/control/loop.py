@@ -376,6 +376,12 @@ def entry_targets(
     return out
 
 
+def node_environment(extra: Mapping[str, str], hall: str, node: str) -> dict[str, str]:
+    """/etc/sco/agent.env of a new instance: the operator's node_env, then the agent's own keys for the hall and the
+    node's name (the Nova server's), which the operator's cannot override: the agent reads only SCO_AGENT_* keys."""
+    return {**extra, "SCO_AGENT_HALL": hall, "SCO_AGENT_NODE": node}
+
+
 def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str, Any]:
     """Make each plan entry hold what the plan and the grants say, through the acquirer (Nova), after a preflight
     of every pool that launches: its flavor, image, networks, ... resolved against the cloud, once."""
@@ -465,7 +471,7 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
             store.ensure_entry(hall, t.pool, t.contracts)
 
             def render(name: str, contracts: tuple[str, ...] = t.contracts) -> str:
-                env = {**o.node_env, "SCO_HALL": hall, "SCO_NODE": name}
+                env = node_environment(o.node_env, hall, name)
                 return userdata.render(bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env)
 
             acq = Acquirer(cloud, state, render, meter=meter, concurrency=o.concurrency, scheduler_hints=hints)

@@ -39,7 +39,10 @@ options:
     elements: path
     default: []
   node_env:
-    description: Environment written to C(/etc/sco/agent.env) on every new instance.
+    description:
+      - Environment written to C(/etc/sco/agent.env) on every new instance (the agent's C(SCO_AGENT_*) settings,
+        e.g. C(SCO_AGENT_BUNDLE_URL), C(SCO_AGENT_NATS_URL)).
+      - C(SCO_AGENT_HALL) and C(SCO_AGENT_NODE) are always the hall's and the server's name, whatever this says.
     type: dict
     default: {}
   concurrency:
