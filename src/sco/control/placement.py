@@ -25,6 +25,11 @@ the work is solved as a mixed-integer program with HiGHS (``highspy``; the ``con
 k = 1..3); ``pack`` then puts them onto instances first-fit-decreasing. Without scipy, or when the solver finds
 nothing in its limits, a **greedy** fallback (named in the plan) does the same job deterministically: largest
 requests first, each onto room already there, else into an instance of the cheapest pool per unit it fits.
+
+What the plan reports of the solve (``solver``) is of the plan returned: ``objective`` is that plan's, by the
+program's weights (``objective_of``), and ``bound`` the first round's, the one proved for the whole problem (a
+later round solves a narrower one); ``gap`` is between the two, and no bound is claimed when the plan places other
+work than the first round did.
 """
 
 from __future__ import annotations
@@ -780,6 +785,8 @@ def _round(p: Problem) -> tuple[_Round, _Round]:
     if isinstance(result, str):
         return greedy, greedy
     counts, solver = result
+    if counts is start:  # the start taken as it is: its own instances, exactly as the greedy packed them
+        return (on_room, bins, solver, ()), greedy
     members = {ck: list(v) for ck, v in q.members.items()}
     on_room = {i: true(members, reqs) for i, reqs in sorted(counts.on_room.items())}
     bins = {}
@@ -798,7 +805,9 @@ def _round(p: Problem) -> tuple[_Round, _Round]:
     flavor = {x.name: x.flavor for x in p.pools}
     for name, reqs in sorted(_disaggregate(p, q, counts).items()):
         bins[name], left = pack(flavor[name], most[name], true(members, reqs))
-        if left:
+        # more instances than the program counted (and paid for) is a packing it did not price: 6 + 6 + 4 units
+        # "fit" two 8-unit instances, packing opened a third where a 4-unit one of another pool was cheaper
+        if left or len(bins[name]) > counts.instances.get(name, 0):
             over.append(name)
     return (on_room, bins, solver, tuple(over)), greedy
 
@@ -813,7 +822,10 @@ def solve(p: Problem) -> Solution:
     The program counts the requests on a pool's new instances in aggregate, a relaxation: first-fit decreasing may
     not pack what it counted (3 + 3 + 1.5 units "fit" two 4-unit instances). Such an overflow used to become a
     shortfall, and the next plan, seeing the instances launched as rooms (exact), placed it elsewhere and launched
-    again. So when a pool's counts do not pack, the instances packed for it become rooms of the plan (any contract,
+    again. Packing that needs more instances than the program counted is not packing either: the plan launched
+    them at a cost the program never weighed (6 + 6 + 4 units on three 8-unit instances at 2.4/h, where a 4-unit
+    instance of another pool made it 2.0/h). So when a pool's counts do not pack onto the instances counted, the
+    instances packed for it become rooms of the plan (any contract,
     each launched at the pool's price if work stays on it, in the pool's places under the cap) and it counts no
     more in aggregate; the program is solved again. Each round closes a pool, so the rounds end; past
     ``MAX_ROUNDS`` the first round's greedy (exact) is the answer."""
@@ -821,10 +833,13 @@ def solve(p: Problem) -> Solution:
     rooms, pools = list(p.rooms), {x.name: x for x in p.pools}
     first_new = len(rooms)  # rooms from here on are instances packed in an earlier round
     fallback: _Round | None = None
+    first: dict[str, Any] = {}
     for n_round in range(1, MAX_ROUNDS + 1):
         cur = Problem(p.requests, p.tiers, tuple(rooms), tuple(pools.values()), p.shares, p.node_limit, p.time_limit_s)
         (on_room, bins, solver, over), greedy = _round(cur)
         fallback = fallback or greedy
+        if n_round == 1:
+            first = {**solver, "placed": _placed(cur, on_room, bins)}
         if not over:
             break
         if n_round == MAX_ROUNDS:  # still not packed: the first round's greedy, exact, and within the shares
@@ -836,7 +851,7 @@ def solve(p: Problem) -> Solution:
             x = pools[name]
             rooms.extend(Room(f"+{name}/{j}", name, contracts, x.flavor, launch=True) for j in range(len(bins[name])))
             pools[name] = NewPool(x.name, x.group, x.flavor, x.room, x.price, x.freeable, aggregate=False)
-    out = Solution(solver={**solver, **({"rounds": n_round} if n_round > 1 else {})})
+    out = Solution(solver=dict(solver))
     of_pool = {i: rooms[i].pool for i in range(first_new, len(rooms))}
     for i, reqs in on_room.items():
         if not any(reqs.values()):
@@ -853,6 +868,49 @@ def solve(p: Problem) -> Solution:
             for key, n in b.items():
                 slot[key] = slot.get(key, 0) + n
     out.bins = {name: bl for name, bl in sorted(out.bins.items()) if bl}
+    out.solver = _report(p, out, first, n_round)
+    return out
+
+
+def _placed(
+    p: Problem, on_room: Mapping[int, Mapping[Req, int]], bins: Mapping[str, list[dict[Req, int]]]
+) -> dict[int, int]:
+    """Milli-units placed per tier."""
+    out: dict[int, int] = {}
+    for reqs in [*on_room.values(), *[b for bl in bins.values() for b in bl]]:
+        for (c, k), n in reqs.items():
+            out[p.tiers[c]] = out.get(p.tiers[c], 0) + k * n
+    return {t: m for t, m in out.items() if m}
+
+
+def objective_of(p: Problem, s: Solution) -> int:
+    """The program's objective for a solution of ``p`` (its weights: the price of each new instance, then its size;
+    less one for each idle instance kept busy): what the plan's ``solver.objective`` says."""
+    weight = {x.name: x.weight for x in p.pools}
+    kept = sum(1 for r in p.rooms if r.deletable and any(s.on_room.get(r.key, {}).values()))
+    return sum(weight[name] * len(bl) for name, bl in s.bins.items()) - _W_KEEP * kept
+
+
+def _report(p: Problem, s: Solution, first: Mapping[str, Any], rounds: int) -> dict[str, Any]:
+    """What the solver says of the plan returned: its own objective, and the gap to a bound proved for the whole
+    problem. A later round solves a narrower problem (a pool's counts replaced by instances packed), so only the
+    first round's bound holds for the plan; it said "optimal, gap 0" of counts packing then changed (issue 31)."""
+    out = dict(s.solver)
+    if rounds > 1:
+        out["rounds"] = rounds
+    if "objective" not in first and "objective" not in out:
+        return out  # the greedy alone (no HiGHS): nothing proved, nothing claimed
+    objective = objective_of(p, s)
+    bound = first.get("bound")
+    if _placed(p, {}, {"": [*s.on_room.values(), *[b for bl in s.bins.values() for b in bl]]}) != first["placed"]:
+        bound = None  # it places other work than the first round did: that round's bound is of another problem
+    if bound is not None:
+        bound = min(int(bound), objective)
+    out["objective"] = objective
+    out["bound"] = bound
+    out["gap"] = None if bound is None else round((objective - bound) / abs(objective), 6) if objective else 0.0
+    if rounds > 1:
+        out["status"] = f"{out.get('status') or 'solved'} in round {rounds}; bound of round 1 (the whole problem)"
     return out
 
 

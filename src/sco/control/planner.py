@@ -7,7 +7,9 @@ so one reclaim wave cannot take a tier's capacity down. Each pending pod or job 
 (``PlanInput.requests``): it goes onto one instance, never split. Requests are packed onto flavours: onto room
 already there at no cost, else onto new instances of reclaimable pools at their ``price_per_hour`` (ties: fewer new
 units). How it is solved, and the fallback, is ``sco.control.placement``; the plan names the solver, the cost, the
-bound proved and the gap, and lists which instance covers which work (``covers``).
+bound proved and the gap, and lists which instance covers which work (``covers``). The cost is the sum of the
+prices of the instances the plan launches, and the objective and gap are those of that plan, not of a count the
+solver made before packing (``tests/test_planner_generated.py`` checks both on 300 generated halls).
 
 Pure and deterministic: no clock (``settings.now`` is an input), no I/O, every input put in canonical order
 first and all arithmetic on integers (milli-units), so the same input gives the same plan whatever the order of
@@ -18,14 +20,22 @@ its lists. The phases, in order, each its own function:
    out (``notified``, ``draining``, ``drained``, ``overrun``, ``deleting``, ``failed``) still count against a
    pool's cap; ``deleted`` and ``lost`` ones count for nothing. Instances of pools not configured are left alone.
 2. ``hold_floors``: each tier-1 contract's floor is held on committed pools (Blazar leases give the committed
-   instances), contracts by name, pools by name. Committed capacity is paid for: never scaled down.
+   instances), contracts by name, pools by name. Committed capacity is paid for: never scaled down. Launches stay
+   within the pool's cap and the lease's instance count, both of which instances on their way out still take
+   (they hold a host of the lease until Nova has deleted them): ``floors_milli`` is what is held **now** (on
+   committed instances that are room, or launched by this plan), ``floors_later_milli`` what is held only once
+   those outgoing instances are gone, and the floor's decision says both.
 3. ``pending``: the pending work of known contracts as whole requests.
 4. ``rooms`` and ``new_pools``: room already there (idle instances, instances still settling, floor instances
    about to launch) and what reclaimable pools may add.
 5. ``place``: the optimisation, then the new instances' requests packed onto instances (first-fit decreasing).
    What does not fit is the **shortfall**, handed to the fallback arbiter.
 6. ``scale_down``: idle ``active`` instances of reclaimable and on-demand pools that no pending work was put on,
-   once they have been up for ``idle_grace_s``.
+   once they have been up for ``idle_grace_s``, **except** one that short work of its contracts fits (the rule of
+   issue 31): a share or a cap kept that work off it, so it goes to the fallback arbiter, which means on-demand
+   spend, while the instance is paid for already and idle. Kept idle it spreads nothing a share guards against
+   (there is no work on it), and the scheduler, which knows no shares, may put the pending work on it. It stays
+   within its pool's cap with this plan's launches, and is deleted by the first plan where no short work fits it.
 
 Applying a plan and planning again with the same demand changes nothing: the instances launched are room the
 same requests fit, and an idle instance pending work can use is kept (``tests/test_planner_objective.py``).
@@ -123,6 +133,9 @@ class Plan:
     covers: tuple[Cover, ...] = ()
     solver: Mapping[str, Any] = field(default_factory=dict)
     """Which solver placed the work (highs or the greedy fallback, and why), its objective, bound and gap."""
+    floors_later_milli: dict[str, int] = field(default_factory=dict)
+    """Floor units per tier-1 contract that committed capacity holds only once its instances on their way out are
+    gone (not in ``floors_milli``, which is what is held now)."""
 
     @property
     def changed(self) -> bool:
@@ -135,6 +148,9 @@ class Plan:
             "floors_milli": dict(sorted(self.floors_milli.items())),
             "cost_per_hour": str(self.cost_per_hour),
             "covers": [c.to_dict() for c in self.covers],
+            **(
+                {"floors_later_milli": dict(sorted(self.floors_later_milli.items()))} if self.floors_later_milli else {}
+            ),
         }
 
     @property
@@ -219,12 +235,15 @@ def survey(inp: PlanInput) -> Survey:
 @dataclass
 class Floors:
     held_milli: dict[str, int]
-    """Floor units held per contract."""
+    """Floor units held now per contract: on committed instances that are room, or launched by this plan."""
     alloc: dict[str, dict[str, int]]
     """Committed pool -> contract -> floor units it holds there."""
     launch: dict[str, int]
     """Committed pool -> floor instances to launch."""
     decisions: list[Decision]
+    later_milli: dict[str, int] = field(default_factory=dict)
+    """Floor units the committed capacity holds only once its instances on their way out are gone (they still
+    take the lease's hosts and the pool's cap, so nothing can be launched in their place yet)."""
 
 
 def hold_floors(inp: PlanInput, sv: Survey) -> Floors:
@@ -241,32 +260,58 @@ def hold_floors(inp: PlanInput, sv: Survey) -> Floors:
     reserved = [p for p in sv.pools.values() if p.kind == "committed" and p.available and committed.get(p.name)]
     room = {p.name: min(committed[p.name], p.cap) * p.flavor_milli for p in reserved}
     alloc: dict[str, dict[str, int]] = {p.name: {} for p in reserved}
-    held: dict[str, int] = {}
+    short: dict[str, int] = {}
     for c in sorted(inp.contracts.values(), key=lambda c: c.name):
         if c.tier != 1 or c.floor_milli <= 0:
             continue
-        need, where = c.floor_milli, []
+        need = c.floor_milli
         for p in reserved:
             take = min(need, room[p.name])
             if take:
                 room[p.name] -= take
                 alloc[p.name][c.name] = take
-                where.append(f"{_units(take)} on {p.name}")
                 need -= take
-        held[c.name] = c.floor_milli - need
-        if need:
-            why = f"floor short by {_units(need)}: committed capacity is all held ({', '.join(where) or 'none free'})"
-            decisions.append(Decision("short", f"contract:{c.name}", why))
-        else:
-            decisions.append(
-                Decision("floor", f"contract:{c.name}", f"floor of {_units(c.floor_milli)} held: {', '.join(where)}")
-            )
-    launch = {}
+        short[c.name] = need
+    launch: dict[str, int] = {}
+    now: dict[str, dict[str, int]] = {}  # pool -> contract -> floor units held now
+    later: dict[str, dict[str, int]] = {}  # pool -> contract -> floor units held once the outgoing are gone
+    out_of: dict[str, int] = {}
     for p in reserved:
         needed = _ceil_div(sum(alloc[p.name].values()), p.flavor_milli)
-        # within the cap, which the instances on their way out still count against (survey)
-        launch[p.name] = max(0, min(needed - len(sv.room.get(p.name, [])), p.cap - len(sv.held[p.name])))
-    return Floors(held, alloc, launch, decisions)
+        have = len(sv.room.get(p.name, []))
+        out_of[p.name] = len(sv.held[p.name]) - have
+        # within the cap and the lease's instances, both of which the instances on their way out still take
+        # (survey): past the lease, Blazar has no host for the launch
+        launch[p.name] = max(0, min(needed - have, min(p.cap, committed[p.name]) - len(sv.held[p.name])))
+        free = (have + launch[p.name]) * p.flavor_milli
+        for cn, m in sorted(alloc[p.name].items()):
+            take = min(m, free)
+            free -= take
+            now.setdefault(p.name, {})[cn] = take
+            if m - take:
+                later.setdefault(p.name, {})[cn] = m - take
+    held: dict[str, int] = {}
+    after: dict[str, int] = {}
+    for cn, need in sorted(short.items()):
+        held[cn] = sum(now.get(p.name, {}).get(cn, 0) for p in reserved)
+        wait = sum(later.get(p.name, {}).get(cn, 0) for p in reserved)
+        if wait:
+            after[cn] = wait
+        where = [
+            f"{_units(now.get(p.name, {}).get(cn, 0))} on {p.name}" for p in reserved if now.get(p.name, {}).get(cn)
+        ]
+        floor = inp.contracts[cn].floor_milli
+        if need:
+            said = f"floor short by {_units(need)}: committed capacity is all held ({', '.join(where) or 'none free'})"
+        elif wait:
+            said = f"floor of {_units(floor)}: {_units(held[cn])} held now ({', '.join(where) or 'none'})"
+        else:
+            said = f"floor of {_units(floor)} held: {', '.join(where)}"
+        if wait:
+            gone = sum(out_of[p.name] for p in reserved if later.get(p.name, {}).get(cn))
+            said += f"; {_units(wait)} only once the {gone} instances on their way out are gone"
+        decisions.append(Decision("short" if need else "floor", f"contract:{cn}", said))
+    return Floors(held, alloc, launch, decisions, after)
 
 
 # --- 3. pending work -----------------------------------------------------------------------------------------
@@ -397,10 +442,23 @@ def _why_short(tier: int, inp: PlanInput, pools: tuple[NewPool, ...], sizes: set
 # --- 6. scale down ---------------------------------------------------------------------------------------------
 
 
-def scale_down(inp: PlanInput, sv: Survey, used: set[str]) -> tuple[dict[str, list[str]], list[Decision]]:
+def scale_down(
+    inp: PlanInput,
+    sv: Survey,
+    used: set[str],
+    short: Mapping[Req, int] | None = None,
+    launch: Mapping[str, int] | None = None,
+) -> tuple[dict[str, list[str]], list[Decision]]:
+    """Idle instances past their grace are deleted, except one that short work of its contracts fits (``short``:
+    what the plan could not place, kept within the pool's cap with this plan's ``launch``): a share or a cap kept
+    that work off it, and it goes to the fallback arbiter (on-demand spend) while the instance, already paid for
+    and idle, could hold it. Kept idle it spreads nothing the share guards against (no work is on it), and the
+    scheduler, which knows no shares, can put the pending work on it; it is deleted once no short work fits it."""
     s = inp.settings
     deletes: dict[str, list[str]] = {name: [] for name in sv.pools}
     decisions: list[Decision] = []
+    left = {k: n for k, n in (short or {}).items() if n > 0}
+    target = {name: len(sv.held[name]) + (launch or {}).get(name, 0) for name in sv.pools}
     for name, insts in sv.room.items():
         p = sv.pools[name]
         for i in insts:
@@ -414,12 +472,35 @@ def scale_down(inp: PlanInput, sv: Survey, used: set[str]) -> tuple[dict[str, li
                 decisions.append(
                     Decision("keep", subject, f"idle for now, up {age:.0f} s < grace {s.idle_grace_s:.0f} s")
                 )
+            elif (fits := _short_work_it_fits(left, i.contracts, p.flavor_milli)) and target[name] <= p.cap:
+                what = ", ".join(f"{c} {_units(m)}" for c, m in sorted(fits.items()))
+                why = (
+                    f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, kept: {what} it could hold are short"
+                    " (the share or a cap kept them off it) and would go to the fallback; deleted once none fits"
+                )
+                decisions.append(Decision("keep", subject, why))
             else:
                 deletes[name].append(i.id)
+                target[name] -= 1
                 what = ",".join(i.contracts) or "it"
                 why = f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, no pending work for {what} put on it"
                 decisions.append(Decision("scale_down", subject, why))
     return deletes, decisions
+
+
+def _short_work_it_fits(left: dict[Req, int], contracts: tuple[str, ...], free: int) -> dict[str, int]:
+    """Take from ``left`` (short requests) the largest first that fit ``free`` units of an instance running
+    ``contracts``; returns the units taken per contract (empty: none fits)."""
+    took: dict[str, int] = {}
+    for (c, r), n in sorted(left.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
+        if c not in contracts or r > free:
+            continue
+        t = min(n, free // r)
+        if t:
+            left[c, r] -= t
+            free -= t * r
+            took[c] = took.get(c, 0) + t * r
+    return took
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
@@ -467,7 +548,9 @@ def plan(inp: PlanInput) -> Plan:
         )
 
     used = {k for k, v in pl.solution.on_room.items() if any(v.values())}
-    deletes, down_decisions = scale_down(inp, sv, used)
+    launches = {name: len(pl.bins.get(name, [])) for name in sv.pools}
+    launches.update(fl.launch)
+    deletes, down_decisions = scale_down(inp, sv, used, pl.short, launches)
     decisions += down_decisions
 
     pool_of = {r.key: r.pool for r in room}
@@ -506,4 +589,6 @@ def plan(inp: PlanInput) -> Plan:
         out.append(
             PoolPlan(name, p.kind, current, target, launch, tuple(subset), tuple(deletes[name]), placed, pool_cost)
         )
-    return Plan(tuple(out), shortfall, fl.held_milli, tuple(decisions), cost, tuple(covers), pl.solution.solver)
+    return Plan(
+        tuple(out), shortfall, fl.held_milli, tuple(decisions), cost, tuple(covers), pl.solution.solver, fl.later_milli
+    )
