@@ -217,8 +217,8 @@ def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
     relay: JwtRelay, tmp_path: Path, kube: KubeApiStandIn
 ) -> None:
     """tests/test_relay_accounts.py's attacks against the operator-mode relay, a real agent on a creds file."""
-    a, a_creds = relay.enrol("a")
-    b, b_creds = relay.enrol("b")
+    _, a_creds = relay.enrol("a")
+    _, b_creds = relay.enrol("b")
     agent = AgentEnv(tmp_path / "agent", kube, relay.srv, node="a", nats_creds_file=str(a_creds))
     add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.2)
 
@@ -270,7 +270,7 @@ def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
 
 def test_another_nodes_creds_name_or_a_self_made_identity_are_refused(relay: JwtRelay) -> None:
     a, a_creds = relay.enrol("a")
-    b, b_creds = relay.enrol("b")
+    b, _ = relay.enrol("b")
     a_seed = re.search(rb"\bSU[A-Z2-7]+", a_creds.read_bytes())
     assert a_seed is not None
     a_key = ri.NKey.from_seed(a_seed.group())
@@ -291,13 +291,13 @@ def test_another_nodes_creds_name_or_a_self_made_identity_are_refused(relay: Jwt
                 {"type": "user", "issuer_account": a.account, "pub": {"allow": [">"]}, "sub": {"allow": [">"]}},
             ),
             a_key,
-        ),  # fmt: skip
+        ),
         # an account the operator never signed (made up, never pushed)
         "unknown account": relay.creds_file(
             "x4",
             ri.encode_jwt(relay.keys.node_issuer, a_key.public, {"type": "user", "issuer_account": stranger.public}),
             a_key,
-        ),  # fmt: skip
+        ),
     }
     assert asyncio.run(_refusal(relay.url, user_credentials=str(a_creds))) == "connected"
     for what, path in forged.items():
@@ -311,7 +311,7 @@ def test_another_nodes_creds_name_or_a_self_made_identity_are_refused(relay: Jwt
 
 def test_a_revocation_closes_the_connected_node_and_refuses_it_after(relay: JwtRelay) -> None:
     a, a_creds = relay.enrol("a")
-    b, b_creds = relay.enrol("b")
+    _, b_creds = relay.enrol("b")
 
     async def scenario() -> tuple[float, str, str, list[bytes]]:
         closed = asyncio.Event()
@@ -323,6 +323,7 @@ def test_a_revocation_closes_the_connected_node_and_refuses_it_after(relay: JwtR
             pass
 
         node_a = await _connect(relay.url, a_creds, "a", allow_reconnect=False, closed_cb=on_closed, error_cb=quiet)
+        assert node_a.is_connected
         node_b = await _connect(relay.url, b_creds, "b")
         heard: list[bytes] = []
 
