@@ -47,10 +47,11 @@ def _pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-async def _run(tmp: Path, url: str, keys: ri.HallKeys, pid: int) -> dict[str, Any]:
+async def _run(tmp: Path, url: str, keys: ri.HallKeys, pid: int, out: dict[str, Any]) -> dict[str, Any]:
+    """Fills ``out`` as it goes (``phase``: the step under way, so a failure says where it happened)."""
     import nats
 
-    out: dict[str, Any] = {"nodes": NODES}
+    out.update({"nodes": NODES, "phase": "mint"})
     cpu0 = _cpu_s(pid)
     out["rss_started_mib"] = round(_rss_mib(pid), 1)
 
@@ -61,6 +62,7 @@ async def _run(tmp: Path, url: str, keys: ri.HallKeys, pid: int) -> dict[str, An
 
     admin = await ri.RelayAdmin.connect(url, keys, timeout=10)
     try:
+        out["phase"] = "push"
         cpu = _cpu_s(pid)
         started = time.monotonic()
         await admin.push_many((i.account_jwt for i in identities), concurrency=128)
@@ -68,6 +70,7 @@ async def _run(tmp: Path, url: str, keys: ri.HallKeys, pid: int) -> dict[str, An
         out["push_relay_cpu_s"] = round(_cpu_s(pid) - cpu, 2)
         out["rss_after_push_mib"] = round(_rss_mib(pid), 1)
 
+        out["phase"] = "issue one more"
         # one more node, enrolled while the relay holds the 5,000: push to connected
         extra_key = ri.NKey.generate("user")
         started = time.monotonic()
@@ -78,6 +81,7 @@ async def _run(tmp: Path, url: str, keys: ri.HallKeys, pid: int) -> dict[str, An
         out["issue_to_connected_s"] = round(time.monotonic() - started, 3)
         await nc.close()
 
+        out["phase"] = "connect all"
         closed = {i.node: asyncio.Event() for i in identities}
         clients: list[Any] = []
         cpu = _cpu_s(pid)
@@ -108,6 +112,7 @@ async def _run(tmp: Path, url: str, keys: ri.HallKeys, pid: int) -> dict[str, An
         out["connect_relay_cpu_s"] = round(_cpu_s(pid) - cpu, 2)
         out["rss_all_connected_mib"] = round(_rss_mib(pid), 1)
 
+        out["phase"] = "revoke"
         latencies: list[float] = []
         cpu = _cpu_s(pid)
         for identity in identities[:: NODES // REVOKED][:REVOKED]:
@@ -123,6 +128,7 @@ async def _run(tmp: Path, url: str, keys: ri.HallKeys, pid: int) -> dict[str, An
         out["relay_cpu_total_s"] = round(_cpu_s(pid) - cpu0, 2)
         out["rss_end_mib"] = round(_rss_mib(pid), 1)
         out["resolver_files"] = len(list((tmp / "resolver").glob("*.jwt")))
+        out.pop("phase")
         await asyncio.gather(*(c.close() for c in clients if not c.is_closed), return_exceptions=True)
     finally:
         await admin.close()
@@ -156,8 +162,12 @@ def bench_relay_jwt_identities() -> Iterator[dict[str, Any]]:
 
             wait_for(up, 60, "nats-server serving", interval=0.01)
             start_s = time.monotonic() - started
-            result = asyncio.run(_run(tmp, f"nats://127.0.0.1:{port}", keys, proc.pid))
-            yield {"start_s": round(start_s, 3), "config_bytes": conf.stat().st_size, **result}
+            out: dict[str, Any] = {"start_s": round(start_s, 3), "config_bytes": conf.stat().st_size}
+            try:
+                asyncio.run(_run(tmp, f"nats://127.0.0.1:{port}", keys, proc.pid, out))
+            except Exception as e:  # a shared machine under load: say which step failed, with what got that far
+                out["error"] = f"{out.get('phase')}: {type(e).__name__}: {e}"
+            yield out
         finally:
             proc.terminate()
             proc.wait(10)
