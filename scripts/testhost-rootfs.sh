@@ -7,14 +7,17 @@
 # after debootstrap with a policy-rc.d that refuses every start (a chroot's postinst would otherwise start
 # postgresql and etcd on the build machine's own network) and without Debian's "main" cluster (Patroni makes its
 # own); the policy is removed afterwards, so the hosts behave as before. python3-apt: Ansible's apt module finds
-# an installed package without network; iproute2 and iputils-ping: a scenario's private network checked from inside.
+# an installed package without network; iproute2 and iputils-ping: a scenario's private network checked from inside;
+# prometheus and prometheus-node-exporter: role monitoring on the control hosts (verify runs them with the files
+# the role wrote).
 #
 # KEY names what the rootfs holds: a cached rootfs with another key (an older list) is built again.
 set -euo pipefail
 dir=${1:-/var/cache/sco-testhost/rootfs}
 BASE_PACKAGES=python3,python3-venv,systemd,openssh-server,procps
-EXTRA_PACKAGES=(postgresql patroni etcd-server etcd-client python3-apt iproute2 iputils-ping)
-KEY="v3 $BASE_PACKAGES ${EXTRA_PACKAGES[*]}"
+EXTRA_PACKAGES=(postgresql patroni etcd-server etcd-client python3-apt iproute2 iputils-ping prometheus
+  prometheus-node-exporter)
+KEY="v4 $BASE_PACKAGES ${EXTRA_PACKAGES[*]}"
 cached() { [ -x "$dir/usr/sbin/sshd" ] && [ -x "$dir/usr/bin/python3" ] && [ "$(cat "$dir/.sco-complete" 2>/dev/null)" = "$KEY" ]; }
 if cached; then
   echo "testhost rootfs: cached at $dir"

@@ -87,6 +87,9 @@ def test_the_role_installs_the_rules_only_if_promtool_accepts_them(tmp_path: Pat
             "  roles:\n    - role: sco.orchestrator.monitoring\n"
             f"      monitoring_rules_dir: {rules_dir}\n      monitoring_promtool: {promtool_cmd}\n"
             f'      monitoring_rules_owner: "{os.getuid()}"\n      monitoring_rules_group: "{os.getgid()}"\n'
+            # the rules and the scrape file only (test_metrics_deployed renders node_exporter's and Prometheus's)
+            "      monitoring_node_exporter_enabled: false\n      monitoring_prometheus_enabled: false\n"
+            f"      monitoring_manage_packages: false\n      monitoring_scrape_file: {rules_dir}.scrape.yml\n"
         )
 
     book = tmp_path / "play.yml"
