@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -591,6 +592,171 @@ def test_preflight_names_every_problem_and_what_to_change_before_any_launch(  # 
     res = call("acquire", hall.args("acquire", out), check=True)
     assert res["preflight"]["spot"]["networks"] == [{"uuid": "5d1f0e1c-0000-4000-8000-000000000001"}], res
     assert res["launched"] == 1 and not tagged(cloud, "preflight")
+
+
+def _preflight_out(hall: Hall) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for step in ("demand", "plan", "arbitrate"):
+        out[step] = call(step, hall.args(step, out))
+    return out
+
+
+def test_auto_with_no_network_in_sight_fails_the_preflight_before_any_create(  # type: ignore[no-untyped-def]
+    openstack_cloud, cloud, fleet_dsn, kube, tmp_path, monkeypatch
+) -> None:
+    """Issue 31, defect 5: ``launch.networks: auto`` while the project sees no network, and Neutron cannot allocate
+    one (the loopback cloud's network endpoint answers the auto-allocated-topology dry run with a 404, as a Neutron
+    without the extension does). The preflight passed it; every create then failed in Nova (a 500 here). Now the
+    preflight says so, naming the pool and the setting, and no create is sent."""
+    if openstack_cloud.network is None:
+        pytest.skip("an attached cloud's network endpoint runs in its owner's process")
+    from openstack.compute.v2._proxy import Proxy
+
+    from sco.errors import ConfigError
+
+    creates: list[dict[str, Any]] = []
+    real_create = Proxy.create_server
+
+    def create_server(self: Any, **kw: Any) -> Any:
+        creates.append(kw)
+        return real_create(self, **kw)
+
+    monkeypatch.setattr(Proxy, "create_server", create_server)
+    # no network in sight, for Nova as for the preflight (the endpoint reads its seeded lists on every request)
+    monkeypatch.setitem(openstack_cloud.network.SEEDED, "networks", [])
+    hall = Hall("autonet", tmp_path, openstack_cloud, fleet_dsn, kube, cap=2)
+    hall.pools[0]["launch"] = {"networks": "auto"}
+    hall.pods(2)
+    try:
+        out = _preflight_out(hall)
+        with pytest.raises(ConfigError) as e:
+            call("acquire", hall.args("acquire", out))
+        (line,) = e.value.lines()
+        assert line.startswith("preflight: pools: spot: launch.networks: auto: the project sees no network, and "), line
+        assert "this cloud's Neutron has no auto-allocated-topology extension" in line, line
+        assert "(HTTP 404: " in line and 'give launch.networks (a network\'s name or id) or "none"' in line, line
+        assert creates == [] and not tagged(cloud, "autonet") and records(fleet_dsn, "autonet") == []
+    finally:
+        cleanup(cloud, "autonet")
+
+
+class _Neutron(ThreadingHTTPServer):
+    """A Neutron's answers to the reads the preflight of ``auto`` makes, as a test's own endpoint (the loopback
+    cloud's network endpoint answers every auto-allocated-topology request with a 404): one external network that
+    every project sees in its plain list but that Nova does not choose from (not shared, another project's), and
+    the dry run (``GET /v2.0/auto-allocated-topology/{project}?fields=dry-run``) answered with ``dry_run``: (status,
+    Neutron's message), or ``None`` for never (until ``close``)."""
+
+    daemon_threads = True
+    PUBLIC = {"id": "5d1f0e1c-0000-4000-8000-0000000000e1", "name": "public", "status": "ACTIVE", "shared": False,
+              "router:external": True, "project_id": "c0ffee", "tenant_id": "c0ffee", "admin_state_up": True,
+              "subnets": []}  # fmt: skip
+
+    def __init__(self, dry_run: tuple[int, str] | None) -> None:
+        from http.server import BaseHTTPRequestHandler
+        from urllib.parse import parse_qs, urlsplit
+
+        self.asked: list[str] = []
+        self.release = threading.Event()
+        server, public = self, self.PUBLIC
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _send(self, code: int, doc: dict[str, Any]) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                url = urlsplit(self.path)
+                path = url.path.rstrip("/").removeprefix("/v2.0")
+                if not path:
+                    self._send(200, {"versions": [{"id": "v2.0", "status": "CURRENT", "links": []}]})
+                elif path == "/networks":  # filtered as Neutron filters: every attribute given must match
+                    q = {k: {x.lower() for x in v} for k, v in parse_qs(url.query).items() if k != "fields"}
+                    nets = [n for n in [public] if all(str(n.get(k)).lower() in v for k, v in q.items())]
+                    self._send(200, {"networks": nets})
+                elif path.startswith("/auto-allocated-topology/"):
+                    server.asked.append(self.path)
+                    if dry_run is None:
+                        server.release.wait(120)
+                    elif dry_run[0] == 200:
+                        project = path.rsplit("/", 1)[1]
+                        self._send(200, {"auto_allocated_topology": {"id": "dry-run=pass", "tenant_id": project}})
+                    else:
+                        err = {"type": "AutoAllocationFailure", "message": dry_run[1], "detail": ""}
+                        self._send(dry_run[0], {"NeutronError": err})
+                else:
+                    self._send(404, {"NeutronError": {"type": "HTTPNotFound", "message": path, "detail": ""}})
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), H)
+        threading.Thread(target=self.serve_forever, daemon=True, name="neutron-autonet").start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.release.set()
+        self.shutdown()
+        self.server_close()
+
+
+@pytest.mark.parametrize("answer", ["deployment-error", "can-allocate", "silent"])
+def test_auto_is_checked_against_neutrons_dry_run_once_per_run(  # type: ignore[no-untyped-def]
+    openstack_cloud, cloud, fleet_dsn, kube, tmp_path, answer
+) -> None:
+    """The project sees only an external network (Nova does not choose from those: ``auto`` then asks Neutron for
+    a network): Neutron's dry run decides, once per run for every pool; its words reach the line; a Neutron that
+    never answers costs the connection's deadline, not the run."""
+    dry_run = {
+        "deployment-error": (409, "Deployment error: No default router:external network."),
+        "can-allocate": (200, ""),
+        "silent": None,
+    }[answer]
+    neutron = _Neutron(dry_run)
+    from sco.errors import ConfigError
+
+    hall = Hall("autonet-" + answer, tmp_path, openstack_cloud, fleet_dsn, kube, cap=1)
+    hall.common |= {"cloud": {**openstack_cloud.cloud_config, "network_endpoint_override": neutron.url}}
+    hall.common["api_timeout"] = 3.0
+    hall.pools[0]["launch"] = {"networks": "auto"}
+    hall.pools.append({**hall.pools[0], "name": "spot-b", "launch": {"networks": "auto"}})
+    hall.pods(2, cpu="3")  # one pod to a 4-vCPU instance, one instance to a pool: both pools launch
+    try:
+        out = _preflight_out(hall)
+        launching = sorted({p["pool"] for p in out["plan"]["plan"]["pools"] if p["launch"]})
+        assert launching == ["spot", "spot-b"], out["plan"]
+        started = time.monotonic()
+        if answer == "can-allocate":
+            res = call("acquire", hall.args("acquire", out), check=True)
+            assert {p: res["preflight"][p]["networks"] for p in launching} == dict.fromkeys(launching, "auto"), res
+        else:
+            with pytest.raises(ConfigError) as e:
+                call("acquire", hall.args("acquire", out), check=True)
+            lines = e.value.lines()
+            assert [line.split(": launch.networks: ")[0] for line in lines] == [
+                f"preflight: pools: {p}" for p in launching
+            ], lines
+            said = (
+                ": auto: the project sees no network, and Neutron cannot allocate one (HTTP 409: Deployment error:"
+                " No default router:external network.): give launch.networks"
+                if answer == "deployment-error"
+                else ": auto: the project sees no network, and Neutron did not answer its auto-allocation check ("
+            )
+            assert all(said in line for line in lines), lines
+        assert time.monotonic() - started < 20  # the silent dry run is given up at the 3 s deadline
+        assert len(neutron.asked) == 1 and neutron.asked[0].endswith("?fields=dry-run"), neutron.asked
+        assert not tagged(cloud, hall.name)
+    finally:
+        neutron.close()
 
 
 def _run_module(name: str, args: dict[str, Any], tmp_path: Path) -> dict[str, Any]:

@@ -117,6 +117,7 @@ class Resolver:
         self.meter = meter
         self.check = check
         self._cache: dict[str, list[Any]] = {}
+        self._auto_why: str | None = None  # why Neutron cannot allocate the project a network ("": it can)
 
     def _all(self, kind: str) -> list[Any]:
         if kind not in self._cache:
@@ -125,6 +126,12 @@ class Resolver:
                 "flavor": lambda: c.compute.flavors(details=False),
                 "image": lambda: c.image.images(),
                 "network": lambda: c.network.networks(),
+                # the networks Nova chooses from for "auto": the project's own and the shared ones (an admin's
+                # plain list holds every project's networks, and anyone's holds the external ones)
+                "nova_network": lambda: [
+                    *c.network.networks(project_id=c.current_project_id, is_shared=False),
+                    *c.network.networks(is_shared=True),
+                ],
                 "port": lambda: c.network.ports(),
                 "security_group": lambda: c.network.security_groups(),
                 "keypair": lambda: c.compute.keypairs(),
@@ -167,11 +174,17 @@ class Resolver:
             problems.append(f"{where}: image: give the image to boot (name or id)")
         networks: Any = spec.networks
         if spec.networks == "auto" and not spec.ports:
-            seen = self._safe("network", where, problems)
-            if len(seen) > 1 and "network" in self._cache:
+            seen = self._safe("nova_network", where, problems)
+            if len(seen) > 1 and "nova_network" in self._cache:
                 problems.append(
                     f"{where}: launch.networks: auto picks a network only when the project sees exactly one, and it"
                     f" sees {len(seen)} ({_names(seen)}): give launch.networks"
+                )
+            elif not seen and "nova_network" in self._cache and (why := self._auto_allocation()):
+                problems.append(
+                    f"{where}: launch.networks: auto: the project sees no network, and {why}: give launch.networks"
+                    ' (a network\'s name or id) or "none", or have the cloud set up auto-allocation (a default'
+                    " external network and subnet pool)"
                 )
         if isinstance(spec.networks, list):
             nets = [one("network", f"launch.networks[{i}]", n, "its networks") for i, n in enumerate(spec.networks)]
@@ -230,8 +243,31 @@ class Resolver:
         try:
             return self._all(kind)
         except Exception as e:
-            problems.append(f"{where}: the cloud did not answer the {kind} lookup: {cloud_message(e)}")
+            label = "network" if kind == "nova_network" else kind.replace("_", " ")
+            problems.append(f"{where}: the cloud did not answer the {label} lookup: {cloud_message(e)}")
             return []
+
+    def _auto_allocation(self) -> str:
+        """Why Neutron cannot allocate this project a network, as Nova's ``auto`` asks it to when the project sees
+        none ("" when it can): Neutron's dry run (GET /v2.0/auto-allocated-topology/{project}?fields=dry-run, the
+        check Nova makes), once per run. Like every call here it has the connection's deadline (``api_timeout``)."""
+        if self._auto_why is None:
+            try:
+                self.cloud.network.validate_auto_allocated_topology()
+                self._auto_why = ""
+            except Exception as e:
+                code = getattr(e, "status_code", None)
+                said = cloud_message(e)
+                self._auto_why = (
+                    f"Neutron cannot allocate one ({said})"  # its AutoAllocationFailure: "Deployment error: ..."
+                    if code == 409
+                    else f"this cloud's Neutron has no auto-allocated-topology extension ({said})"
+                    if code == 404
+                    else f"Neutron refused its auto-allocation check ({said})"
+                    if code
+                    else f"Neutron did not answer its auto-allocation check ({said})"
+                )
+        return self._auto_why
 
     def _has_volumes(self) -> bool:
         try:
