@@ -137,7 +137,20 @@ def test_crash_in_the_middle_and_rerun_launches_no_duplicate(openstack_cloud, cl
             assert proc.returncode == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
             before = tagged(cloud, "crash", "spot", "e1")
             assert 8 <= len(before) < 30
-            out = Acquirer(cloud, st, lambda n: "#cloud-config\n").apply(PlanEntry("crash", "spot", "e1", 30))
+            acq = Acquirer(cloud, st, lambda n: "#cloud-config\n")
+            out = acq.apply(PlanEntry("crash", "spot", "e1", 30))
+            # The contract (ARCHITECTURE.md, Acquirer): one rerun holds the count unless Nova failed a build of its
+            # own (ERROR under load, taken back); then its result says how many are pending and why, and the next
+            # run (the timer's) launches them. A rerun short of its count with nothing pending is the defect.
+            held = len([i for i in st.instances("crash") if i.state == "active"])
+            assert out.pending == 30 - held, (out.pending, held, out.warnings)
+            if out.pending:
+                assert any(f"{out.pending} pending" in w for w in out.warnings), out.warnings
+                assert [f.at for f in out.failures] == ["build"] * len(out.failures) and out.failures, out.failures
+                again = acq.apply(PlanEntry("crash", "spot", "e1", 30))
+                assert again.pending == 0, again.warnings
+            rerun_errored = len(out.failures)  # the rerun's own builds Nova failed: launched, then taken back
+            launched = out.launched + (again.launched if out.pending else 0)
             after = tagged(cloud, "crash", "spot", "e1")
             names = [s.name for s in after]
             assert len(after) == 30 and len(set(names)) == 30  # no duplicate
@@ -149,7 +162,7 @@ def test_crash_in_the_middle_and_rerun_launches_no_duplicate(openstack_cloud, cl
             }  # fmt: skip
             gone = {s.id for s in before} - {s.id for s in after}
             assert all("ERROR" in deleted.get(sid, "") for sid in gone), (gone, deleted, out.warnings)
-            assert out.launched == 30 - len(before) + len(gone)
+            assert launched == 30 - len(before) + len(gone) + rerun_errored
             rows = st.instances("crash")
             assert len(rows) == 30 and {r.state for r in rows} == {"active"}
             assert len({r.server_id for r in rows}) == 30

@@ -43,7 +43,7 @@ from sco.errors import ConfigError, ScoError
 from sco.provider.reservations import merge_hints
 from sco.state.fleet import FleetState, Instance, Pool
 
-__all__ = ["AcquireError", "Acquirer", "Budget", "Outcome", "PlanEntry"]
+__all__ = ["AcquireError", "Acquirer", "Budget", "Failure", "Outcome", "PlanEntry"]
 
 DNS = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
 UserData = Callable[[str], str]  # node name -> cloud-init user-data
@@ -94,6 +94,32 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
     """The cloud's own messages for launches it refused or failed (quota, NoValidHost, a bad request)."""
     warnings: list[str] = field(default_factory=list)
+    attempts: int = 0
+    """Creates this run sent to Nova."""
+    failures: list[Failure] = field(default_factory=list)
+    """This run's launches that did not become an instance: refused by the API or built to ERROR."""
+    pending: int = 0
+    """Instances the entry asks for that it does not hold at the end of the run (a build Nova failed, taken back;
+    a create refused): the next run launches them again. 0 when the entry holds its count."""
+
+    @property
+    def refused_every_launch(self) -> bool:
+        """Every create this run sent failed, and not only for capacity (quota, no valid host), which marks the
+        pool unavailable for the plan to route around."""
+        return (
+            bool(self.attempts) and len(self.failures) >= self.attempts and any(not f.capacity for f in self.failures)
+        )
+
+
+@dataclass(frozen=True)
+class Failure:
+    name: str
+    message: str
+    """The cloud's own words (the API's answer, or the ERROR build's fault)."""
+    at: str
+    """create (the API refused it) or build (Nova accepted it, the build went to ERROR)"""
+    capacity: bool = False
+    """Quota or no valid host: the pool is marked unavailable."""
 
 
 def _quota_error(e: Exception) -> bool:
@@ -148,6 +174,7 @@ class Acquirer:
         self.sleep = sleep
         # pool -> scheduler hints of its creates (a committed pool's Blazar reservation: reservation_hints)
         self.scheduler_hints = dict(scheduler_hints or {})
+        self._sent: set[str] = set()
 
     @property
     def api_calls(self) -> int:
@@ -163,6 +190,7 @@ class Acquirer:
         without them, the pool's flavor and image ids from the fleet state and no network."""
         entry.check()
         out = Outcome(entry)
+        self._sent = set()  # servers this run created (its own builds, not a crashed run's)
         calls0 = self.meter.calls
         with self.state.writer(entry.hall, wait_s=self.lock_wait_s):
             pool = self.state.pool(entry.hall, entry.pool)
@@ -212,6 +240,15 @@ class Acquirer:
                 self._wait_active(entry, out, started)
             out.instances = self.state.instances(entry.hall, pool=entry.pool, plan_entry=entry.entry)
             out.active = sum(1 for i in out.instances if i.state == "active")
+            out.pending = max(0, entry.count - len(out.instances))
+            if out.pending:
+                # not launched again in this run: the build failed in Nova (or the create was refused), and a
+                # retry now meets the same cloud; the timer's next run launches them (its plan asks again)
+                why = "; ".join(out.errors[-out.pending :]) or "see errors"
+                out.warnings.append(
+                    f"{entry.pool}/{entry.entry}: holds {len(out.instances)} of {entry.count}, {out.pending} pending:"
+                    f" {why}; the next run launches them again"
+                )
         out.api_calls = self.meter.calls - calls0
         return out
 
@@ -245,6 +282,8 @@ class Acquirer:
                 kw["availability_zone"] = pool.availability_zone
             kw = merge_hints(kw, self.scheduler_hints.get(e.pool))  # a server group's hint is kept
             self.meter.pay()
+            with self.meter.lock:
+                out.attempts += 1
             try:
                 srv = self.cloud.compute.create_server(**kw)
             except Exception as ex:
@@ -254,6 +293,7 @@ class Acquirer:
                 with self.meter.lock:
                     out.failed += 1
                     out.errors.append(f"{name}: {msg[:500]}")
+                    out.failures.append(Failure(name, msg[:500], "create", quota))
                 if quota:
                     stop.set()
                     self._unavailable(e, f"quota: {msg[:300]}", out)
@@ -261,6 +301,7 @@ class Acquirer:
             self._record(self.state.transition, inst.id, "launching", "launch.requested", server_id=srv.id, name=name)
             with self.meter.lock:
                 out.launched += 1
+                self._sent.add(srv.id)
 
         with concurrent.futures.ThreadPoolExecutor(max(1, min(self.concurrency, len(slots)))) as ex:
             for f in [ex.submit(one, s) for s in slots]:
@@ -303,6 +344,12 @@ class Acquirer:
                     out.failed += 1
                     out.errors.append(f"{inst.name}: {fault[:500]}")
                     errored.append(s.id)
+                    low = fault.lower()
+                    capacity = any(w in low for w in ("no valid host", "exhausted all hosts", "quota exceeded"))
+                    if s.id in self._sent:
+                        out.failures.append(
+                            Failure(inst.name, fault[:500] or "ERROR, no fault given", "build", capacity)
+                        )
                     if "no valid host" in fault.lower():
                         self._unavailable(e, f"NoValidHost: {fault[:300]}", out)
                     elif "exhausted all hosts" in fault.lower():  # builds refused on every host (e.g. a group policy)

@@ -396,6 +396,7 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
         "launched": 0,
         "deleted": 0,
         "launch_failures": 0,
+        "pending": [],
         "errors": [],
         "unavailable": [],
         "preflight": {},
@@ -408,7 +409,7 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
     if not targets:
         return result
     from sco.control.launch import Resolver
-    from sco.control.nova import Meter
+    from sco.control.nova import CloudError, Meter
     from sco.state.fleet import FleetState
     from sco.state.fleet import Pool as StatePool
 
@@ -457,6 +458,7 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
         from sco.control.acquirer import Acquirer, PlanEntry
 
         bundle = load_bundle(o.plan.hall)
+        outcomes = []
         keys = [load_private(Path(k)) for k in o.signing_keys]
         if not keys and any(t.launch for t in targets):
             raise ConfigError("signing_keys: give the keys that sign each new instance's contract subset")
@@ -476,6 +478,15 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
 
             acq = Acquirer(cloud, state, render, meter=meter, concurrency=o.concurrency, scheduler_hints=hints)
             outcome = acq.apply(PlanEntry(hall, t.pool, t.entry, t.count, t.delete), lp)
+            outcomes.append(outcome)
+            if outcome.pending:
+                result["pending"].append(f"{t.pool}/{t.entry}: {outcome.pending} of {t.count}")
+            built = [f for f in outcome.failures if f.at == "build"]
+            if built:  # named, so a run that goes on is not silent about what Nova failed
+                result["warnings"].append(
+                    f"{t.pool}/{t.entry}: {len(built)} builds in ERROR, taken back: "
+                    + "; ".join(f"{f.name}: {f.message}" for f in built)
+                )
             result["launched"] += outcome.launched
             result["deleted"] += outcome.deleted
             result["launch_failures"] += outcome.failed
@@ -487,6 +498,16 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
                 if outcome.skipped:
                     result["warnings"].append(f"{t.pool}/{t.entry}: nothing launched: {why}")
         result["api_calls"] = meter.calls
+    tried = sum(x.attempts for x in outcomes)
+    failures = [f for x in outcomes for f in x.failures]
+    if tried and len(failures) >= tried and any(not f.capacity for f in failures):
+        # nothing this step launched became an instance, and not for capacity (which marks the pool unavailable
+        # for the plan to route around): the run must fail, with the cloud's words, or no alert can see it
+        said: dict[str, int] = {}
+        for f in failures:
+            said[f.message] = said.get(f.message, 0) + 1
+        words = "; ".join(f"{m}" + (f" ({n} times)" if n > 1 else "") for m, n in sorted(said.items()))
+        raise CloudError(f"acquire: the cloud refused every launch of this run ({len(failures)} of {tried}): {words}")
     return result
 
 
