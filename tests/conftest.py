@@ -33,6 +33,7 @@ _CLOUD_GROUP = {
     "test_provider_openstack": "cloud-b",
     "test_blazar_leases": "cloud-b",
     "test_reclaimer": "cloud-b",
+    "test_openstack_policy": "cloud-b",
     "test_acquire_calls": "cloud-b",
 }
 

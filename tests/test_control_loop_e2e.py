@@ -127,7 +127,8 @@ def lay_out(tmp: Path, extravars: dict[str, Any]) -> tuple[list[str], dict[str, 
     r = ansible_runner.run(
         private_data_dir=str(pdd),
         playbook="play.yml",
-        extravars={**extravars, "ansible_python_interpreter": sys.executable},
+        # the ConfigMap publisher is tested on its own (test_configmap_unit)
+        extravars={"control_loop_configmap_enabled": False, **extravars, "ansible_python_interpreter": sys.executable},
         envvars={"ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"},
         quiet=True,
     )

@@ -571,6 +571,7 @@ class OpenStackCloud:
             + self._authtoken("glance")
         )
         shutil.copy(self.venv / "etc" / "nova" / "api-paste.ini", r / "nova" / "api-paste.ini")
+        (r / "nova" / "policy.yaml").write_text("{}\n")  # the defaults, until a test loads rules (load_policy)
         assert self.network is not None
         q = QUOTA
         (r / "nova" / "nova.conf").write_text(
@@ -611,6 +612,9 @@ class OpenStackCloud:
                 ram = {q["ram"]}
                 [oslo_messaging_notifications]
                 driver = noop
+                [oslo_policy]
+                # tests load rules here (load_policy): oslo.policy re-reads it when it changes
+                policy_file = {r}/nova/policy.yaml
                 [vnc]
                 enabled = false
                 [os_vif_ovs]
@@ -677,20 +681,31 @@ class OpenStackCloud:
 
     # --- projects for tests -----------------------------------------------------------------------------
 
-    def make_project(self, name: str, **quota: int) -> dict[str, Any]:
-        """A project with its own member user and compute quota; returns its auth settings."""
+    def make_project(self, name: str, roles: tuple[str, ...] = ("member", "admin"), **quota: int) -> dict[str, Any]:
+        """A project with its own user (given ``roles`` there, each made if the cloud has none of that name) and
+        compute quota; returns its auth settings."""
         conn = self.connect()
         ident = conn.identity
         proj = ident.create_project(name=name, domain_id="default")
         user = ident.create_user(name=f"{name}-user", password=PASSWORD, domain_id="default")
-        for role in ("member", "admin"):
-            r = ident.find_role(role)
-            if r is not None:
-                ident.assign_project_role_to_user(proj, user, r)
+        for role in roles:
+            r = ident.find_role(role) or ident.create_role(name=role)
+            ident.assign_project_role_to_user(proj, user, r)
         conn.set_compute_quotas(proj.id, **{**QUOTA, **quota})
         conn.close()
         auth = {**self.cloud_config["auth"], "username": f"{name}-user", "project_name": name}
         return {"auth": auth, "region_name": REGION, "identity_api_version": "3", "project_id": proj.id}
+
+    def load_policy(self, service: str, text: str) -> str:
+        """Replace the running ``service``'s (nova or blazar) policy file with ``text``; returns what it held.
+        Each API process's oslo.policy sees the file's new mtime at its next check and re-reads it: no restart.
+        The shared cloud's other tests run beside: keep the rules such that they only add a role."""
+        path = self.root / service / "policy.yaml"
+        before = path.read_text()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)  # never a half-written file under a running API
+        return before
 
     # --- metadata as the instance sees it --------------------------------------------------------------
 
@@ -751,10 +766,13 @@ class OpenStackCloud:
                 lock_path = {b}
                 [oslo_messaging_notifications]
                 driver = noop
+                [oslo_policy]
+                policy_file = {b}/policy.yaml
                 """
             )
             + self._authtoken("blazar")
         )
+        (b / "policy.yaml").write_text("{}\n")
         conf = str(b / "blazar.conf")
         self._run("blazar-db-manage", "blazar-db-manage", "--config-file", conf, "upgrade", "head")
         self._spawn("blazar-manager", [self._bin("blazar-manager"), "--config-file", conf])

@@ -562,7 +562,7 @@ def step_reclaim(o: ReclaimOptions, check: bool, store: Any = None) -> dict[str,
         hall=hall, nodes=tuple(todo), window_s=o.window, nats_url=o.nats_url or "",
         signing_keys=[load_private(Path(k)) for k in o.notice_keys], dsn=store.dsn, nats_auth=dict(o.nats_auth),
         lock_wait_s=o.lock_wait, wait=o.wait or not noticing, floor=floor, retry_for_s=o.retry_for,
-        before_leases=o.before_leases,
+        before_leases=o.before_leases, lease_lookahead_s=o.lease_lookahead,
     )  # fmt: skip
     try:
         done = asyncio.run(reclaim(settings, o.cloud.connect()))

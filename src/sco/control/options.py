@@ -227,6 +227,9 @@ class ReclaimOptions:
     nodes: tuple[str, ...] = ()
     window: float = 120.0
     before_leases: bool = False
+    lease_lookahead: float = 60.0
+    """With before_leases: how much further than a window to look (at least the loop's period, so each lease is
+    seen a whole window before it starts by one run or the one before)."""
     nats_url: str | None = None
     nats_auth: Mapping[str, Any] = field(default_factory=dict)
     notice_keys: tuple[str, ...] = ()
@@ -252,6 +255,7 @@ class ReclaimOptions:
             nodes=tuple(str(n) for n in p.get("nodes") or ()),
             window=window_s,
             before_leases=bool(p.get("before_leases")),
+            lease_lookahead=_non_negative(p, "lease_lookahead", 60.0),
             nats_url=str(p["nats_url"]) if p.get("nats_url") else None,
             nats_auth=nats_auth(p),
             notice_keys=keys,

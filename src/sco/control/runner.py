@@ -53,7 +53,11 @@ def summarise(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         if e.get("event") == "runner_on_failed":
             failed.append(f"{data.get('task', '?')}: {(data.get('res') or {}).get('msg', 'failed')}")
         if step and e.get("event") == "runner_on_ok":
-            res[step] = data.get("res") or {}
+            got = data.get("res") or {}
+            # two reclaim tasks: finishing earlier runs' reclaims, and a Blazar hall's before-leases reclaim
+            if step == "reclaim" and ((got.get("invocation") or {}).get("module_args") or {}).get("before_leases"):
+                step = "reclaim_leases"
+            res[step] = got
     demand = res.get("demand", {})
     plan = (res.get("plan") or {}).get("plan") or {}
     arb = (res.get("arbitrate") or {}).get("arbitration") or {}
@@ -67,6 +71,8 @@ def summarise(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         ],
         "reclaim_busy": fin.get("busy"),
         "unnoticed_reclaims": [f"{u['name']}: {u['why']}" for u in fin.get("unnoticed", [])],
+        # a Blazar hall: the instances on hosts a host lease takes soon, noticed and deleted before it starts
+        "reclaimed_before_leases": [r["name"] for r in (res.get("reclaim_leases") or {}).get("reclaimed", [])],
         "demand_units": demand.get("units", {}),
         "uncontracted": demand.get("uncontracted", 0),
         "plan_digest": plan.get("digest", ""),
@@ -101,6 +107,8 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         late = f"{f['late_s']:.1f} s after its T" if f["late_s"] > 1.0 else "at its T"
         lines.append(f"finished the reclaim of {f['name']}: deleted {late} ({f['state']})")
     lines += [f"NOT finished the reclaim of {u}" for u in s.get("unnoticed_reclaims", [])]
+    if s.get("reclaimed_before_leases"):
+        lines.append(f"reclaimed before Blazar host leases: {', '.join(s['reclaimed_before_leases'])}")
     rec = s.get("reconcile") or {}
     if rec.get("drift"):
         lines.append(

@@ -200,20 +200,31 @@ async def _before_leases(s: ReclaimSettings, cloud: Any, st: FleetState, now: fl
     """The hall's active reclaimable instances on hosts a host lease takes within a window (plus the look-ahead):
     name -> (when it must be gone, why)."""
     import asyncio
+    import hashlib
 
-    from sco.provider.reservations import hosts_to_clear, read_allocations, read_reservations
+    from sco.provider.reservations import leases_to_clear, read_host_allocations, read_reservations
 
+    # every project's host leases: /leases shows a non-admin credential its own project's only, the hosts'
+    # allocations show them all (docs/OPENSTACK-POLICY.md)
     leases = await asyncio.to_thread(read_reservations, cloud)
-    clearings = hosts_to_clear(
-        leases, await asyncio.to_thread(read_allocations, cloud), now, s.window_s + s.lease_lookahead_s
-    )
+    allocations = await asyncio.to_thread(read_host_allocations, cloud)
+    clearings = leases_to_clear(leases, allocations, now, s.window_s + s.lease_lookahead_s)
     if not clearings:
         return {}
     by_host = {h: c for c in reversed(clearings) for h in c.hosts}  # the earliest lease wins a host
 
     def servers() -> dict[str, tuple[str, ...]]:
-        found = cloud.compute.servers(details=True, all_projects=True, tags=f"sco-hall={s.hall}")
-        return {x.id: (x.compute_host or "", x.hypervisor_hostname or "") for x in found}
+        # The hall's servers are the control plane's project's (the acquirer's credential), so no all_projects
+        # (an admin rule). A member does not see a server's host (OS-EXT-SRV-ATTR, admin by default) but sees its
+        # hostId, Nova's sha224(project id + host): each lease host is hashed alike and compared, so the step
+        # needs no Nova rule beyond a member's (docs/OPENSTACK-POLICY.md).
+        found = cloud.compute.servers(details=True, tags=f"sco-hall={s.hall}")
+        out = {}
+        for x in found:
+            named = [h for h in (x.compute_host, x.hypervisor_hostname) if h]
+            hashed = [hashlib.sha224(f"{x.project_id or ''}{h}".encode()).hexdigest() for h in by_host]
+            out[x.id] = tuple(named) + tuple(h for h, d in zip(by_host, hashed, strict=True) if d == x.host_id)
+        return out
 
     hosts_of = await asyncio.to_thread(servers)
     reclaimable = {

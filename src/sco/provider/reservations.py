@@ -13,6 +13,12 @@ places them on the reserved hosts.
 Blazar preempts at a host lease's start: every server on the hosts it moves out of its free pool is deleted at
 once, with no notice (``terminate_preemptibles``). ``hosts_to_clear`` names the hosts of leases about to start, so
 the reclaimer can notice, drain and delete the reclaimable instances there one notice window before.
+
+Any project's lease takes hosts, but ``GET /leases`` shows a credential without Blazar's ``admin`` rule (which
+grants everything) only its own project's leases, and says nothing of the others. ``GET /os-hosts/allocations``
+shows every project's reservations on the hosts with their lease and dates, so the times to clear come from there
+(``host_allocations``): only ``blazar:oshosts:get`` and ``blazar:oshosts:get_allocations`` need granting
+(docs/OPENSTACK-POLICY.md).
 """
 
 from __future__ import annotations
@@ -110,21 +116,49 @@ def _get(cloud: Any, path: str) -> Any:
     except Exception as e:  # no reservation service in the catalog, unreachable, or silent past the deadline
         raise ReservationError(f"Blazar (service_type reservation): GET {path}: {type(e).__name__}: {e}") from None
     if resp.status_code != 200:
-        raise ReservationError(f"Blazar: GET {path} answered {resp.status_code}: {resp.text[:300]}")
+        raise ReservationError(f"Blazar: GET {path} answered {resp.status_code}: {_said(resp)}")
     try:
         return resp.json()
     except ValueError:
         raise ReservationError(f"Blazar: GET {path}: not JSON") from None
 
 
+def _said(resp: Any) -> str:
+    """Blazar's own message, on one line: its error document's ``error_message`` (a policy refusal names the
+    rule: "Policy doesn't allow blazar:oshosts:get to be performed."), else the body's start. A refusal says where
+    the rules are documented."""
+    text = resp.text or ""
+    try:
+        doc = resp.json()
+        text = str(doc.get("error_message") or text) if isinstance(doc, dict) else text
+    except ValueError:
+        pass
+    line = " ".join(text.split())[:300] or f"HTTP {resp.status_code}"
+    if resp.status_code == 403:
+        line += " (the rules the control plane's credential needs: docs/OPENSTACK-POLICY.md)"
+    return line
+
+
 def read_reservations(cloud: Any) -> list[Reservation]:
-    """Every reservation of every lease the connection's project may see (admin: all projects)."""
+    """Every reservation of every lease the connection's project may see (its own project's; Blazar's ``admin``
+    rule: all projects)."""
     return parse_leases(_get(cloud, "/leases"))
 
 
-def parse_allocations(hosts_doc: Any, allocations_doc: Any) -> dict[str, tuple[str, ...]]:
-    """reservation id -> names of the hosts Blazar allocated to it (``GET /os-hosts`` and
-    ``GET /os-hosts/allocations``). A host is named as Nova names it (service name and hypervisor hostname, which
+@dataclass(frozen=True)
+class HostAllocation:
+    """One host reservation as ``GET /os-hosts/allocations`` shows it, whichever project's lease it is."""
+
+    reservation_id: str
+    lease_id: str
+    start: float  # its lease's dates, epoch seconds
+    end: float
+    hosts: tuple[str, ...]  # as Nova names them (service name, hypervisor hostname)
+
+
+def parse_host_allocations(hosts_doc: Any, allocations_doc: Any) -> list[HostAllocation]:
+    """The host reservations Blazar holds hosts for (``GET /os-hosts`` and ``GET /os-hosts/allocations``), each
+    with its lease, its dates and its hosts, named as Nova names them (service name and hypervisor hostname, which
     are usually the same)."""
     if not isinstance(hosts_doc, dict) or not isinstance(hosts_doc.get("hosts"), list):
         raise ReservationError('Blazar: GET /os-hosts: expected {"hosts": [...]}')
@@ -136,19 +170,40 @@ def parse_allocations(hosts_doc: Any, allocations_doc: Any) -> dict[str, tuple[s
             names[str(h["id"])] = tuple(
                 dict.fromkeys(str(h[k]) for k in ("service_name", "hypervisor_hostname") if h.get(k))
             )
-    out: dict[str, list[str]] = {}
+    found: dict[str, tuple[str, float, float, list[str]]] = {}
     for a in allocations_doc["allocations"]:
         if not isinstance(a, dict):
             continue
         for r in a.get("reservations") or []:
-            if isinstance(r, dict) and r.get("id"):
-                out.setdefault(str(r["id"]), []).extend(names.get(str(a.get("resource_id")), ()))
-    return {k: tuple(dict.fromkeys(v)) for k, v in out.items()}
+            if not (isinstance(r, dict) and r.get("id")):
+                continue
+            rid, where = str(r["id"]), f"allocation of reservation {r['id']}"
+            if rid not in found:
+                start, end = (
+                    _time(r.get("start_date"), f"{where}.start_date"),
+                    _time(r.get("end_date"), f"{where}.end_date"),
+                )
+                found[rid] = (str(r.get("lease_id") or ""), start, end, [])
+            found[rid][3].extend(names.get(str(a.get("resource_id")), ()))
+    return [
+        HostAllocation(rid, lid, start, end, tuple(dict.fromkeys(hosts)))
+        for rid, (lid, start, end, hosts) in found.items()
+    ]
+
+
+def parse_allocations(hosts_doc: Any, allocations_doc: Any) -> dict[str, tuple[str, ...]]:
+    """reservation id -> names of the hosts Blazar allocated to it."""
+    return {a.reservation_id: a.hosts for a in parse_host_allocations(hosts_doc, allocations_doc)}
+
+
+def read_host_allocations(cloud: Any) -> list[HostAllocation]:
+    """Every project's host reservations and their hosts (``blazar:oshosts:get``, ``...:get_allocations``)."""
+    return parse_host_allocations(_get(cloud, "/os-hosts"), _get(cloud, "/os-hosts/allocations"))
 
 
 def read_allocations(cloud: Any) -> dict[str, tuple[str, ...]]:
     """Which hosts each host reservation holds or will hold."""
-    return parse_allocations(_get(cloud, "/os-hosts"), _get(cloud, "/os-hosts/allocations"))
+    return {a.reservation_id: a.hosts for a in read_host_allocations(cloud)}
 
 
 def reservation_hints(
@@ -196,6 +251,28 @@ def hosts_to_clear(
         if now < r.start <= now + ahead_s and allocations.get(r.reservation_id):
             out.append(Clearing(r.lease_id, r.lease_name, r.reservation_id, r.start, allocations[r.reservation_id]))
     return sorted(out, key=lambda c: (c.start, c.lease_id))
+
+
+def leases_to_clear(
+    visible: Iterable[Reservation], allocations: Iterable[HostAllocation], now: float, ahead_s: float
+) -> list[Clearing]:
+    """``hosts_to_clear`` over every project's host reservations: those of the leases ``GET /leases`` showed
+    (``visible``) keep their lease's status rules (a PENDING or STARTING one is cleared for; an ACTIVE, ERROR or
+    TERMINATED one is not); one it did not show (another project's) is taken as not started, at its allocation's own
+    start. Blazar's host preemption is what is cleared for, so only the dates matter there."""
+    known = {r.reservation_id: r for r in visible if r.resource_type == "physical:host" and r.reservation_id}
+    merged, hosts = [], {}
+    for a in allocations:
+        hosts[a.reservation_id] = a.hosts
+        merged.append(
+            known.get(a.reservation_id)
+            or Reservation(
+                lease_id=a.lease_id, lease_name=f"of another project ({a.lease_id})" if a.lease_id else "",
+                project_id="", status="PENDING", start=a.start, end=a.end, resource_type="physical:host",
+                amount=len(a.hosts), reservation_id=a.reservation_id,
+            )
+        )  # fmt: skip
+    return hosts_to_clear(merged, hosts, now, ahead_s)
 
 
 def committed_at(reservations: list[Reservation], t: float) -> dict[str, int]:

@@ -34,6 +34,13 @@ options:
       - Their deadline is the earlier of the window and 10 seconds before the lease starts.
     type: bool
     default: false
+  lease_lookahead:
+    description:
+      - With O(before_leases), seconds to look beyond one notice window for host leases. Give at least the period
+        of the runs (the control loop's timer interval), because a lease must be seen by a run a whole window before
+        it starts, and the run before it may be a period earlier.
+    type: float
+    default: 60
   nats_url:
     description: The hall's notice relay.
     type: str
@@ -168,6 +175,7 @@ def main() -> None:
         **common_argument_spec(),
         "nodes": {"type": "list", "elements": "str", "default": []},
         "before_leases": {"type": "bool", "default": False},
+        "lease_lookahead": {"type": "float", "default": 60},
         "nats_url": {"type": "str"},
         "nats_user": {"type": "str"},
         "nats_password": {"type": "str", "no_log": True},
