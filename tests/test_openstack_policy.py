@@ -126,7 +126,8 @@ def lay_out_blazar_hall(tmp: Path, blazar: Any, cfg: dict[str, Any], fleet_dsn: 
     (repo / "hall.yaml").write_text(TEST_POLICY)
     (repo / "contracts.yaml").write_text(CONTRACTS)
     (tmp / "bundle.json").write_bytes(sign(compile_repo(repo), [key]))
-    (tmp / "clouds.yaml").write_text(yaml.safe_dump({"clouds": {"hall": {k: v for k, v in cfg.items() if k != "project_id"}}}))
+    cloud = {k: v for k, v in cfg.items() if k != "project_id"}
+    (tmp / "clouds.yaml").write_text(yaml.safe_dump({"clouds": {"hall": cloud}}))
     seed = NKey.generate("user").seed.decode()  # the relay's reclaimer (the test's relay takes anyone)
     pool = {"flavor": blazar.flavors["sco.small"], "image": blazar.image_id, "vcpus": 1, "ramMiB": 512,
             "launch": {"networks": "none"}}  # fmt: skip
