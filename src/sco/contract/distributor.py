@@ -12,26 +12,22 @@ Layout under the publish root: ``<root>/<hall>/bundle.json``, served at ``/v1/ha
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
-import socket
-import sys
 import threading
 import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from sco._fs import atomic_write
+from sco._http_server import BoundedHandler, BoundedHTTPServer
 from sco.contract.bundle import Bundle, peek_payload
 from sco.contract.signing import Keyring
 from sco.errors import BundleError, RollbackError
 
 BUNDLE_NAME = "bundle.json"
-SHED_WAIT_S = 1.0  # for a shed connection's thread to give its slot back (it is woken at once)
 _PATH = re.compile(r"^/v1/halls/([a-z0-9]([-a-z0-9]*[a-z0-9])?)/bundle\.json$")
 
 
@@ -88,28 +84,13 @@ def _etag_matches(header: str | None, etag: str) -> bool:
     return "*" in tags or etag in tags
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
+    """No body is ever read (GET and HEAD only)."""
+
     server: DistributorServer
-    protocol_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        # No single read or write waits longer than this (a peer that stops reading the bundle).
-        super().setup()
-        self.connection.settimeout(self.server.idle_timeout)
-
-    def handle_one_request(self) -> None:
-        # The request line and every header must be in within header_timeout of the connection being ready for
-        # a request, however slowly they trickle in (a slowloris resets a per-read timeout with each byte); an
-        # idle keep-alive connection is closed by the same deadline. No body is ever read (GET and HEAD only).
-        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.header_timeout)
-        try:
-            super().handle_one_request()
-        finally:
-            self.server.deadlines.disarm(self.connection)
 
     def parse_request(self) -> bool:
-        ok = super().parse_request()
-        self.server.deadlines.disarm(self.connection)  # headers complete: the answer is not held to it
+        ok = super().parse_request()  # headers complete: the answer is not held to their deadline
         if ok and self.headers.get("Content-Length", "0") not in ("", "0"):
             self.close_connection = True  # a body announced is never read: it must not be parsed as a request
         return ok
@@ -164,71 +145,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._serve(head=True)
 
-    def log_message(self, format: str, *args: object) -> None:
-        if self.server.verbose:
-            super().log_message(format, *args)
 
-
-class _Deadlines:
-    """Connections with a deadline for their request's headers; one reaper thread shuts the overdue ones
-    (their blocked read returns at once, the handler thread ends)."""
-
-    def __init__(self, period: float = 0.25) -> None:
-        self._lock = threading.Lock()
-        self._by_conn: dict[socket.socket, float] = {}
-        self._stop = threading.Event()
-        self.reaped = 0
-        self.shed = 0  # shut early to make room for a new connection
-        threading.Thread(target=self._reap, args=(period,), name="distributor-deadlines", daemon=True).start()
-
-    def arm(self, conn: socket.socket, at: float) -> None:
-        with self._lock:
-            self._by_conn[conn] = at
-
-    def disarm(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._by_conn.pop(conn, None)
-
-    def shed_oldest(self) -> bool:
-        """Shut the connection whose deadline is nearest: the one that has waited longest for its request's
-        headers or been longest in writing an answer (False: none is armed)."""
-        with self._lock:
-            if not self._by_conn:
-                return False
-            conn = min(self._by_conn, key=self._by_conn.__getitem__)
-            del self._by_conn[conn]
-        self.shed += 1
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
-        return True
-
-    def _reap(self, period: float) -> None:
-        while not self._stop.wait(period):
-            now = time.monotonic()
-            with self._lock:
-                late = [c for c, at in self._by_conn.items() if at <= now]
-                for c in late:
-                    del self._by_conn[c]
-            for c in late:
-                self.reaped += 1
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-class DistributorServer(ThreadingHTTPServer):
+class DistributorServer(BoundedHTTPServer):
     """One thread per connection: at most ``max_connections`` at once and ``max_per_client`` from one address
     (more are closed at once: a node retries at its next refresh, and one client cannot take every slot); a
     request's line and headers must arrive within ``header_timeout`` seconds in all (a slowloris trickling a
     byte at a time is cut off), and no read or write waits more than ``idle_timeout``. With every slot taken, a
     new connection takes the slot of the one that has waited longest for its headers (a slowloris from many
     addresses holds them all; a node sends its GET within milliseconds, so it is never the oldest); only when
-    every slot is sending an answer is a new connection closed at once."""
-
-    daemon_threads = True
-    request_queue_size = 128
+    every slot is sending an answer is a new connection closed at once (sco._http_server)."""
 
     def __init__(
         self,
@@ -243,17 +168,13 @@ class DistributorServer(ThreadingHTTPServer):
     ):
         self.files = _Files(root)
         self.verbose = verbose
-        self.max_connections, self.max_per_client = max_connections, max_per_client
-        self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._per_client: dict[str, int] = {}
-        self._per_client_lock = threading.Lock()
-        self.refused_connections = 0
         self.requests: dict[int, int] = {}  # by HTTP status code (a small fixed set)
         self._requests_lock = threading.Lock()
         self._serials: dict[str, tuple[str, Any]] = {}  # hall: (etag, serial)
-        self.deadlines = _Deadlines()
-        super().__init__(address, _Handler)
+        super().__init__(
+            address, _Handler, max_connections=max_connections, max_per_client=max_per_client,
+            header_timeout=header_timeout, idle_timeout=idle_timeout, name="distributor-deadlines",
+        )  # fmt: skip
 
     def count(self, code: int) -> None:
         with self._requests_lock:
@@ -288,62 +209,6 @@ class DistributorServer(ThreadingHTTPServer):
             if isinstance(serial, int) and not isinstance(serial, bool):
                 lines.append(f'sco_distributor_bundle_serial{{hall="{d.name}"}} {serial}')
         return ("\n".join(lines) + "\n").encode()
-
-    def _take(self, client: str) -> bool:
-        with self._per_client_lock:
-            n = self._per_client.get(client, 0)
-            if n >= self.max_per_client:
-                return False
-            self._per_client[client] = n + 1
-        # Outside the lock: the shed connection's thread takes it to give its slot back.
-        if self._slots.acquire(blocking=False) or (
-            self.deadlines.shed_oldest() and self._slots.acquire(timeout=SHED_WAIT_S)
-        ):
-            return True
-        with self._per_client_lock:
-            n = self._per_client.pop(client, 1) - 1
-            if n > 0:
-                self._per_client[client] = n
-        return False
-
-    def _give(self, client: str) -> None:
-        with self._per_client_lock:
-            n = self._per_client.pop(client, 1) - 1
-            if n > 0:
-                self._per_client[client] = n
-            self._slots.release()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        client = str(client_address[0])
-        if not self._take(client):
-            self.refused_connections += 1
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._give(client)
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._give(str(client_address[0]))
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if isinstance(sys.exc_info()[1], OSError):
-            return  # a connection cut (by us at its deadline or to make room, or by the peer): nothing to report
-        super().handle_error(request, client_address)
-
-    def server_close(self) -> None:
-        self.deadlines.close()
-        super().server_close()
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host!s}:{port}"
 
 
 def parse_listen(value: str) -> tuple[str, int]:
