@@ -64,6 +64,13 @@ class AgentConfig:
     nats_token: str = ""
     nats_nkey_seed_file: str = ""
     nats_creds_file: str = ""
+    enrol_token: str = ""
+    """A one-time enrolment token (the acquirer writes it into agent.env at launch): with enrol_url, an agent whose
+    nats_creds_file does not exist yet exchanges it at start for its relay identity (the creds file, from a key
+    made here) and its Kubernetes token (kube_token_file). Unset nats_creds_file / kube_token_file then default to
+    state_dir/nats.creds and state_dir/kube-token."""
+    enrol_url: str = ""
+    """The hall's enrolment service (http(s)://host:port); see enrol_token."""
     notice_subject: str = "sco.notice.{hall}.{node}"
     events_subject: str = "sco.events.{hall}.{node}"
     heartbeat_subject: str = "sco.heartbeat.{hall}.{node}"
@@ -131,6 +138,11 @@ class AgentConfig:
     checkpoint_socket: str = "/run/sco/checkpoint.sock"
     """Unix socket workloads register on to be told of a notice (agent/CHECKPOINT-PROTOCOL.md); empty: none.
     Pods reach it by mounting its directory as a hostPath."""
+
+    @property
+    def enrols(self) -> bool:
+        """Whether this agent may enrol (token and URL given); it does so while its creds file does not exist."""
+        return bool(self.enrol_token and self.enrol_url)
 
     @property
     def spool_dir(self) -> Path:
@@ -238,11 +250,24 @@ def load(path: Path | None, env: dict[str, str] | None = None) -> AgentConfig:
         named = ("environment", "SCO_AGENT_NODE") if "SCO_AGENT_NODE" in env else (where, "agent.node")
         problems.append(Problem(*named, "set but empty: give this node's scheduler name, or unset it for the hostname"))
         values["node"] = "unset"  # reported above; keeps the cross-field checks from repeating it
-    cfg = AgentConfig(**values)
+    cfg = enrolment_defaults(AgentConfig(**values))
     problems += check(cfg, where)
     if problems:
         raise ConfigError(f"{len(problems)} problem(s) in the agent configuration", problems)
     return cfg
+
+
+def enrolment_defaults(cfg: AgentConfig) -> AgentConfig:
+    """An enrolling agent's credential files: where enrolment writes them, unless the configuration names them."""
+    if not cfg.enrols:
+        return cfg
+    more: dict[str, Any] = {}
+    others = (cfg.nats_user, cfg.nats_token, cfg.nats_nkey_seed_file)
+    if not cfg.nats_creds_file and not any(others):
+        more["nats_creds_file"] = str(cfg.state_dir / "nats.creds")
+    if cfg.scheduler == "kubernetes" and not (cfg.kube_token_file or cfg.kube_kubeconfig or cfg.kube_in_cluster):
+        more["kube_token_file"] = str(cfg.state_dir / "kube-token")
+    return dataclasses.replace(cfg, **more) if more else cfg
 
 
 # SCO_AGENT_* variables that are not settings but are read by the agent's commands.
@@ -293,6 +318,14 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
             p.append(Problem(where, "agent.nats_url", f"{strip_userinfo(u.strip())!r} is not a nats:// URL"))
     if cfg.metadata_url and not _url(cfg.metadata_url, ("http", "https")):
         p.append(Problem(where, "agent.metadata_url", f"{cfg.metadata_url!r} is not an http(s) URL"))
+    if cfg.enrol_url and not _url(cfg.enrol_url, ("http", "https")):
+        p.append(Problem(where, "agent.enrol_url", f"{cfg.enrol_url!r} is not an http(s) URL"))
+    if bool(cfg.enrol_token) != bool(cfg.enrol_url):
+        p.append(Problem(where, "agent.enrol_token", "enrolment needs both enrol_token and enrol_url"))
+    if cfg.enrols and not cfg.nats_creds_file:
+        p.append(Problem(where, "agent.enrol_token", "enrolment writes a creds file: it needs nats_creds_file"))
+    if cfg.enrols and not cfg.metadata_url:
+        p.append(Problem(where, "agent.enrol_token", "enrolment names the instance from metadata_url: set it"))
     if cfg.bundle_url and not _url(cfg.bundle_url, ("http", "https")):
         p.append(Problem(where, "agent.bundle_url", f"{cfg.bundle_url!r} is not an http(s) URL"))
     if cfg.scheduler == "slurm" and cfg.slurm_conf and not Path(cfg.slurm_conf).is_file():
@@ -357,6 +390,8 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.trust_dir", f"{cfg.trust_dir} holds no *.pub key: no bundle could verify"))
     for name in ("kube_token_file", "kube_ca_file"):
         value = getattr(cfg, name)
+        if name == "kube_token_file" and cfg.enrols and not Path(cfg.nats_creds_file or "-").exists():
+            continue  # enrolment writes it
         if value and not (name == "kube_ca_file" and value == "system") and not Path(value).is_file():
             p.append(Problem(where, f"agent.{name}", f"{value}: no such file"))
     for name in ("notice_subject", "events_subject"):
@@ -390,6 +425,8 @@ def _check_nats_auth(cfg: AgentConfig, where: str) -> list[Problem]:
         p.append(Problem(where, "agent.nats_password", "a password needs nats_user"))
     for name in ("nats_nkey_seed_file", "nats_creds_file"):
         value = getattr(cfg, name)
+        if name == "nats_creds_file" and cfg.enrols and not Path(value or "-").exists():
+            continue  # enrolment writes it
         if value and not Path(value).is_file():
             kind = "not a regular file" if Path(value).exists() else "no such file"
             p.append(Problem(where, f"agent.{name}", f"{value}: {kind}"))
@@ -515,6 +552,7 @@ nats_url = "nats://127.0.0.1:4222"
 # The node's own NATS identity (one of): nats_user + nats_password, nats_token, nats_nkey_seed_file, nats_creds_file
 nats_creds_file = ""                # e.g. /etc/sco/nats/node-1.creds
 metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
+# enrol_token / enrol_url: written into agent.env by the acquirer at launch (SCO_AGENT_ENROL_*), never here
 kube_url = "https://127.0.0.1:6443"
 kube_token_file = ""                # e.g. /var/lib/sco/kube-token: a node-bound token, its own node only (renewed)
 kube_token_renew = 1                # renew that token (TokenRequest, bound to this node) at 80% of its life

@@ -121,6 +121,8 @@ class Agent:
         self.renewer: Any = None  # the bound token's renewal (kube_credential), when the agent renews it
         self.slurm: Any = None
         self.checkpoint: CheckpointServer | None = None
+        self.enrolment: Any = None  # sco.agent.enrol.Enrolment while this agent enrols (first boot)
+        self._creds_ready = asyncio.Event()  # the NATS link waits for the creds file enrolment writes
 
     # --- policy, from the bundle unless overridden -------------------------------------------------
 
@@ -499,8 +501,32 @@ class Agent:
             return {"user": c.nats_user, "password": c.nats_password}
         return {}
 
+    def _enrol(self) -> None:
+        """First boot: exchange the one-time token for the creds file (and the Kubernetes token) in the
+        background; the NATS link waits for it, the metadata channel and the drain path do not."""
+        if not self.cfg.enrols or Path(self.cfg.nats_creds_file).exists():
+            self._creds_ready.set()
+            return
+        from sco.agent.enrol import Enrolment
+
+        c = self.cfg
+        self.enrolment = Enrolment(
+            hall=c.hall, node=c.node, url=c.enrol_url, token=c.enrol_token, metadata_url=c.metadata_url,
+            creds_file=Path(c.nats_creds_file), kube_token_file=Path(c.kube_token_file) if c.kube_token_file else None,
+            spool=self.spool, on_done=self._creds_ready.set,
+        )  # fmt: skip
+        self._spawn(self.enrolment.run(self._stop), "enrol")
+
     async def _nats_link(self) -> None:
         import nats
+
+        if not self._creds_ready.is_set():  # enrolling: connect once the creds file is written
+            waits = [asyncio.create_task(self._creds_ready.wait()), asyncio.create_task(self._stop.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            if self._stop.is_set():
+                return
 
         async def disconnected() -> None:
             log.warning("NATS disconnected; the metadata poll covers notices meanwhile")
@@ -834,6 +860,7 @@ class Agent:
         )
         self._resume_from_spool()
         self._follow_ups()
+        self._enrol()
         self._spawn(self._nats_link(), "nats")
         if self.cfg.metadata_url:
             self._spawn(self.metadata_source.run(self._stop), "metadata-poll")

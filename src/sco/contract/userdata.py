@@ -66,7 +66,8 @@ def render(
         files.append(
             {
                 "path": "/etc/sco/agent.env",
-                "permissions": "0644",
+                # a one-time enrolment token is a secret until the agent has used it: root's (systemd's) only
+                "permissions": "0600" if node_env.get("SCO_AGENT_ENROL_TOKEN") else "0644",
                 "content": "".join(f"{k}={v}\n" for k, v in sorted(node_env.items())),
             }
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -41,12 +42,16 @@ from sco.control.nova import (
 from sco.control.reconcile import Reconciler
 from sco.errors import ConfigError, ScoError
 from sco.provider.reservations import merge_hints
+from sco.state import enrolment
 from sco.state.fleet import FleetState, Instance, Pool
 
 __all__ = ["AcquireError", "Acquirer", "Budget", "Failure", "Outcome", "PlanEntry"]
 
 DNS = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
-UserData = Callable[[str], str]  # node name -> cloud-init user-data
+UserData = Callable[..., str]
+"""node name -> cloud-init user-data; with enrolment, (node name, the instance's own agent.env keys) -> user-data"""
+ENROL_TOKEN = "SCO_AGENT_ENROL_TOKEN"
+ENROL_URL = "SCO_AGENT_ENROL_URL"
 
 
 class AcquireError(ScoError):
@@ -160,6 +165,7 @@ class Acquirer:
         sleep: Callable[[float], None] = time.sleep,
         meter: Meter | None = None,
         scheduler_hints: dict[str, dict[str, str]] | None = None,
+        enrol_url: str = "",
     ) -> None:
         self.cloud = cloud  # an openstacksdk Connection
         self.state = state
@@ -174,6 +180,9 @@ class Acquirer:
         self.sleep = sleep
         # pool -> scheduler hints of its creates (a committed pool's Blazar reservation: reservation_hints)
         self.scheduler_hints = dict(scheduler_hints or {})
+        # the enrolment service's URL: each instance launched gets a one-time token of its own, its hash bound to
+        # the instance's record before the create is sent (sco.control.enrolment); "": no enrolment
+        self.enrol_url = enrol_url
         self._sent: set[str] = set()
 
     @property
@@ -274,7 +283,7 @@ class Acquirer:
             kw: dict[str, Any] = {
                 **base,
                 "name": name,
-                "user_data": base64.b64encode(self.user_data(name).encode()).decode(),
+                "user_data": base64.b64encode(self._user_data(inst).encode()).decode(),
                 "tags": [*e.tags(), TAG.format("slot", slot)],
                 "metadata": {"sco_hall": e.hall, "sco_pool": e.pool, "sco_entry": e.entry},
             }
@@ -306,6 +315,15 @@ class Acquirer:
         with concurrent.futures.ThreadPoolExecutor(max(1, min(self.concurrency, len(slots)))) as ex:
             for f in [ex.submit(one, s) for s in slots]:
                 f.result()
+
+    def _user_data(self, inst: Instance) -> str:
+        """The instance's user-data; with enrolment, a new one-time token in its agent.env, only its SHA-256 kept
+        (bound to the record before the create is sent: a token never reaches a server the record does not know)."""
+        if not self.enrol_url:
+            return self.user_data(inst.name)
+        token = secrets.token_urlsafe(32)
+        self._record(enrolment.offer, self.state.conn, inst.id, enrolment.token_hash(token))
+        return self.user_data(inst.name, {ENROL_TOKEN: token, ENROL_URL: self.enrol_url})
 
     def _unavailable(self, e: PlanEntry, reason: str, out: Outcome) -> None:
         if out.pool_unavailable is None:

@@ -376,10 +376,13 @@ def entry_targets(
     return out
 
 
-def node_environment(extra: Mapping[str, str], hall: str, node: str) -> dict[str, str]:
-    """/etc/sco/agent.env of a new instance: the operator's node_env, then the agent's own keys for the hall and the
-    node's name (the Nova server's), which the operator's cannot override: the agent reads only SCO_AGENT_* keys."""
-    return {**extra, "SCO_AGENT_HALL": hall, "SCO_AGENT_NODE": node}
+def node_environment(
+    extra: Mapping[str, str], hall: str, node: str, own: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """/etc/sco/agent.env of a new instance: the operator's node_env, the instance's own keys (its enrolment token),
+    then the agent's own keys for the hall and the node's name (the Nova server's), which the operator's cannot
+    override: the agent reads only SCO_AGENT_* keys."""
+    return {**extra, **(own or {}), "SCO_AGENT_HALL": hall, "SCO_AGENT_NODE": node}
 
 
 def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str, Any]:
@@ -455,7 +458,7 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
             return result
         from sco.contract import userdata
         from sco.contract.signing import load_private
-        from sco.control.acquirer import Acquirer, PlanEntry
+        from sco.control.acquirer import ENROL_URL, Acquirer, PlanEntry
 
         bundle = load_bundle(o.plan.hall)
         outcomes = []
@@ -472,11 +475,17 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
             state.ensure_pool(StatePool(hall, t.pool, flavor, image, kind=spec.kind, availability_zone=az))
             store.ensure_entry(hall, t.pool, t.contracts)
 
-            def render(name: str, contracts: tuple[str, ...] = t.contracts) -> str:
-                env = node_environment(o.node_env, hall, name)
+            def render(
+                name: str, own: Mapping[str, str] | None = None, contracts: tuple[str, ...] = t.contracts
+            ) -> str:
+                env = node_environment(o.node_env, hall, name, own)
                 return userdata.render(bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env)
 
-            acq = Acquirer(cloud, state, render, meter=meter, concurrency=o.concurrency, scheduler_hints=hints)
+            # node_env naming the enrolment service: each instance gets a one-time token of its own (the acquirer)
+            acq = Acquirer(
+                cloud, state, render, meter=meter, concurrency=o.concurrency, scheduler_hints=hints,
+                enrol_url=o.node_env.get(ENROL_URL, ""),
+            )  # fmt: skip
             outcome = acq.apply(PlanEntry(hall, t.pool, t.entry, t.count, t.delete), lp)
             outcomes.append(outcome)
             if outcome.pending:

@@ -49,6 +49,7 @@ from typing import Any
 import nkeys  # type: ignore[import-untyped]  # no stubs, no py.typed
 
 from sco._fs import atomic_write
+from sco.contract.enrolment import creds_text
 from sco.errors import ConfigError, ScoError
 
 STREAM = "SCO_EVENTS"
@@ -166,15 +167,8 @@ def decode_jwt(token: str) -> dict[str, Any]:
 
 def creds(user_jwt: str, seed: bytes) -> str:
     """A standard ``.creds`` file's text (as ``nsc`` writes it; nats-py's ``user_credentials``, the agent's
-    ``nats_creds_file``). Assembled where the seed is: on the node."""
-    return (
-        f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
-        "************************* IMPORTANT *************************\n"
-        "NKEY Seed printed below can be used to sign and prove identity.\n"
-        "NKEYs are sensitive and should be treated as secrets.\n\n"
-        f"-----BEGIN USER NKEY SEED-----\n{seed.strip().decode()}\n------END USER NKEY SEED------\n\n"
-        "*************************************************************\n"
-    )
+    ``nats_creds_file``). Assembled where the seed is: on the node (``sco.contract.enrolment``)."""
+    return creds_text(user_jwt, seed)
 
 
 # --- the hall's keys -------------------------------------------------------------------------------------------

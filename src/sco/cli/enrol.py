@@ -1,0 +1,113 @@
+"""``sco enrol``: the enrolment service on the control host (a launched instance's one-time token exchanged for its
+relay identity and Kubernetes token; the identities of deleted instances taken back)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from sco.cli._common import _env
+from sco.errors import ConfigError
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from sco.control.enrolment import KubeSettings, Settings
+    from sco.state.db import check_dsn, dsn_from_env
+
+    if not args.hall:
+        raise ConfigError("no hall: give --hall HALL or set $SCO_HALL")
+    if not args.nats:
+        raise ConfigError("no relay: give --nats-url URL or set $SCO_NATS_URL")
+    if not args.relay_keys:
+        raise ConfigError("no relay keys: give --relay-keys DIR (the hall's operator-mode keys) or $SCO_RELAY_KEYS")
+    dsn = dsn_from_env(args.dsn)
+    check_dsn(dsn, "--dsn" if args.dsn else "$SCO_DB_DSN")
+    kube = None
+    if getattr(args, "kube_url", None):
+        if not args.kube_token_file:
+            raise ConfigError("--kube-url needs --kube-token-file (a credential that may create sco-agent's tokens)")
+        kube = KubeSettings(
+            args.kube_url, args.kube_token_file, args.kube_ca_file or "", args.kube_namespace,
+            args.kube_service_account, args.kube_token_seconds,
+        )  # fmt: skip
+    return Settings(
+        hall=args.hall, dsn=dsn, relay_keys=Path(args.relay_keys), nats_url=args.nats, kube=kube,
+        rate_per_s=getattr(args, "rate", 2.0), burst=getattr(args, "burst", 10),
+        revoke_every_s=getattr(args, "revoke_every", 5.0),
+    )  # fmt: skip
+
+
+def cmd_enrol_serve(args: argparse.Namespace) -> int:
+    from sco.contract.distributor import parse_listen
+    from sco.control.enrolment import EnrolmentServer, Issuer
+
+    issuer = Issuer(_settings(args))
+    try:
+        server = EnrolmentServer(issuer, parse_listen(args.listen), verbose=args.verbose)
+    except BaseException:
+        issuer.close()
+        raise
+    issuer.start_sweeper()
+
+    def stop(*_: object) -> None:  # serve_forever's shutdown must come from another thread
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    print(f"enrolling hall {args.hall} at {server.url}/v1/enrol (metrics at {server.url}/metrics)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        issuer.close()
+    return 0
+
+
+def cmd_enrol_revoke(args: argparse.Namespace) -> int:
+    from sco.control.enrolment import Issuer
+
+    issuer = Issuer(_settings(args))
+    try:
+        done = issuer.revoke_deleted()
+    finally:
+        issuer.close()
+    for node in done:
+        print(f"revoked {node}")
+    print(f"{len(done)} identit{'y' if len(done) == 1 else 'ies'} revoked")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hall", default=_env("SCO_HALL"), help="the hall enrolled [$SCO_HALL]")
+    p.add_argument("--dsn", default=_env("SCO_DB_DSN"), help="the fleet state's libpq connection string [$SCO_DB_DSN]")
+    p.add_argument(
+        "--relay-keys", default=_env("SCO_RELAY_KEYS"), metavar="DIR",
+        help="the hall's relay keys (operator mode, sco.provider.relay_identity) [$SCO_RELAY_KEYS]",
+    )  # fmt: skip
+    p.add_argument("--nats-url", dest="nats", default=_env("SCO_NATS_URL"), help="the relay(s) [$SCO_NATS_URL]")
+
+
+def register(sub: Any) -> None:
+    e = sub.add_parser("enrol", help="launched instances' identities: the enrolment service")
+    es = e.add_subparsers(dest="enrol_command", required=True)
+    s = es.add_parser("serve", help="answer POST /v1/enrol; revoke deleted instances' identities every few seconds")
+    _common(s)
+    s.add_argument("--listen", default=_env("SCO_ENROL_LISTEN", "127.0.0.1:8471"), help="HOST:PORT [$SCO_ENROL_LISTEN]")
+    s.add_argument("--kube-url", default=_env("SCO_KUBE_URL"), help="API server; unset: no token [$SCO_KUBE_URL]")
+    s.add_argument("--kube-token-file", default=_env("SCO_KUBE_TOKEN_FILE"), help="[$SCO_KUBE_TOKEN_FILE]")
+    s.add_argument("--kube-ca-file", default=_env("SCO_KUBE_CA_FILE"), help='CA, or "system" [$SCO_KUBE_CA_FILE]')
+    s.add_argument("--kube-namespace", default="sco-system", help="the agent's service account's namespace")
+    s.add_argument("--kube-service-account", default="sco-agent", help="the agent's service account")
+    s.add_argument("--kube-token-seconds", type=int, default=86400, help="first token's lifetime (the agent renews it)")
+    s.add_argument("--rate", type=float, default=2.0, help="requests a second from one address (bucket of --burst)")
+    s.add_argument("--burst", type=int, default=10)
+    s.add_argument("--revoke-every", type=float, default=5.0, help="seconds between revocation sweeps")
+    s.add_argument("--verbose", action="store_true", help="log every request")
+    s.set_defaults(func=cmd_enrol_serve)
+    r = es.add_parser("revoke", help="one revocation sweep: deleted instances' relay identities taken back")
+    _common(r)
+    r.set_defaults(func=cmd_enrol_revoke)

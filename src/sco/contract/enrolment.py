@@ -1,0 +1,70 @@
+"""The enrolment exchange's wire format, shared by the node (``sco.agent.enrol``) and the control host's service
+(``sco.control.enrolment``). Standard library only.
+
+``POST /v1/enrol`` with a JSON object::
+
+    {"hall": ..., "node": ..., "instance_id": <the Nova server's uuid, from the node's metadata>,
+     "token": <the one-time token from agent.env>, "nkey_public": <a user public key (U...) made on the node>}
+
+answered ``200`` with ``{"nats_user_jwt": ..., "nats_account": ..., "kube_token": <str or null>,
+"kube_expires": <Unix time or null>}``, or a ``4xx``/``503`` with one line of text naming what is wrong. The node
+writes its creds file itself (:func:`creds_text`): the user JWT names its public key, the seed never leaves it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+PATH = "/v1/enrol"
+MAX_BODY = 4096
+FIELDS = ("hall", "node", "instance_id", "token", "nkey_public")
+_LIMITS = {"hall": 63, "node": 63, "instance_id": 64, "token": 128, "nkey_public": 56}
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_SERVER_ID = re.compile(r"^[0-9a-fA-F-]{8,64}$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
+_USER_KEY = re.compile(r"^U[A-Z2-7]{55}$")
+RETRY = 503
+"""The answer that asks the node to try again later (the relay or Kubernetes away, its Node not registered yet):
+the token is not used."""
+
+
+class Malformed(ValueError):
+    pass
+
+
+def parse_request(doc: Any) -> dict[str, str]:
+    """The request's fields, each checked for shape (not for truth: that is the fleet state's); raises
+    :class:`Malformed` with one line naming the first field that is wrong."""
+    if not isinstance(doc, dict):
+        raise Malformed("expected a JSON object")
+    extra = sorted(set(doc) - set(FIELDS))
+    if extra:
+        raise Malformed(f"unknown field {extra[0]!r}")
+    out: dict[str, str] = {}
+    for f in FIELDS:
+        v = doc.get(f)
+        if not isinstance(v, str) or not v:
+            raise Malformed(f"{f}: expected a non-empty string")
+        if len(v) > _LIMITS[f]:
+            raise Malformed(f"{f}: longer than {_LIMITS[f]} characters")
+        out[f] = v
+    for f, pattern in (
+        ("hall", _NAME), ("node", _NAME), ("instance_id", _SERVER_ID), ("token", _TOKEN), ("nkey_public", _USER_KEY)
+    ):  # fmt: skip
+        if not pattern.match(out[f]):
+            raise Malformed(f"{f}: not a valid value")
+    return out
+
+
+def creds_text(user_jwt: str, seed: bytes) -> str:
+    """A standard ``.creds`` file's text (as ``nsc`` writes it; nats-py's ``user_credentials``). Assembled where
+    the seed is: on the node."""
+    return (
+        f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
+        "************************* IMPORTANT *************************\n"
+        "NKEY Seed printed below can be used to sign and prove identity.\n"
+        "NKEYs are sensitive and should be treated as secrets.\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{seed.strip().decode()}\n------END USER NKEY SEED------\n\n"
+        "*************************************************************\n"
+    )

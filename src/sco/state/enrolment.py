@@ -1,0 +1,145 @@
+"""The fleet state's side of enrolment (issue 28): one-time tokens bound to instance records, what each enrolment
+issued, and what is still to be taken back.
+
+Only a token's SHA-256 is stored. A claim reads the instance and its token under a row lock (the enrolment row
+``FOR UPDATE``, the instance row ``FOR SHARE``: a concurrent duplicate waits and then finds the token used, and the
+instance cannot be marked deleted while an enrolment of it is being decided), and the caller records what it issued
+in the same transaction: either the token is used and the issue recorded, or nothing happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+ENROLLABLE = ("launching", "active")
+"""States in which an instance may enrol: its server exists and nothing is taking it away."""
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def offer(conn: Any, instance_id: int, token_sha256: str) -> None:
+    """Bind a token (its hash) to an instance record. A create sent again for the record (a crashed run's slot)
+    carries a new token, which replaces one never used; a used token is never replaced."""
+    conn.execute(
+        "INSERT INTO enrolment (instance_id, token_sha256) VALUES (%s, %s) ON CONFLICT (instance_id) DO UPDATE"
+        " SET token_sha256 = EXCLUDED.token_sha256, created_at = clock_timestamp() WHERE enrolment.used_at IS NULL",
+        (instance_id, token_sha256),
+    )
+
+
+class Refused(Exception):
+    """An enrolment request that must not be honoured: ``reason`` is a metric label (a fixed small set), the
+    message one line naming what is wrong."""
+
+    def __init__(self, reason: str, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.reason, self.status = reason, status
+
+
+@dataclass
+class Claim:
+    """An instance whose token was presented and checked, held under lock until the block ends."""
+
+    conn: Any
+    instance_id: int
+    hall: str
+    node: str
+    recorded: bool = False
+
+    def record(
+        self, *, source: str, nkey_public: str, account: str, issued_at: int, kube_expires: float | None
+    ) -> None:
+        self.conn.execute(
+            "UPDATE enrolment SET used_at = clock_timestamp(), used_from = %s, nkey_public = %s, node = %s,"
+            " account = %s, account_issued_at = %s, kube_expires_at = to_timestamp(%s) WHERE instance_id = %s",
+            (source, nkey_public, self.node, account, issued_at, kube_expires, self.instance_id),
+        )
+        self.conn.execute(
+            "INSERT INTO lifecycle_event (hall, instance_id, pool, kind, detail) SELECT hall, id, pool,"
+            " 'instance.enrolled', jsonb_build_object('account', %s::text, 'from', %s::text) FROM instance"
+            " WHERE id = %s",
+            (account, source, self.instance_id),
+        )
+        self.recorded = True
+
+
+@contextlib.contextmanager
+def claim(conn: Any, *, hall: str, node: str, server_id: str, token: str) -> Iterator[Claim]:
+    """Check a request against the fleet state in one transaction with the rows locked; raise :class:`Refused`
+    with the reason (its HTTP status is the service's to choose), or yield the :class:`Claim` to record what was
+    issued (committed when the block ends without an exception; the token stays unused otherwise)."""
+    with conn.transaction():
+        row = conn.execute(
+            "SELECT i.id, i.name, i.state, e.token_sha256, e.used_at IS NOT NULL FROM instance i"
+            " LEFT JOIN enrolment e ON e.instance_id = i.id WHERE i.hall = %s AND i.server_id = %s",
+            (hall, server_id),
+        ).fetchone()
+        if row is None:
+            raise Refused("unknown_instance", f"hall {hall}: no instance with server id {server_id}")
+        iid, name, _, digest, _ = row
+        if name != node:
+            raise Refused("wrong_node", f"server {server_id} is not node {node}")
+        if digest is None:
+            raise Refused("no_token", f"node {node}: launched without an enrolment token")
+        # the lock: a concurrent duplicate waits here, then finds the token used
+        iid, state, digest, used = conn.execute(
+            "SELECT i.id, i.state, e.token_sha256, e.used_at IS NOT NULL FROM instance i JOIN enrolment e"
+            " ON e.instance_id = i.id WHERE i.id = %s FOR UPDATE OF e FOR SHARE OF i",
+            (iid,),
+        ).fetchone()
+        if not hmac.compare_digest(digest, token_hash(token)):
+            raise Refused("wrong_token", f"node {node}: wrong enrolment token")
+        if state not in ENROLLABLE:
+            raise Refused("not_live", f"node {node}: instance is {state}, not enrolling")
+        if used:
+            raise Refused("replay", f"node {node}: enrolment token already used")
+        c = Claim(conn, iid, hall, node)
+        yield c
+        if not c.recorded:
+            raise RuntimeError("claim ended without recording what was issued")
+
+
+@dataclass(frozen=True)
+class Issued:
+    """An enrolment to take back: the instance, its node and the relay account issued to it."""
+
+    instance_id: int
+    hall: str
+    node: str
+    account: str
+    issued_at: int
+
+
+def to_revoke(conn: Any, hall: str | None = None, limit: int = 500) -> list[Issued]:
+    """Enrolments whose instance is gone (deleted, lost, failed) and whose identity is not yet taken back."""
+    q = (
+        "SELECT e.instance_id, i.hall, e.node, e.account, e.account_issued_at FROM enrolment e"
+        " JOIN instance i ON i.id = e.instance_id WHERE e.used_at IS NOT NULL AND e.revoked_at IS NULL"
+        " AND i.state IN ('deleted', 'lost', 'failed')"
+    )
+    args: list[Any] = []
+    if hall is not None:
+        q += " AND i.hall = %s"
+        args.append(hall)
+    rows = conn.execute(q + " ORDER BY e.instance_id LIMIT %s", (*args, limit)).fetchall()
+    return [Issued(int(r[0]), r[1], r[2], r[3], int(r[4])) for r in rows]
+
+
+def revoked(conn: Any, item: Issued) -> None:
+    with conn.transaction():
+        conn.execute(
+            "UPDATE enrolment SET revoked_at = clock_timestamp() WHERE instance_id = %s AND revoked_at IS NULL",
+            (item.instance_id,),
+        )
+        conn.execute(
+            "INSERT INTO lifecycle_event (hall, instance_id, pool, kind, detail) SELECT hall, id, pool,"
+            " 'instance.identity_revoked', jsonb_build_object('account', %s::text) FROM instance WHERE id = %s",
+            (item.account, item.instance_id),
+        )

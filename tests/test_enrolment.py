@@ -1,0 +1,355 @@
+"""Issue 28, enrolment: a launched instance exchanges its one-time token (made by the acquirer, only its hash in the
+fleet state) for its own relay identity and a Kubernetes token bound to its Node, once. Real parts: PostgreSQL (the
+fleet state), an operator-mode nats-server (tests/test_relay_jwt.py's), the Kubernetes API stand-in, and the real
+sco-agent for the node's side."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import re
+import stat
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from sco.contract.enrolment import creds_text
+from sco.control.acquirer import ENROL_TOKEN, ENROL_URL, Acquirer
+from sco.control.enrolment import EnrolmentServer, Issuer, KubeSettings, Settings
+from sco.provider import relay_identity as ri
+from sco.state.fleet import FleetState, Pool
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+from tests.harness import AgentEnv, MetadataServer, free_port, wait_for
+from tests.test_relay_jwt import HALL, JwtRelay, _refusal, _stream_subjects, start_jwt_relay
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[JwtRelay]:
+    r = start_jwt_relay(tmp_path)
+    yield r
+    r.srv.stop()
+
+
+@pytest.fixture
+def kube_auth(tmp_path: Path) -> Iterator[tuple[KubeApiStandIn, Path]]:
+    """The stand-in with authentication on: the service's own credential (a service account of the control host,
+    not node-bound) and the agent's service account, sco-system/sco-agent."""
+    srv = KubeApiStandIn().start()
+    token, _ = srv.issue_token("sco-system", "sco-enrol")
+    srv.add_serviceaccount("sco-system", "sco-agent")
+    path = tmp_path / "enrol-kube-token"
+    path.write_text(token)
+    yield srv, path
+    srv.stop()
+
+
+@dataclass
+class Hall:
+    relay: JwtRelay
+    kube: KubeApiStandIn
+    state: FleetState
+    issuer: Issuer
+    server: EnrolmentServer
+    acquirer: Acquirer
+    envs: dict[str, dict[str, str]]
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def launch(self, slot: int) -> tuple[str, str, str]:
+        """As the acquirer launches: the record (requested), the user-data with the instance's own token (its hash
+        bound to the record), the server created (launching, its id). Returns (node, server id, token)."""
+        name = f"{HALL}-p-e-{slot}"
+        inst = self.state.request(HALL, "p", "e", slot, name)
+        self.acquirer._user_data(inst)  # the launch's own call: the render callback gets the instance's env
+        server_id = str(uuid.uuid4())
+        self.state.transition(inst.id, "launching", "launch.requested", server_id=server_id, name=name)
+        self.kube.cluster.add_node(name)  # kubelet registered it
+        return name, server_id, self.envs[name][ENROL_TOKEN]
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
+        return {k: float(v) for k, v in re.findall(r"^(sco_enrol_\S+) (\S+)$", text, re.M)}
+
+
+def post(url: str, doc: Any, raw: bytes | None = None) -> tuple[int, bytes]:
+    data = raw if raw is not None else json.dumps(doc).encode()
+    req = urllib.request.Request(f"{url}/v1/enrol", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def request(node: str, server_id: str, token: str, public: str) -> dict[str, str]:
+    return {"hall": HALL, "node": node, "instance_id": server_id, "token": token, "nkey_public": public}
+
+
+@pytest.fixture
+def make_hall(relay: JwtRelay, kube_auth: tuple[KubeApiStandIn, Path], fleet_dsn: str) -> Iterator[Callable[..., Hall]]:
+    made: list[Hall] = []
+    kube, token_file = kube_auth
+
+    def make(**more: Any) -> Hall:
+        state = FleetState(fleet_dsn)
+        state.ensure_pool(Pool(HALL, "p", "m1.small", "img"))
+        s = Settings(
+            hall=HALL, dsn=fleet_dsn, relay_keys=relay.dir / "hall-keys", nats_url=relay.url,
+            kube=KubeSettings(kube.url, str(token_file), token_seconds=3600), **more,
+        )  # fmt: skip
+        issuer = Issuer(s)
+        server = EnrolmentServer(issuer, ("127.0.0.1", free_port()))
+        concurrent.futures.ThreadPoolExecutor(1).submit(server.serve_forever)
+        envs: dict[str, dict[str, str]] = {}
+
+        def render(name: str, own: dict[str, str] | None = None) -> str:
+            envs[name] = dict(own or {})
+            return "#cloud-config\n"
+
+        acquirer = Acquirer(None, state, render, enrol_url=server.url)
+        h = Hall(relay, kube, state, issuer, server, acquirer, envs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.server.shutdown()
+        h.server.server_close()
+        h.issuer.close()
+        h.state.close()
+
+
+def test_an_instance_enrols_once_and_speaks_for_itself_alone(make_hall: Callable[..., Hall], tmp_path: Path) -> None:
+    h = make_hall()
+    node, server_id, token = h.launch(0)
+    env = h.envs[node]
+    assert env[ENROL_URL] == h.url and len(token) >= 43
+    # only the hash is stored, bound to this instance's record
+    row = h.state.conn.execute(
+        "SELECT e.token_sha256, i.name FROM enrolment e JOIN instance i ON i.id = e.instance_id"
+    ).fetchall()
+    assert len(row) == 1 and row[0][1] == node and token not in row[0][0] and len(row[0][0]) == 64
+
+    key = ri.NKey.generate("user")  # made on the node; only its public half is sent
+    status, body = post(h.url, request(node, server_id, token, key.public))
+    assert status == 200, body
+    answer = json.loads(body)
+    assert key.seed.decode() not in body.decode() and answer["kube_token"] and answer["kube_expires"] > time.time()
+    creds = tmp_path / "node.creds"
+    creds.write_text(creds_text(answer["nats_user_jwt"], key.seed))
+
+    async def speak() -> tuple[list[bytes], str]:
+        got: list[bytes] = []
+        nc = await nats.connect(
+            h.relay.url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node), connect_timeout=3
+        )
+        reclaimer = await nats.connect(h.relay.url, user_credentials=str(h.relay.users["reclaimer"]))
+        try:
+
+            async def on_msg(msg: Any) -> None:
+                got.append(msg.data)
+
+            await nc.subscribe(f"sco.notice.{HALL}.{node}", cb=on_msg)
+            await nc.flush(timeout=5)
+            await reclaimer.publish(f"sco.notice.{HALL}.{node}", b"your notice")
+            await reclaimer.publish(f"sco.notice.{HALL}.other", b"someone else's")
+            await reclaimer.flush(timeout=5)
+            ack = await nc.jetstream(timeout=5).publish(f"sco.events.{HALL}.{node}", b'{"type": "agent.started"}')
+            await asyncio.sleep(0.3)
+            return got, ack.stream
+        finally:
+            await nc.close()
+            await reclaimer.close()
+
+    got, stream = asyncio.run(speak())
+    assert got == [b"your notice"] and stream == ri.STREAM
+    assert f"sco.events.{HALL}.{node}" in asyncio.run(_stream_subjects(h.relay))
+    # the Kubernetes token is the agent's service account's, bound to this node's Node
+    issued = h.kube.issued[answer["kube_token"]]
+    assert issued["node"] == node and issued["sa"] == ("sco-system", "sco-agent")
+    assert h.kube.issued_valid(issued)
+    recorded = h.state.conn.execute("SELECT used_at IS NOT NULL, account, nkey_public FROM enrolment").fetchone()
+    assert recorded == (True, answer["nats_account"], key.public)
+    assert [e["kind"] for e in h.state.events(hall=HALL) if e["kind"] == "instance.enrolled"] == ["instance.enrolled"]
+    assert h.metrics()["sco_enrol_issued_total"] == 1
+
+
+def test_every_bad_request_is_refused_with_one_line_and_counted(make_hall: Callable[..., Hall]) -> None:
+    h = make_hall(rate_per_s=100.0, burst=100)  # the flood's own test below
+    a, a_id, a_token = h.launch(0)
+    b, b_id, b_token = h.launch(1)
+    c, c_id, c_token = h.launch(2)
+    pub = ri.NKey.generate("user").public
+    assert post(h.url, request(a, a_id, a_token, pub))[0] == 200
+    c_inst = h.state.by_server(c_id)
+    assert c_inst is not None
+    h.state.transition(c_inst.id, "deleted", "instance.deleted", reason="plan shrank")
+    cases = {
+        "unknown_instance": (404, request(b, str(uuid.uuid4()), b_token, pub)),
+        "wrong_node": (403, request(a, b_id, b_token, pub)),  # b's instance and token, a's name
+        "wrong_token": (403, request(b, b_id, a_token, pub)),
+        "replay": (409, request(a, a_id, a_token, pub)),
+        "not_live": (410, request(c, c_id, c_token, pub)),
+        "malformed": (400, {**request(b, b_id, b_token, pub), "nkey_public": "SU-not-a-public-key"}),
+        "wrong_hall": (404, {**request(b, b_id, b_token, pub), "hall": "elsewhere"}),
+    }
+    for reason, (code, doc) in cases.items():
+        status, body = post(h.url, doc)
+        assert status == code, (reason, status, body)
+        assert body.count(b"\n") == 1 and body.endswith(b"\n") and len(body) < 200, (reason, body)
+    assert post(h.url, None, raw=b"{not json")[0] == 400
+    assert post(h.url, None, raw=b"x" * 5000)[0] == 413
+    m = h.metrics()
+    for reason in cases:
+        want = 2 if reason == "malformed" else 1
+        assert m[f'sco_enrol_refused_total{{reason="{reason}"}}'] == want, (reason, m)
+    assert m['sco_enrol_refused_total{reason="too_large"}'] == 1
+    assert m["sco_enrol_issued_total"] == 1
+    # b's token still works after all that: refusals used nothing
+    assert post(h.url, request(b, b_id, b_token, pub))[0] == 200
+
+
+def test_a_flood_from_one_address_is_answered_429_and_counted(make_hall: Callable[..., Hall]) -> None:
+    h = make_hall(rate_per_s=1.0, burst=5)
+    junk = request(f"{HALL}-p-e-9", str(uuid.uuid4()), "x" * 43, ri.NKey.generate("user").public)
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        codes = list(ex.map(lambda _: post(h.url, junk)[0], range(60)))
+    assert codes.count(429) >= 50 and set(codes) <= {404, 429}, codes
+    status, body = post(h.url, junk)
+    assert status == 429 and body.count(b"\n") == 1, body
+    m = h.metrics()
+    assert m['sco_enrol_refused_total{reason="rate_limited"}'] == codes.count(429) + 1
+    # the database never saw the flood: only the bucket's few
+    assert m['sco_enrol_refused_total{reason="unknown_instance"}'] == codes.count(404) <= 6
+
+
+def test_concurrent_duplicate_requests_mint_once(make_hall: Callable[..., Hall]) -> None:
+    h = make_hall(rate_per_s=100.0, burst=100)
+    node, server_id, token = h.launch(0)
+    keys = [ri.NKey.generate("user").public for _ in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(12) as ex:
+        answers = list(ex.map(lambda k: post(h.url, request(node, server_id, token, k)), keys))
+    codes = sorted(a[0] for a in answers)
+    assert codes == [200] + [409] * 11, answers
+    assert h.metrics()["sco_enrol_issued_total"] == 1
+    (winner,) = [json.loads(a[1]) for a in answers if a[0] == 200]
+    recorded = h.state.conn.execute("SELECT account FROM enrolment WHERE used_at IS NOT NULL").fetchall()
+    assert recorded == [(winner["nats_account"],)]
+    assert len(h.kube.token_requests) == 1
+
+
+def test_a_deleted_instance_loses_its_identity(make_hall: Callable[..., Hall], tmp_path: Path) -> None:
+    h = make_hall(revoke_every_s=0.2)
+    h.issuer.start_sweeper()
+    node, server_id, token = h.launch(0)
+    other, other_id, other_token = h.launch(1)
+    files = {}
+    for n, sid, tok in ((node, server_id, token), (other, other_id, other_token)):
+        key = ri.NKey.generate("user")
+        status, body = post(h.url, request(n, sid, tok, key.public))
+        assert status == 200, body
+        files[n] = tmp_path / f"{n}.creds"
+        files[n].write_text(creds_text(json.loads(body)["nats_user_jwt"], key.seed))
+
+    async def scenario() -> tuple[float, str, str]:
+        closed = asyncio.Event()
+
+        async def on_closed() -> None:
+            closed.set()
+
+        async def quiet(e: Exception) -> None:
+            pass
+
+        nc = await nats.connect(
+            h.relay.url, user_credentials=str(files[node]), allow_reconnect=False, closed_cb=on_closed,
+            error_cb=quiet, connect_timeout=3,
+        )  # fmt: skip
+        assert nc.is_connected
+        inst = h.state.by_server(server_id)
+        assert inst is not None
+        started = time.monotonic()
+        await asyncio.to_thread(h.state.transition, inst.id, "deleted", "instance.deleted", reason="reclaimed")
+        await asyncio.wait_for(closed.wait(), 15)
+        took = time.monotonic() - started
+        return (
+            took,
+            await _refusal(h.relay.url, user_credentials=str(files[node])),
+            await _refusal(h.relay.url, user_credentials=str(files[other])),
+        )
+
+    took, again, other_answer = asyncio.run(scenario())
+    print(f"instance deleted -> its connected client dropped: {took * 1000:.0f} ms (sweep every 0.2 s)")
+    assert "authorization violation" in again.lower()
+    assert other_answer == "connected"  # the live neighbour keeps its identity
+    assert wait_for(lambda: h.metrics()["sco_enrol_revoked_total"] == 1, 5, "the revocation counted")
+    assert h.state.conn.execute("SELECT count(*) FROM enrolment WHERE revoked_at IS NOT NULL").fetchone()[0] == 1
+    # idempotent: another sweep revokes nothing more
+    assert h.issuer.revoke_deleted() == []
+
+
+def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Hall], tmp_path: Path) -> None:
+    h = make_hall()
+    node, server_id, token = h.launch(0)
+    metadata = MetadataServer(node)
+    metadata.doc["uuid"] = server_id
+    agent = AgentEnv(
+        tmp_path / "agent", h.kube, h.relay.srv, node=node, metadata=metadata,
+        enrol_token=token, enrol_url=h.url, hall=HALL,
+    )  # fmt: skip
+    try:
+        agent.start()
+        agent.wait_subscribed()
+        creds = agent.state / "nats.creds"
+        kube_token = agent.state / "kube-token"
+        assert stat.S_IMODE(creds.stat().st_mode) == 0o600 and stat.S_IMODE(kube_token.stat().st_mode) == 0o600
+        assert h.kube.issued[kube_token.read_text().strip()]["node"] == node
+        # the agent's own events reach the stream through its own account
+        wait_for(
+            lambda: f"sco.events.{HALL}.{node}" in asyncio.run(_stream_subjects(h.relay)), 15, "the agent's events"
+        )
+        assert [e["type"] for e in agent.of("enrol.done")] == ["enrol.done"]
+    finally:
+        agent.stop()
+        metadata.shutdown()
+    # a restart does not enrol again: the creds file is there (the token is spent)
+    agent.start()
+    try:
+        agent.wait_subscribed()
+        assert len(agent.of("enrol.done")) == 1 and h.metrics()["sco_enrol_issued_total"] == 1
+    finally:
+        agent.stop()
+
+
+def test_a_refused_agent_says_so_once_and_keeps_the_metadata_channel(
+    make_hall: Callable[..., Hall], tmp_path: Path
+) -> None:
+    h = make_hall()
+    node, server_id, _ = h.launch(0)
+    metadata = MetadataServer(node)
+    metadata.doc["uuid"] = server_id
+    agent = AgentEnv(
+        tmp_path / "agent", h.kube, h.relay.srv, node=node, metadata=metadata,
+        enrol_token="W" * 43, enrol_url=h.url, hall=HALL,
+    )  # fmt: skip
+    try:
+        agent.start()
+        wait_for(lambda: agent.of("enrol.refused"), 20, "the refusal")
+        (refused,) = agent.of("enrol.refused")
+        assert "403" in refused["reason"] and "wrong enrolment token" in refused["reason"]
+        assert agent.logtext().count("enrolment refused") == 1
+        metadata.reclaim("n-1", time.time() + 15)  # the node still hears a notice and drains
+        wait_for(lambda: agent.of("notice.accepted"), 15, "the metadata notice")
+    finally:
+        agent.stop()
+        metadata.shutdown()
