@@ -353,3 +353,31 @@ def test_a_refused_agent_says_so_once_and_keeps_the_metadata_channel(
     finally:
         agent.stop()
         metadata.shutdown()
+
+
+def test_an_enrolling_agents_configuration_names_where_enrolment_writes(tmp_path: Path) -> None:
+    from sco.agent.config import load
+    from sco.errors import ConfigError
+
+    trust = tmp_path / "trusted"
+    trust.mkdir()
+    (trust / "k.pub").write_text("x")
+    base = {
+        "SCO_AGENT_HALL": HALL, "SCO_AGENT_NODE": "n-1", "SCO_AGENT_STATE_DIR": str(tmp_path / "state"),
+        "SCO_AGENT_TRUST_DIR": str(trust), "SCO_AGENT_KUBE_URL": "http://127.0.0.1:1",
+    }  # fmt: skip
+    enrolling = {**base, "SCO_AGENT_ENROL_TOKEN": "t" * 43, "SCO_AGENT_ENROL_URL": "http://127.0.0.1:8471"}
+    cfg = load(None, enrolling)
+    assert cfg.enrols and cfg.nats_creds_file == str(tmp_path / "state" / "nats.creds")
+    assert cfg.kube_token_file == str(tmp_path / "state" / "kube-token")
+    # enrolled before, by a service with no Kubernetes: a restart with the creds and no token file still starts
+    Path(cfg.nats_creds_file).parent.mkdir(parents=True)
+    Path(cfg.nats_creds_file).write_text("creds")
+    assert load(None, enrolling).kube_token_file == cfg.kube_token_file
+    with pytest.raises(ConfigError) as e:
+        load(None, {**base, "SCO_AGENT_ENROL_TOKEN": "t" * 43})
+    assert "enrolment needs both enrol_token and enrol_url" in " ".join(e.value.lines())
+    with pytest.raises(ConfigError) as e:
+        load(None, {**enrolling, "SCO_AGENT_ENROL_URL": "ftp://x"})
+    assert "is not an http(s) URL" in " ".join(e.value.lines())
+    assert load(None, base).nats_creds_file == ""  # no enrolment: nothing defaulted

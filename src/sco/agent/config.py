@@ -390,8 +390,8 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.trust_dir", f"{cfg.trust_dir} holds no *.pub key: no bundle could verify"))
     for name in ("kube_token_file", "kube_ca_file"):
         value = getattr(cfg, name)
-        if name == "kube_token_file" and cfg.enrols and not Path(cfg.nats_creds_file or "-").exists():
-            continue  # enrolment writes it
+        if name == "kube_token_file" and cfg.enrols and value and not Path(value).exists():
+            continue  # enrolment writes it (or, with no Kubernetes at the service, nothing: the renewer says so)
         if value and not (name == "kube_ca_file" and value == "system") and not Path(value).is_file():
             p.append(Problem(where, f"agent.{name}", f"{value}: no such file"))
     for name in ("notice_subject", "events_subject"):
