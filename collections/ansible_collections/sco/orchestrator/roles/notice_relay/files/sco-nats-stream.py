@@ -78,12 +78,16 @@ def differs(have: StreamConfig, want: StreamConfig) -> bool:
 
 
 async def ensure(args: argparse.Namespace) -> list[tuple[str, str]]:
-    # the relay's own users are nkeys (the seed file); a password file for a relay configured otherwise
-    auth = (
-        {"nkeys_seed": args.nkey_seed}
-        if args.nkey_seed
-        else {"user": args.user, "password": Path(args.password_file).read_text().strip()}
-    )
+    # the relay's own users are nkeys (the seed file), or in operator mode a creds file (user JWT and seed); a
+    # password file for a relay configured otherwise
+    if args.creds:
+        if not Path(args.creds).is_file():  # nats-py would only say so once --wait has run out
+            raise SystemExit(f"sco-nats-stream: {args.creds}: no creds file")
+        auth: dict[str, Any] = {"user_credentials": args.creds}
+    elif args.nkey_seed:
+        auth = {"nkeys_seed": args.nkey_seed}
+    else:
+        auth = {"user": args.user, "password": Path(args.password_file).read_text().strip()}
     nc = None
     loop = asyncio.get_running_loop()
     end = loop.time() + args.wait
@@ -165,6 +169,7 @@ def main() -> None:
     p.add_argument("--user", default="relay-admin")
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--nkey-seed", help="the user's nkey seed file")
+    who.add_argument("--creds", help="the user's creds file (a relay in operator mode)")
     who.add_argument("--password-file", help="the user's password file (with --user)")
     p.add_argument("--hall", required=True)
     p.add_argument("--stream", default="SCO_EVENTS")

@@ -1,0 +1,306 @@
+"""Issue 28: role notice_relay in operator mode (notice_relay_auth_mode: operator). The role applied to this machine
+as a relay host without systemd (its paths in the test's directory); nats-server started exactly as the unit it
+installed says (ExecStart), the stream tool run as its ExecStartPost runs it (on the relay-admin creds the role
+copied). An inventory node connects with the creds the role minted on the controller and hears the reclaimer's
+notice; a node enrolled at run time (relay_identity.issue, with the controller's keys the role made) connects
+without a restart or reload; a node may not subscribe to another's notices; a node added to the inventory is pushed
+to the running relay by the role's next run (no restart notified), and a run after that changes nothing. The attacks
+of test_relay_accounts.py against operator mode are test_relay_jwt.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import shlex
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from sco.provider import relay_identity as ri
+from tests.harness import free_port, wait_for
+from tests.test_drill import BIN, run_playbook
+
+HALL = "local"
+PLAY = """
+- name: The notice relay of hall local, operator mode, on this machine
+  hosts: localhost
+  gather_facts: false
+  roles: [sco.orchestrator.notice_relay]
+"""
+SHOW = """
+- name: What role hall hands node a's agent
+  hosts: localhost
+  gather_facts: false
+  roles: [sco.orchestrator.hall]
+  tasks:
+    - name: Show
+      ansible.builtin.debug:
+        msg: "{{ {'creds': node_agent_nats_creds} | to_json }}"
+"""
+
+
+class Deployed:
+    """The role's files for one relay host under ``root``: /etc/sco-nats, the unit directory, the store, the
+    stream tool, the nats-server binary; the controller's credentials directory beside them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.creds = root / "controller" / "nats"
+        self.etc = root / "etc-sco-nats"
+        self.units = root / "units"
+        self.port, self.monitor = free_port(), free_port()
+        self.venv = root / "venv"
+        self.proc: subprocess.Popen[bytes] | None = None
+        # the relay's venv (the stream tool's Python) is this one; pip must never run in it
+        (self.venv / "bin").mkdir(parents=True)
+        python = self.venv / "bin" / "python"
+        python.write_text(
+            f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && {{ echo "no pip here" >&2; exit 1; }}\nexec {BIN / "python"} "$@"\n'
+        )
+        python.chmod(0o755)
+        self.units.mkdir()
+        (root / "bin").mkdir()  # /usr/local/bin
+
+    def vars(self, nodes: list[str]) -> dict[str, Any]:
+        package = "spot-capacity-orchestrator==0.1.0"
+        return {
+            "sco_hall": HALL, "notice_relay_auth_mode": "operator", "notice_relay_nodes": nodes,
+            "notice_relay_credentials_dir": str(self.creds), "notice_relay_listen": "127.0.0.1",
+            "notice_relay_port": self.port, "notice_relay_monitor_port": self.monitor,
+            "notice_relay_store_dir": str(self.root / "store"), "notice_relay_server_binary": str(BIN / "nats-server"),
+            "notice_relay_venv": str(self.venv), "notice_relay_package": package,
+            "notice_relay_service_enabled": False,
+            # the role's own paths (vars/main.yml), here under the test's directory
+            "_notice_relay_conf_dir": str(self.etc), "_notice_relay_unit_dir": str(self.units),
+            "_notice_relay_bin": str(self.root / "bin" / "nats-server"),
+            "_notice_relay_stream_script": str(self.root / "lib" / "sco-nats-stream.py"),
+            # the venv is there already: node_agent's install steps (venv, pip) are done for it
+            "node_agent_installs_done": [f"{self.venv} {package} "],
+        }  # fmt: skip
+
+    def apply(self, nodes: list[str]) -> subprocess.CompletedProcess[str]:
+        out = run_playbook(self.root, PLAY, self.vars(nodes))
+        assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+        return out
+
+    def unit(self, key: str) -> list[str]:
+        """A setting of the unit the role installed, as systemd splits it ("-" and "+" prefixes dropped)."""
+        text = (self.units / "sco-nats.service").read_text()
+        (line,) = [x.split("=", 1)[1] for x in text.splitlines() if x.startswith(f"{key}=")]
+        return shlex.split(line.lstrip("-+@!"))
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log = open(self.root / "nats.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(self.unit("ExecStart"), stdout=subprocess.DEVNULL, stderr=log)
+
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return True
+            except OSError:
+                return False
+
+        wait_for(up, 15, "the relay")
+
+    def varz(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor}/varz", timeout=3) as r:
+            return dict(json.loads(r.read()))
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+async def refusal(url: str, **auth: Any) -> str:
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    try:
+        nc = await nats.connect(
+            url, connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False, error_cb=on_error, **auth
+        )
+    except Exception as e:
+        return errors[-1] if errors else str(e) or type(e).__name__
+    await nc.close()
+    return "connected"
+
+
+async def notices_reach(url: str, reclaimer: Path, nodes: dict[str, Path]) -> dict[str, list[bytes]]:
+    """Each node subscribes to its notice subject on its creds; the reclaimer publishes one notice per node."""
+    got: dict[str, list[bytes]] = {n: [] for n in nodes}
+    conns = []
+    try:
+        for node, creds in nodes.items():
+            nc = await nats.connect(url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node))
+            conns.append(nc)
+
+            async def take(msg: Any, node: str = node) -> None:
+                got[node].append(msg.data)
+
+            await nc.subscribe(f"sco.notice.{HALL}.{node}", cb=take)
+            await nc.flush(timeout=5)
+        rc = await nats.connect(url, user_credentials=str(reclaimer))
+        conns.append(rc)
+        for node in nodes:
+            await rc.publish(f"sco.notice.{HALL}.{node}", f"notice for {node}".encode())
+        await rc.flush(timeout=5)
+        for _ in range(50):
+            if all(got.values()):
+                break
+            await asyncio.sleep(0.1)
+        return got
+    finally:
+        for c in conns:
+            await c.close()
+
+
+async def event_acked(url: str, creds: Path, node: str) -> int:
+    """Node ``node`` puts an event into the hall's stream (JetStream's ack comes back on its own inbox)."""
+    nc = await nats.connect(url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node))
+    try:
+        ack = await nc.jetstream(timeout=5).publish(f"sco.events.{HALL}.{node}", b'{"event": "test"}')
+        return int(ack.seq)
+    finally:
+        await nc.close()
+
+
+async def cross_subscription(url: str, creds: Path, node: str, other: str) -> str:
+    """Node ``node`` subscribes to ``other``'s notices: the relay's answer."""
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    nc = await nats.connect(url, user_credentials=str(creds), error_cb=on_error)
+    try:
+        await nc.subscribe(f"sco.notice.{HALL}.{other}")
+        with contextlib.suppress(NatsTimeoutError):
+            await nc.flush(timeout=3)
+        for _ in range(30):
+            if errors:
+                break
+            await asyncio.sleep(0.1)
+        return errors[0] if errors else "no error"
+    finally:
+        await nc.close()
+
+
+def enrol_at_run_time(relay: Deployed, node: str) -> Path:
+    """As the control loop would for a node it launched: the controller's hall keys (the ones the role made), the
+    node's own key, its account pushed to the running relay."""
+    keys = ri.HallKeys.ensure(relay.creds / "operator", HALL)
+    key = ri.NKey.generate("user")
+
+    async def issue() -> ri.NodeIdentity:
+        admin = await ri.RelayAdmin.connect(relay.url, keys)
+        try:
+            return await ri.issue(admin, keys, node, key.public)
+        finally:
+            await admin.close()
+
+    identity = asyncio.run(issue())
+    path = relay.root / f"node-{node}.creds"
+    path.write_text(ri.creds(identity.user_jwt, key.seed))
+    path.chmod(0o600)
+    return path
+
+
+def recap_changed(out: str) -> int:
+    m = re.search(r"localhost\s+:\s+ok=\d+\s+changed=(\d+)", out)
+    assert m, out[-3000:]
+    return int(m.group(1))
+
+
+def test_the_role_in_operator_mode_serves_inventory_and_run_time_nodes(tmp_path: Path) -> None:
+    relay = Deployed(tmp_path)
+    first = relay.apply(["a", "b"])
+    assert "RUNNING HANDLER [sco.orchestrator.notice_relay : Find out whether systemd runs here]" in first.stdout
+
+    # the relay host: public keys and signed JWTs; the only seed is the stream tool's (relay-admin's creds)
+    conf = relay.etc / "nats-server.conf"
+    text = conf.read_text()
+    assert "resolver {\n  type: full" in text and f'dir: "{tmp_path}/store/accounts"' in text
+    assert not re.search(r"\bS[OAU][A-Z2-7]{50,}", text), "a seed in the relay's configuration"
+    admin = relay.etc / "admin.creds"
+    assert admin.stat().st_mode & 0o777 == 0o600 and not (relay.etc / "admin.nk").exists()
+    seeds = {p.name for p in relay.etc.iterdir() if re.search(r"\bS[OAU][A-Z2-7]{50,}", p.read_text())}
+    assert seeds == {"admin.creds"}, seeds
+    assert admin.read_text() == (relay.creds / "relay-admin.creds").read_text()
+    # the controller: the hall's keys and one creds file per user, 0600
+    assert sorted(p.name for p in (relay.creds / "operator").iterdir()) == sorted(
+        f"{n}.nk" for n in ("operator", "operator-signer", "system", "notices", "events", "node-issuer", "system-admin")
+    )
+    made = sorted(p.name for p in relay.creds.glob("*.creds"))
+    assert made == ["control.creds", "node-a.creds", "node-b.creds", "reclaimer.creds", "relay-admin.creds"], made
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in relay.creds.rglob("*.*"))
+    # the configuration nats-server -t accepts, the resolver's directory made before it (its owner the relay's)
+    check = subprocess.run([*relay.unit("ExecStart"), "-t"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert (tmp_path / "store" / "accounts").owner() == "sco-nats"
+
+    # role hall hands node a's agent its creds in operator mode
+    show = run_playbook(
+        tmp_path, SHOW,
+        {"sco_hall": HALL, "sco_relay_url": relay.url, "sco_credentials_dir": str(relay.creds.parent),
+         "notice_relay_auth_mode": "operator", "node_agent_node": "a"},
+    )  # fmt: skip
+    assert show.returncode == 0, show.stdout + show.stderr
+    given = json.loads(json.loads(show.stdout.split('"msg": ', 1)[1].split("\n}", 1)[0]))
+    assert given["creds"] == (relay.creds / "node-a.creds").read_text().rstrip("\n")
+
+    relay.start()
+    try:
+        # the stream tool as the unit's ExecStartPost runs it, on the creds the role copied
+        post = relay.unit("ExecStartPost")
+        assert post[post.index("--creds") + 1] == str(admin)
+        stream = subprocess.run(post, capture_output=True, text=True, timeout=60)
+        assert [json.loads(x) for x in stream.stdout.splitlines()] == [
+            {"stream": "SCO_EVENTS", "action": "created"}, {"stream": "SCO_HEARTBEATS", "action": "created"},
+        ], stream.stderr  # fmt: skip
+        before = relay.varz()
+        pid = relay.proc.pid if relay.proc else 0
+
+        # an inventory node on the creds the role minted; a node enrolled at run time on its own
+        node_a = relay.creds / "node-a.creds"
+        node_c = enrol_at_run_time(relay, "c")
+        reclaimer = relay.creds / "reclaimer.creds"
+        got = asyncio.run(notices_reach(relay.url, reclaimer, {"a": node_a, "c": node_c}))
+        assert got == {"a": [b"notice for a"], "c": [b"notice for c"]}, got
+        assert asyncio.run(event_acked(relay.url, node_a, "a")) == 1
+        assert asyncio.run(event_acked(relay.url, node_c, "c")) == 2
+        # node c may not listen to node a's notices
+        refused = asyncio.run(cross_subscription(relay.url, node_c, "c", "a"))
+        assert "permissions violation" in refused.lower() and f"sco.notice.{HALL}.a" in refused, refused
+        # bare nkeys (static mode's identity) are refused in operator mode
+        bare = asyncio.run(refusal(relay.url, nkeys_seed=str(relay.creds / "node-b.nk")))
+        assert "authorization violation" in bare.lower(), bare
+
+        # the inventory grows while the relay runs: the role's next run pushes the new node's account, no restart
+        second = relay.apply(["a", "b", "d"])
+        assert "RUNNING HANDLER" not in second.stdout, second.stdout[-4000:]
+        assert re.search(r"TASK \[sco\.orchestrator\.notice_relay : Push the changed accounts[^\n]*\n"
+                         r"changed: \[localhost", second.stdout), second.stdout[-4000:]  # fmt: skip
+        got = asyncio.run(notices_reach(relay.url, reclaimer, {"d": relay.creds / "node-d.creds", "c": node_c}))
+        assert got == {"d": [b"notice for d"], "c": [b"notice for c"]}, got
+        # the same server all along: never restarted nor reloaded
+        after = relay.varz()
+        assert relay.proc is not None and relay.proc.pid == pid and relay.proc.poll() is None
+        assert (after["start"], after["config_load_time"]) == (before["start"], before["config_load_time"])
+        # once converged, a run changes nothing
+        assert recap_changed(relay.apply(["a", "b", "d"]).stdout) == 0
+    finally:
+        relay.stop()
