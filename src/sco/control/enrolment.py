@@ -238,7 +238,12 @@ class Issuer:
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         try:
-            self._run(self._start(), s.call_timeout_s * 2)
+            self._run(self._start(), s.call_timeout_s * 3)
+        except TimeoutError:
+            self.close()
+            raise ri.RelayIdentityError(
+                f"relay {s.nats_url}: no connection as the issuer within {s.call_timeout_s * 3:.0f} s"
+            ) from None
         except BaseException:
             self.close()
             raise
