@@ -79,12 +79,17 @@ def test_the_roles_publisher_keeps_the_configmap_in_step_with_the_bundle(tmp_pat
     proc: subprocess.Popen[bytes] | None = None
     try:
         # a hall without Kubernetes gets no publisher
-        off = render(tmp_path / "off", control_loop_hall="local", control_loop_kubernetes={})
+        off = render(
+            tmp_path / "off",
+            control_loop_hall="local",
+            control_loop_kubernetes={},
+            control_loop_configmap_bundle_url="",
+        )
         assert (off.parent / "enabled").read_text() == "False"
         unit = render(
             tmp_path / "unit", control_loop_hall="local", control_loop_kubernetes={"url": kube.url},
-            sco_bundle_url=f"{dist.url}/v1/halls/local/bundle.json", control_loop_configmap_interval=1,
-            _control_loop_configmap_trust_dir=str(trust),
+            control_loop_configmap_bundle_url=f"{dist.url}/v1/halls/local/bundle.json",
+            control_loop_configmap_interval=1, _control_loop_configmap_trust_dir=str(trust),
         )  # fmt: skip
         assert (unit.parent / "enabled").read_text() == "True"
         text = unit.read_text()
