@@ -91,7 +91,9 @@ def test_control_loop_laid_out_with_its_timer_enabled() -> None:
     h = SC.host(HOST)
     lines = verify.unit_text(h, "sco-control-loop.service").splitlines()
     for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
-                 "ReadWritePaths=/var/lib/sco/control-loop", "EnvironmentFile=/etc/sco/control-loop.env"):  # fmt: skip
+                 "ReadWritePaths=/var/lib/sco/control-loop /var/lib/prometheus/node-exporter",
+                 "Environment=SCO_METRICS_TEXTFILE_DIR=/var/lib/prometheus/node-exporter",
+                 "EnvironmentFile=/etc/sco/control-loop.env"):  # fmt: skip
         assert line in lines, line
     assert verify.exec_line(h, "sco-control-loop.service", "ExecStart").startswith(
         f"/opt/sco/bin/sco-control-loop --private-data-dir /var/lib/sco/control-loop --hall {HALL} "
@@ -131,3 +133,26 @@ def test_converged_from_the_collection_installed_offline_into_a_fresh_venv() -> 
     assert not names & {"ansible", "molecule", "ansible-lint", "pytest"}, names  # nothing of the checkout's venv
     # the keys and the bundle went to the hall's state directory, not next to any inventory
     assert (SC.work / "keys" / "hall.key").is_file() and (SC.work / "build").is_dir()
+
+
+def test_monitoring_reads_the_control_loops_textfiles_and_loads_the_rules() -> None:
+    """Role monitoring on the control host: node_exporter's textfile collector on the directory the loop's unit
+    writes, Prometheus scraping it (job sco-control) with the SCO rules loaded, both checked by promtool."""
+    h = SC.host(HOST)
+    args = h.file("/etc/default/prometheus-node-exporter").content_string
+    assert "--collector.textfile.directory=/var/lib/prometheus/node-exporter" in args
+    assert h.file("/var/lib/prometheus/node-exporter").group == "sco-control"
+    conf = h.file("/etc/prometheus/prometheus.yml").content_string
+    assert "job_name: sco-control" in conf and "/etc/prometheus/rules.d/*.yml" in conf
+    check = h.run("promtool check config /etc/prometheus/prometheus.yml")
+    assert check.rc == 0 and "SUCCESS" in check.stdout + check.stderr, check.stdout + check.stderr
+
+
+def test_the_contracts_configmap_publisher_is_installed() -> None:
+    """A hall whose loop reads Kubernetes keeps the Kyverno policies' ConfigMap in step with its bundle."""
+    h = SC.host(HOST)
+    assert verify.exec_line(h, "sco-contracts-configmap.service", "ExecStart").startswith(
+        "/opt/sco/bin/sco contract publish-configmap --url http://127.0.0.1:8470/v1/halls/"
+    )
+    link = h.file("/etc/systemd/system/multi-user.target.wants/sco-contracts-configmap.service")
+    assert link.is_symlink
