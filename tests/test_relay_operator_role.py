@@ -240,9 +240,11 @@ def test_the_role_in_operator_mode_serves_inventory_and_run_time_nodes(tmp_path:
     seeds = {p.name for p in relay.etc.iterdir() if re.search(r"\bS[OAU][A-Z2-7]{50,}", p.read_text())}
     assert seeds == {"admin.creds"}, seeds
     assert admin.read_text() == (relay.creds / "relay-admin.creds").read_text()
-    # the controller: the hall's keys and one creds file per user, 0600
+    # the controller: the hall's keys (and the public halves the enrolment service gets) and one creds file per
+    # user, 0600
+    keys = ("operator", "operator-signer", "system", "notices", "events", "node-issuer", "system-admin")
     assert sorted(p.name for p in (relay.creds / "operator").iterdir()) == sorted(
-        f"{n}.nk" for n in ("operator", "operator-signer", "system", "notices", "events", "node-issuer", "system-admin")
+        [f"{n}.nk" for n in keys] + [f"{n}.pub" for n in ("operator", "notices", "events")]
     )
     made = sorted(p.name for p in relay.creds.glob("*.creds"))
     assert made == ["control.creds", "node-a.creds", "node-b.creds", "reclaimer.creds", "relay-admin.creds"], made

@@ -86,7 +86,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dsn", default=_env("SCO_DB_DSN"), help="the fleet state's libpq connection string [$SCO_DB_DSN]")
     p.add_argument(
         "--relay-keys", default=_env("SCO_RELAY_KEYS"), metavar="DIR",
-        help="the hall's relay keys (operator mode, sco.provider.relay_identity) [$SCO_RELAY_KEYS]",
+        help="the hall's relay keys (operator mode, sco.provider.relay_identity): the seeds operator-signer.nk,"
+        " system.nk, system-admin.nk, node-issuer.nk and, each as its .nk or .pub, operator, notices, events"
+        " [$SCO_RELAY_KEYS]",
     )  # fmt: skip
     p.add_argument("--nats-url", dest="nats", default=_env("SCO_NATS_URL"), help="the relay(s) [$SCO_NATS_URL]")
 

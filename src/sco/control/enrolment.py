@@ -225,7 +225,7 @@ class Issuer:
 
     def __init__(self, s: Settings) -> None:
         self.s = s
-        self.keys = ri.HallKeys.ensure(s.relay_keys, s.hall)
+        self.keys = ri.HallKeys.load(s.relay_keys, s.hall)
         self.metrics = Metrics()
         self.limit = RateLimit(s.rate_per_s, s.burst, s.max_sources)
         self.db = _Connections(s.dsn, s.db_connections)

@@ -182,6 +182,9 @@ _KEY_KINDS = {
     "node-issuer": "account",
     "system-admin": "user",
 }
+ISSUER_SEEDS = ("operator-signer", "system", "system-admin", "node-issuer")
+"""The keys the enrolment service signs with: accounts (the operator's signing key), the issuer's own user (the
+system account's key and the admin user's), node users (the node issuer). The other three it needs public only."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,35 @@ class HallKeys:
                 keys[name] = NKey.from_seed(path.read_bytes())
             except Exception as e:  # nkeys' ErrInvalidSeed and friends, nacl's refusal
                 raise ConfigError(f"{path}: not an nkey seed ({type(e).__name__})") from e
+        return cls._of(hall, keys)
+
+    @classmethod
+    def load(cls, directory: Path, hall: str) -> HallKeys:
+        """The hall's keys as the enrolment service holds them, from ``directory``: ``<name>.nk`` (a seed) or, for
+        a key it never signs with (the operator's identity, the notices and events accounts), ``<name>.pub`` (its
+        public key) instead. Nothing is made: a missing or wrong file is an error naming it (keys made here would
+        sign identities no relay trusts)."""
+        _check_name("hall", hall)
+        keys: dict[str, NKey] = {}
+        for name, kind in _KEY_KINDS.items():
+            seed, public = directory / f"{name}.nk", directory / f"{name}.pub"
+            try:
+                if seed.exists():
+                    keys[name] = NKey.from_seed(seed.read_bytes())
+                    if not is_public_key(keys[name].public, kind):
+                        raise ConfigError(f"{seed}: not a seed of kind {kind}")
+                elif name not in ISSUER_SEEDS and public.exists():
+                    text = public.read_text().strip()
+                    if not is_public_key(text, kind):
+                        raise ConfigError(f"{public}: not a public key of kind {kind}")
+                    keys[name] = NKey(public=text)
+                else:
+                    also = "" if name in ISSUER_SEEDS else f" or {public.name}"
+                    raise ConfigError(f"{seed}{also}: no such file (the hall's relay keys, operator mode)")
+            except ConfigError:
+                raise
+            except Exception as e:  # nkeys' ErrInvalidSeed and friends, nacl's refusal, a file unreadable
+                raise ConfigError(f"{seed}: not an nkey seed ({type(e).__name__})") from e
         return cls._of(hall, keys)
 
 

@@ -4,10 +4,11 @@ and the push of its accounts to the running relay (role notice_relay, notice_rel
 Runs with the Python that runs Ansible (``ansible_playbook_python``: the project's venv), which has
 spot-capacity-orchestrator: everything signed here is minted by ``sco.provider.relay_identity``.
 
-- ``issue``: the hall's operator, system and account keys (``<dir>/operator/<name>.nk``, 0600, made on first use)
-  and one creds file per user (``<dir>/<user>.creds``, 0600): the reclaimers, the readers, ``relay-admin`` (the
-  stream tool) and ``node-<node>`` for each node of the inventory, each user's key being its seed ``<dir>/<user>.nk``
-  (the one the static mode's nkey lookup makes). A node's account is its own (``SCO_NODE_<node>``), kept across runs
+- ``issue``: the hall's operator, system and account keys (``<dir>/operator/<name>.nk``, 0600, made on first use;
+  the operator's, notices' and events' public keys beside them, ``<name>.pub``, for the enrolment service) and one
+  creds file per user (``<dir>/<user>.creds``, 0600): the reclaimers, the readers, ``relay-admin`` (the stream tool)
+  and ``node-<node>`` for each node of the inventory, each user's key being its seed ``<dir>/<user>.nk`` (the one
+  the static mode's nkey lookup makes). A node's account is its own (``SCO_NODE_<node>``), kept across runs
   (the creds name it). Prints ``{"changed": [files]}``.
 - ``config``: nats-server.conf (``relay_identity.server_config``: operator JWT, system account, full resolver with
   the hall's accounts preloaded) with the inventory nodes' accounts preloaded too. The relay's current configuration
@@ -153,6 +154,10 @@ def issue(args: argparse.Namespace) -> dict[str, Any]:
     changed: list[str] = []
     keys = hall_keys(args, changed)
     d = Path(args.dir)
+    # the public halves beside the seeds: the enrolment service (role control_loop) gets the seeds it signs with
+    # and only these of the keys it never signs with
+    for name in ("operator", "notices", "events"):
+        write(d / "operator" / f"{name}.pub", f"{getattr(keys, name).public}\n".encode(), args.check, changed)
     minted = {
         **{u: (lambda pub, u=u: ri.reclaimer_user_jwt(keys, pub, u)) for u in args.reclaimer},
         **{u: (lambda pub, u=u: ri.reader_user_jwt(keys, pub, u)) for u in args.reader},
