@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,35 @@ def test_the_relay_identity_is_the_nodes_nkey_seed_in_a_file(tmp_path: Path) -> 
     # a password only where no seed is given (a relay configured otherwise)
     cfg = load(render(tmp_path / "pw", node_agent_nats_password="pw"), env={})
     assert (cfg.nats_nkey_seed_file, cfg.nats_user, cfg.nats_password) == ("", "node-localhost", "pw")
+
+
+def test_in_operator_mode_the_relay_identity_is_the_nodes_creds_file(tmp_path: Path) -> None:
+    # issue 28: a relay in operator mode. Role hall maps both the node's seed and its creds (the user JWT notice_relay
+    # minted, with that seed); agent.toml names the creds file alone, and the agent's identity connects to a real
+    # operator-mode relay and hears its own notices on it
+    import asyncio
+
+    from tests.test_relay_jwt import start_jwt_relay
+    from tests.test_relay_operator_role import notices_reach
+
+    relay = start_jwt_relay(tmp_path / "relay")
+    try:
+        _, minted = relay.enrol("localhost")  # the node's name here: the inventory's, localhost
+        creds = minted.read_text()
+        seed = re.search(r"\bSU[A-Z2-7]{56}\b", creds)
+        assert seed
+        out = render(tmp_path / "etc-op", node_agent_nats_nkey_seed=seed.group(0), node_agent_nats_creds=creds.strip())
+        text = out.read_text()
+        assert "nats_nkey_seed_file" not in text and seed.group(0) not in text and "password" not in text
+        path = tmp_path / "etc-op/etc/nats.creds"
+        path.write_text(creds.strip() + "\n")  # the role's copy task: content "{{ node_agent_nats_creds | trim }}\n"
+        path.chmod(0o600)  # mode "0600", as that task sets it
+        cfg = load(out, env={})
+        assert (cfg.nats_creds_file, cfg.nats_nkey_seed_file, cfg.nats_user) == (str(path), "", "")
+        got = asyncio.run(notices_reach(relay.url, relay.users["reclaimer"], {"localhost": Path(cfg.nats_creds_file)}))
+        assert got == {"localhost": [b"notice for localhost"]}, got
+        # an image build gets neither: the instance enrols at first boot
+        image = render(tmp_path / "image", node_agent_image_build=True, node_agent_nats_creds=creds.strip()).read_text()
+        assert "nats_creds_file" not in image and "nats_nkey_seed_file" not in image
+    finally:
+        relay.srv.stop()
