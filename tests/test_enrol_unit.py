@@ -6,7 +6,9 @@ lines name (the relay keys role notice_relay's tool made on the controller, the 
 ${CREDENTIALS_DIRECTORY} and runs exactly its ExecStart, with the DSN its EnvironmentFile holds, against a real
 PostgreSQL, the relay role notice_relay applied in operator mode (tests/test_relay_operator_role.py's) and the
 Kubernetes API stand-in: a launched instance's enrolment is answered, the node hears its own notices on the
-identity it got, its Kubernetes token is bound to its Node; the operator's own seed never reaches the unit."""
+identity it got, its Kubernetes token is bound to its Node; the operator's own seed never reaches the unit. The
+role's tasks (tasks/enrolment.yml) applied with their paths in the test's directory copy exactly the files the unit
+loads, root's 0600, change nothing the second time and stop naming a key the controller lacks."""
 
 from __future__ import annotations
 
@@ -260,3 +262,74 @@ def test_the_service_reads_the_keys_it_is_given_and_makes_none(tmp_path: Path) -
     (given / "events.pub").write_text(made.operator.public)  # the operator's key where the events account's goes
     with pytest.raises(ConfigError, match=r"events\.pub: not a public key of kind account"):
         ri.HallKeys.load(given, HALL)
+
+
+APPLY = """
+- name: Role control_loop's enrolment tasks on this machine (its paths in the test's directory)
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Find out whether systemd runs here
+      ansible.builtin.stat:
+        path: /run/systemd/system
+      register: _control_loop_systemd
+    - name: The enrolment tasks
+      ansible.builtin.include_role:
+        name: sco.orchestrator.control_loop
+        tasks_from: enrolment.yml
+"""
+
+
+def test_the_roles_tasks_copy_only_the_keys_the_unit_loads_and_change_nothing_the_second_time(tmp_path: Path) -> None:
+    controller = tmp_path / "credentials" / "nats" / "operator"
+    made = ri.HallKeys.ensure(controller, HALL)  # what sco-relay-operator.py issue leaves there
+    for name in ("operator", "notices", "events"):
+        (controller / f"{name}.pub").write_text(getattr(made, name).public + "\n")
+    units = tmp_path / "units"
+    # `systemctl enable` is skipped where its link exists (creates:): this machine's systemd is not touched
+    (units / "multi-user.target.wants").mkdir(parents=True)
+    (units / "multi-user.target.wants" / UNIT).touch()
+    (tmp_path / "play.yml").write_text(APPLY)
+    ev = {
+        "ansible_python_interpreter": sys.executable, "sco_hall": HALL, "sco_relay_url": "nats://127.0.0.1:4222",
+        "notice_relay_auth_mode": "operator", "sco_credentials_dir": str(tmp_path / "credentials"),
+        "control_loop_hall": HALL, "control_loop_state_dsn": "host=db.example dbname=sco password=secret",
+        "control_loop_kubernetes": {"url": "https://k.example:6443"},
+        "control_loop_enrolment_kube_token_file": str(tmp_path / "enrol.token"),
+        # the role's own paths (vars/main.yml), here under the test's directory
+        "_control_loop_enrolment_keys_dir": str(tmp_path / "keys"),
+        "_control_loop_enrolment_env_file": str(tmp_path / "enrol.env"), "_control_loop_unit_dir": str(units),
+    }  # fmt: skip
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "ANSIBLE_NOCOLOR": "1"}
+
+    def apply() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "play.yml", "-e", json.dumps(ev)],
+            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        )  # fmt: skip
+
+    def changed(out: subprocess.CompletedProcess[str]) -> int:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+        m = re.search(r"localhost\s+:\s+ok=\d+\s+changed=(\d+)", out.stdout)
+        assert m, out.stdout[-3000:]
+        return int(m.group(1))
+
+    first = apply()
+    assert changed(first) > 0 and "secret" not in first.stdout
+    assert f"WARNING control_loop: {tmp_path / 'enrol.token'} is not on this host" in first.stdout
+    keys = tmp_path / "keys"
+    assert keys.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in keys.iterdir()) == sorted(
+        [f"{n}.nk" for n in ri.ISSUER_SEEDS] + ["operator.pub", "notices.pub", "events.pub"]
+    )  # the operator's own seed stays on the controller
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in [*keys.iterdir(), tmp_path / "enrol.env"])
+    assert (tmp_path / "enrol.env").read_text() == "SCO_DB_DSN=host=db.example dbname=sco password=secret\n"
+    unit = units / UNIT
+    # every file the unit loads is one the role put there (or the token the role warned about)
+    loaded = {e.split(":", 1)[1] for e in settings(unit, "LoadCredential")}
+    assert loaded == {str(keys / p.name) for p in keys.iterdir()} | {str(tmp_path / "enrol.token")}
+    assert changed(apply()) == 0
+    # a key notice_relay has not made yet: the run stops and names it
+    (controller / "notices.pub").unlink()
+    out = apply()
+    assert out.returncode != 0 and f"needs notices.pub in {controller} on the controller" in out.stdout, out.stdout
