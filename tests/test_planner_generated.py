@@ -84,6 +84,25 @@ def test_an_idle_instance_is_kept_while_work_it_could_hold_goes_short() -> None:
     assert gone.pools[0].delete == ("i1",)
 
 
+def test_a_pool_over_its_cap_deletes_only_the_instances_above_it_and_keeps_one_short_work_fits() -> None:
+    """Review of defect 2: a pool whose cap was lowered to 1 holds two idle instances past their grace while 2 units
+    it could hold are short. The first instance went for the cap but took the short work with it (from the work the
+    check keeps), so the second found none and went too, both said "no pending work"."""
+    inp = PlanInput(
+        contracts={"w": ContractInfo("w", 2)},
+        demand={"w": 2 * U},
+        pools=(Pool("a", "reclaimable", 8 * U, 1, price_per_hour=Decimal("0.5")),),
+        fleet=(Instance("i1", "n1", "a", ("w",), NOW - 7200), Instance("i2", "n2", "a", ("w",), NOW - 7200)),
+        settings=PlanSettings(now=NOW, shares={2: Fraction(1, 2)}),
+    )
+    p = plan(inp)
+    assert p.pools[0].delete == ("i1",) and p.pools[0].target == 1
+    why = {d.subject: (d.kind, d.reason) for d in p.decisions if d.subject.startswith("instance:")}
+    assert why["instance:n1"][0] == "scale_down" and "more than its cap of 1" in why["instance:n1"][1]
+    assert why["instance:n2"][0] == "keep" and "short" in why["instance:n2"][1]
+    assert not plan(applied(inp, p)).changed
+
+
 def test_a_kept_idle_instance_never_takes_a_place_under_the_cap_a_launch_uses() -> None:
     """Two pools at share 1/2: work goes to both, and an idle instance kept for short work must not push its pool
     past the cap."""

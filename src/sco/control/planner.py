@@ -472,7 +472,9 @@ def scale_down(
                 decisions.append(
                     Decision("keep", subject, f"idle for now, up {age:.0f} s < grace {s.idle_grace_s:.0f} s")
                 )
-            elif (fits := _short_work_it_fits(left, i.contracts, p.flavor_milli)) and target[name] <= p.cap:
+            # the cap first: an instance over it goes whatever fits it, and must not take short work from ``left``
+            # that the pool's other idle instances could hold (each was deleted with "no pending work" otherwise)
+            elif target[name] <= p.cap and (fits := _short_work_it_fits(left, i.contracts, p.flavor_milli)):
                 what = ", ".join(f"{c} {_units(m)}" for c, m in sorted(fits.items()))
                 why = (
                     f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, kept: {what} it could hold are short"
@@ -480,10 +482,13 @@ def scale_down(
                 )
                 decisions.append(Decision("keep", subject, why))
             else:
+                over = target[name] > p.cap
                 deletes[name].append(i.id)
                 target[name] -= 1
                 what = ",".join(i.contracts) or "it"
-                why = f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, no pending work for {what} put on it"
+                why = f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, " + (
+                    f"the pool holds more than its cap of {p.cap}" if over else f"no pending work for {what} put on it"
+                )
                 decisions.append(Decision("scale_down", subject, why))
     return deletes, decisions
 

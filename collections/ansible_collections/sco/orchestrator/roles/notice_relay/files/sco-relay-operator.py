@@ -137,7 +137,7 @@ def read_creds(path: Path) -> tuple[str, str]:
 def node_account(creds: Path) -> str:
     """The account of an inventory node: the one its creds name, else a new one (its seed is dropped, as at
     enrolment: the operator's signing key signs the account, the node issuer its user)."""
-    token, _ = read_creds(creds)
+    token, _seed = read_creds(creds)
     account = str(ri.decode_jwt(token).get("nats", {}).get("issuer_account", "")) if token else ""
     return account if ri.is_public_key(account, "account") else ri.NKey.generate("account").public
 
@@ -168,7 +168,7 @@ def issue(args: argparse.Namespace) -> dict[str, Any]:
         minted[f"node-{node}"] = lambda pub, node=node, account=account: node_user_jwt(keys, node, account, pub)
     for user, mint in minted.items():
         key = user_key(d / f"{user}.nk", args.check, changed)
-        before, _ = read_creds(d / f"{user}.creds")
+        before, _before_seed = read_creds(d / f"{user}.creds")
         write(d / f"{user}.creds", ri.creds(kept(mint(key.public), before), key.seed).encode(), args.check, changed)
     return {"changed": changed}
 
@@ -210,7 +210,7 @@ def push(args: argparse.Namespace) -> dict[str, Any]:
     async def run() -> int:
         admin = await ri.RelayAdmin.connect(args.server, keys, timeout=args.timeout)
         try:
-            return await admin.push_many(token for _, token in accounts)
+            return await admin.push_many(token for _account, token in accounts)
         finally:
             await admin.close()
 
