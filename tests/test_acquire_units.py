@@ -3,6 +3,7 @@ launch options make, when to poll, and the steps' options."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,3 +160,18 @@ def test_waiting_for_deletes_polls_at_a_short_fixed_interval() -> None:
     left = wait_gone(listing, [1], started=time.monotonic() - 1.5, sleep=slept.append)
     assert left == set() and slept and max(slept) <= 0.5, slept
     assert lists[0] <= 4  # one list call a round for the batch, not a GET per server
+
+
+def test_the_clouds_messages_are_said_once_on_one_bounded_line() -> None:
+    """Review of issue 31, defect 4: 25 builds in ERROR, each fault naming its instance's id, made an 11 KB error, and
+    a message holding a newline made two lines."""
+    from sco.control.loop import said_once
+
+    faults = [f"Build of instance {uuid.uuid4()} aborted: Failure prepping block device." for _ in range(25)]
+    line = said_once([*faults, "Policy doesn't allow\nos_compute_api:servers:create"])
+    assert line == (
+        "Build of instance <id> aborted: Failure prepping block device. (25 times);"
+        " Policy doesn't allow os_compute_api:servers:create"
+    )
+    many = said_once([f"error number {i} " + "x" * 200 for i in range(40)])
+    assert "\n" not in many and len(many) < 1600 and many.endswith("other messages")

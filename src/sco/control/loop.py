@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -493,8 +494,9 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
             built = [f for f in outcome.failures if f.at == "build"]
             if built:  # named, so a run that goes on is not silent about what Nova failed
                 result["warnings"].append(
-                    f"{t.pool}/{t.entry}: {len(built)} builds in ERROR, taken back: "
-                    + "; ".join(f"{f.name}: {f.message}" for f in built)
+                    f"{t.pool}/{t.entry}: {len(built)} builds in ERROR, taken back"
+                    f" ({', '.join(f.name for f in built[:10])}{', ...' if len(built) > 10 else ''}): "
+                    + said_once([f.message for f in built])
                 )
             result["launched"] += outcome.launched
             result["deleted"] += outcome.deleted
@@ -512,12 +514,31 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
     if tried and len(failures) >= tried and any(not f.capacity for f in failures):
         # nothing this step launched became an instance, and not for capacity (which marks the pool unavailable
         # for the plan to route around): the run must fail, with the cloud's words, or no alert can see it
-        said: dict[str, int] = {}
-        for f in failures:
-            said[f.message] = said.get(f.message, 0) + 1
-        words = "; ".join(f"{m}" + (f" ({n} times)" if n > 1 else "") for m, n in sorted(said.items()))
-        raise CloudError(f"acquire: the cloud refused every launch of this run ({len(failures)} of {tried}): {words}")
+        raise CloudError(
+            f"acquire: the cloud refused every launch of this run ({len(failures)} of {tried}): "
+            + said_once([f.message for f in failures])
+        )
     return result
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)
+
+
+def said_once(messages: list[str], limit: int = 1500) -> str:
+    """The cloud's messages on one line: each said once with how many times (a server's or request's id does not
+    make a message another: Nova's "Build of instance <uuid> aborted" is one message 25 times), at most ``limit``
+    characters, the rest counted."""
+    said: dict[str, int] = {}
+    for m in messages:
+        key = _UUID.sub("<id>", " ".join(m.split()))
+        said[key] = said.get(key, 0) + 1
+    out, left = "", sorted(said.items(), key=lambda kv: (-kv[1], kv[0]))
+    for i, (m, n) in enumerate(left):
+        part = m + (f" ({n} times)" if n > 1 else "")
+        if out and len(out) + len(part) > limit:
+            return out + f"; and {len(left) - i} other messages"
+        out += ("; " if out else "") + part[:limit]
+    return out
 
 
 # --- reclaim ------------------------------------------------------------------------------------------
