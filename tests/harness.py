@@ -27,6 +27,21 @@ from sco_devkit.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNO
 BIN = Path(sys.executable).parent
 
 
+def render_with_roles(out: Path, book: str, **extravars: object) -> None:
+    """Run ``book`` (a playbook that renders a role's files into ``out``, the roles' directory as ``roles_dir``)
+    on localhost with the test's Python and the repository's collections; fails the test with Ansible's output."""
+    roles = Path(__file__).resolve().parents[1] / "collections/ansible_collections/sco/orchestrator/roles"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "render.yml").write_text(book)
+    ev = {"ansible_python_interpreter": sys.executable, "roles_dir": str(roles), "out": str(out), **extravars}
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(roles.parents[3]), "ANSIBLE_NOCOLOR": "1"}
+    p = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", out / "render.yml", "-e", json.dumps(ev)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,8 +7,6 @@ serial, follows each new bundle, and a key taken off the trusted list stops bein
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import subprocess
 import sys
@@ -20,10 +18,8 @@ from sco.contract.distributor import DistributorServer
 from sco.contract.distributor import publish as publish_bundle
 from sco.contract.signing import Keyring, generate, sign, write_keypair
 from sco_devkit.standins.kube_apiserver import Identity, KubeApiStandIn
-from tests.harness import sample_repo, wait_for
+from tests.harness import render_with_roles, sample_repo, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
-ROLES = ROOT / "collections/ansible_collections/sco/orchestrator/roles"
 BIN = Path(sys.executable).parent
 
 RENDER = """
@@ -46,15 +42,7 @@ RENDER = """
 
 
 def render(out: Path, **ev: object) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "render.yml").write_text(RENDER)
-    ev = {"ansible_python_interpreter": sys.executable, "roles_dir": str(ROLES), "out": str(out), **ev}
-    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "ANSIBLE_NOCOLOR": "1"}
-    p = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", out / "render.yml", "-e", json.dumps(ev)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    render_with_roles(out, RENDER, **ev)
     return out / "sco-contracts-configmap.service"
 
 

@@ -33,7 +33,7 @@ from sco.errors import ConfigError
 from sco.provider import relay_identity as ri
 from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
-from tests.harness import free_port, wait_for
+from tests.harness import free_port, render_with_roles, wait_for
 from tests.test_enrolment import post, request
 from tests.test_relay_operator_role import HALL, Deployed, notices_reach
 
@@ -69,15 +69,7 @@ RENDER = """
 
 
 def render(out: Path, **ev: object) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "render.yml").write_text(RENDER)
-    ev = {"ansible_python_interpreter": sys.executable, "roles_dir": str(ROLES), "out": str(out), **ev}
-    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "ANSIBLE_NOCOLOR": "1"}
-    p = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", out / "render.yml", "-e", json.dumps(ev)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    render_with_roles(out, RENDER, **ev)
     return dict(json.loads((out / "facts.json").read_text()))
 
 
