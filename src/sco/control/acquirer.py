@@ -107,14 +107,6 @@ class Outcome:
     """Instances the entry asks for that it does not hold at the end of the run (a build Nova failed, taken back;
     a create refused): the next run launches them again. 0 when the entry holds its count."""
 
-    @property
-    def refused_every_launch(self) -> bool:
-        """Every create this run sent failed, and not only for capacity (quota, no valid host), which marks the
-        pool unavailable for the plan to route around."""
-        return (
-            bool(self.attempts) and len(self.failures) >= self.attempts and any(not f.capacity for f in self.failures)
-        )
-
 
 @dataclass(frozen=True)
 class Failure:
