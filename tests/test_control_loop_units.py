@@ -161,7 +161,7 @@ def test_committed_capacity_from_blazar_leases_per_pool() -> None:
 def test_a_bad_ceiling_is_a_clear_error() -> None:
     import pytest
 
-    from sco.control.loop import _amount
+    from sco.control.options import _amount
     from sco.errors import ConfigError
 
     assert str(_amount("250.50", "ceiling_per_hour")) == "250.50"

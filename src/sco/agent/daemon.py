@@ -25,6 +25,7 @@ from sco import __version__
 from sco._redact import strip_userinfo_in_text
 from sco.agent import heartbeat
 from sco.agent import metrics as agent_metrics
+from sco.agent.boot import boot_id
 from sco.agent.bundle_cache import BundleCache, BundleFetcher, Offer
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.config import AgentConfig
@@ -50,15 +51,6 @@ OUTCOMES = ("drain.drained", "drain.overrun")
 PUBLISH_WARN_EVERY_S = 60.0
 PUBLISH_RETRY_S = (0.5, 10.0)  # first and longest wait after a refused publish (sco.agent.retry.Backoff)
 FOREIGN_SAY_EVERY_S = 60.0
-
-
-def boot_id() -> str:
-    """This instance's boot: a drain latch from another boot (a new instance) does not hold."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 class Agent:

@@ -20,14 +20,14 @@ import logging
 import math
 from typing import Any
 
+from sco import __version__
+from sco.agent.boot import boot_id
+
 log = logging.getLogger("sco.agent.heartbeat")
 
 
 def body(agent: Any) -> bytes:
     """What one beat says: who, which boot, the drain's state, the bundle serial, the spool backlog."""
-    from sco import __version__
-    from sco.agent.daemon import boot_id
-
     b = agent.cache.bundle
     return json.dumps(
         {

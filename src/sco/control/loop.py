@@ -14,7 +14,6 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -277,16 +276,6 @@ def step_plan(o: PlanOptions, check: bool, store: FleetStore | None = None) -> d
 
 
 # --- arbitrate ----------------------------------------------------------------------------------------
-
-
-def _amount(value: Any, where: str) -> Decimal:
-    try:
-        d = Decimal(str(value if value is not None else 0))
-    except ArithmeticError:
-        raise ConfigError(f"{where}: {value!r} is not an amount of money such as 250.00") from None
-    if not d.is_finite() or d < 0:
-        raise ConfigError(f"{where}: must be a finite amount of at least 0, not {value!r}")
-    return d
 
 
 def step_arbitrate(o: ArbitrateOptions, check: bool, store: FleetStore | None = None) -> dict[str, Any]:

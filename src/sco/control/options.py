@@ -178,6 +178,16 @@ class PlanOptions:
         )
 
 
+def _amount(value: Any, where: str) -> Decimal:
+    try:
+        d = Decimal(str(value if value is not None else 0))
+    except ArithmeticError:
+        raise ConfigError(f"{where}: {value!r} is not an amount of money such as 250.00") from None
+    if not d.is_finite() or d < 0:
+        raise ConfigError(f"{where}: must be a finite amount of at least 0, not {value!r}")
+    return d
+
+
 @dataclass(frozen=True)
 class ArbitrateOptions:
     plan: PlanOptions
@@ -186,8 +196,6 @@ class ArbitrateOptions:
 
     @classmethod
     def from_params(cls, p: Params) -> ArbitrateOptions:
-        from sco.control.loop import _amount
-
         return cls(
             PlanOptions.from_params(p),
             _result(p.get("plan"), "plan", "plan"),
