@@ -5,7 +5,7 @@ BENCH ?=
 SCO_TESTHOST_ROOTFS ?= /var/cache/sco-testhost/rootfs
 export SCO_TESTHOST_ROOTFS
 
-.PHONY: setup demo test unit lint bench clean testhosts sanity molecule collection ee
+.PHONY: setup demo test unit lint bench clean testhosts sanity molecule collection ee constraints release
 
 setup:
 	@bash scripts/setup.sh
@@ -48,6 +48,11 @@ molecule: setup testhosts
 collection: setup
 	$(PY) scripts/collection.py --out dist
 	cp dist/sco-orchestrator-*.tar.gz ee/sco-orchestrator.tar.gz
+
+# constraints/control.txt: the exact versions a controller and the execution environment install (the control
+# extra's closure as this venv resolved it; sco_devkit.constraints). Rerun after changing a dependency; a test checks it.
+constraints: setup
+	$(PY) -m sco_devkit.constraints
 
 # The execution environment (ee/README.md): built with ansible-builder and podman, then run as AWX runs it (root;
 # ~2 min 45 s cold, seconds when nothing changed, so not part of `make test`).

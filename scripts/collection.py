@@ -11,7 +11,8 @@
 
     python scripts/collection.py [--out DIR] [--no-wheelhouse]
 
-The wheelhouse is rebuilt only when pyproject.toml or src/ changed (a stamp file holds their hash).
+The wheelhouse holds exactly the versions constraints/control.txt pins (what the execution environment installs);
+it is rebuilt only when pyproject.toml, those pins or src/ changed (a stamp file holds their hash).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import yaml
 from packaging.specifiers import SpecifierSet
 
 REPO = Path(__file__).resolve().parents[1]
+CONSTRAINTS = REPO / "constraints" / "control.txt"
 COLL = REPO / "collections" / "ansible_collections" / "sco" / "orchestrator"
 BIN = Path(sys.executable).parent
 
@@ -79,7 +81,7 @@ def dependency(name: str, wanted: str, out: Path) -> Path:
 
 def sources_hash() -> str:
     h = hashlib.sha256()
-    for p in sorted([REPO / "pyproject.toml", Path(__file__).resolve(), *(REPO / "src").rglob("*")]):
+    for p in sorted([REPO / "pyproject.toml", CONSTRAINTS, Path(__file__).resolve(), *(REPO / "src").rglob("*")]):
         if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p):
             h.update(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
@@ -93,10 +95,11 @@ def wheelhouse(out: Path) -> None:
         return
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    # at the versions this checkout was tested with (sco_devkit.wheels: unpinned, pip backtracks for 10+ minutes)
+    # at the pinned versions, the ones this checkout was tested with (unpinned, pip backtracks for 10+ minutes, and
+    # two builds a week apart differ)
     from sco_devkit import wheels
 
-    wheels.build(partial, f"{REPO}[control]", timeout=1200)
+    wheels.build(partial, f"{REPO}[control]", timeout=1200, constraints=CONSTRAINTS)
     (partial / ".sources").write_text(digest)
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)

@@ -109,8 +109,11 @@ fi
 
 # The definition as shipped, except that collections named for Galaxy (out of reach here) come from local
 # artifacts of an acceptable version: the ones of the `ansible` package in the venv, which the tests use.
-rm -rf "$work/def" "$work/context"
+rm -rf "$work/def" "$work/context" "$work/constraints"
 cp -rp ee "$work/def"
+# where the definition's ../constraints/control.txt (the pins of every pip in the build) resolves from the copy
+mkdir -p "$work/constraints"
+cp -p constraints/control.txt "$work/constraints/"
 python - "$work/def" "$work/galaxy" <<'EOF'
 import json, pathlib, shutil, subprocess, sys, tarfile
 import yaml

@@ -42,7 +42,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ devkit/pyproject.toml -nt "$stamp" ] \
-  || [ agent/constraints.txt -nt "$stamp" ]; then
+  || [ agent/constraints.txt -nt "$stamp" ] || [ constraints/control.txt -nt "$stamp" ]; then
   echo "setup: pip install -e .[dev] -e devkit"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # the distribution was called `sco` before it was renamed: drop that stale record so only one claims the package
@@ -50,8 +50,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ devkit/pyproject.to
   # PyTorch for the DCP training workload (extra `dcp`, never a runtime dependency): exactly this spec, which
   # pip takes as the CPU build lying on the machine's disk; any other spec pulls a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install -q torch==2.13.0
-  # devkit: the test support (stand-ins, dev clusters, demo); the node's pins, so tests run what nodes run
-  "$VENV/bin/python" -m pip install -q -c agent/constraints.txt -e '.[dev,dcp]' -e ./devkit
+  # devkit: the test support (stand-ins, dev clusters, demo); the node's and the control plane's pins, so tests run
+  # what nodes, controllers and the execution environment run
+  "$VENV/bin/python" -m pip install -q -c agent/constraints.txt -c constraints/control.txt -e '.[dev,dcp]' -e ./devkit
   touch "$stamp"
 fi
 # OpenStack services for the provider tests, in their own venv (.venv-openstack).

