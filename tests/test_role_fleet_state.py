@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from sco.state.db import connect, migrations
+from tests.secrets_watch import ProcSampler, files_showing
 from tests.testhosts import REPO
 
 VENV = Path(sys.executable).parent.parent
@@ -32,13 +33,14 @@ def play(
     playbook: str | None = None,
     inventory: dict[str, Any] | None = None,
     limit: str | None = None,
+    flags: tuple[str, ...] = (),
 ) -> Any:
     import ansible_runner
 
     pdd = tmp / f"runner-{len(list(tmp.glob('runner-*')))}"
     (pdd / "project").mkdir(parents=True)
     (pdd / "project" / "fleet_state.yml").write_text(playbook or (REPO / "playbooks" / "fleet_state.yml").read_text())
-    args = (["--check"] if check else []) + ([f"--limit={limit}"] if limit else [])
+    args = (["--check"] if check else []) + ([f"--limit={limit}"] if limit else []) + list(flags)
     return ansible_runner.run(
         private_data_dir=str(pdd),
         playbook="fleet_state.yml",
@@ -405,6 +407,31 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
         for m in members:
             kill_postgres(root / m / "pg" / "data")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_database_password_is_on_no_command_line_environment_or_output(
+    postgres: Any, tmp_path: Path, names: dict[str, str]
+) -> None:
+    """Issue 29, defect 4: the migrations got the password in PGPASSWORD through the environment keyword, which
+    Ansible puts on the target's `/bin/sh -c 'PGPASSWORD=... python ...'` line (every local user's `ps`, and -vvv's
+    EXEC line) and into `sco db migrate`'s environment. A ps sampler runs through a -vvv --diff converge."""
+    secret = "pw-" + os.urandom(12).hex()  # of this test alone: no other process on the machine has it
+    ev = settings(postgres, tmp_path, names, fleet_state_db_password=secret)
+    with ProcSampler(secret) as ps:
+        r = play(tmp_path, ev, flags=("-vvv", "--diff"))
+    assert r.rc == 0, output(r)
+    assert ps.passes > 10, ps.passes  # it did look, all along the run
+    assert sorted(set(ps.seen)) == [], sorted(set(ps.seen))
+    assert secret not in output(r)
+    # the artifacts (ansible-runner's events, stdout, command line); env/ is this test's own input
+    assert files_showing(Path(r.config.artifact_dir), secret) == []
+    with connect(postgres.dsn(names["db"])) as c:  # and it did migrate, as SCO's role with that password
+        assert c.execute("SELECT count(*) FROM schema_migration").fetchone()[0] == len(migrations())
+    env = (tmp_path / "etc" / "fleet-state.env").read_text()
+    with connect(env.split("SCO_DB_DSN=", 1)[1].strip().strip('"')) as c:
+        assert c.execute("SELECT current_user").fetchone()[0] == names["user"]
+    # nothing of the password is left on the target but the DSN file (a passfile the run made is gone)
+    assert not list(Path("/tmp").glob("ansible.*sco-passfile*"))
 
 
 def test_cli_migrate_check_applies_nothing(postgres: Any, names: dict[str, str]) -> None:
