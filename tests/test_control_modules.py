@@ -346,3 +346,65 @@ def test_the_reclaim_steps_options_are_parsed_once_and_bad_ones_named() -> None:
     for bad, where in bads:
         with pytest.raises(ConfigError, match=where):
             parse_options("reclaim", {"hall": "h", **bad})
+
+
+SECRET_PLAY = """
+- name: Acquire with a cloud given as a dict and a node environment, both holding secrets
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Acquire
+      sco.orchestrator.acquire:
+        hall: local
+        bundle: "{{ bundle }}"
+        trust_dir: "{{ trust_dir }}"
+        cloud:
+          auth: {auth_url: "http://127.0.0.1:9/v3", username: sco, password: "{{ cloud_secret }}", project_name: p}
+        node_env: {SCO_AGENT_NATS_URL: "nats://relay:4222", SCO_AGENT_ENROL_TOKEN: "{{ node_secret }}"}
+        plan: {plan: {pools: [], entries: []}}
+        pools: "{{ pools }}"
+      ignore_errors: true
+    - name: Acquire from a cloud named by its clouds.yaml entry
+      sco.orchestrator.acquire:
+        hall: local
+        bundle: "{{ bundle }}"
+        trust_dir: "{{ trust_dir }}"
+        cloud: sco-named-cloud
+        plan: {plan: {pools: [], entries: []}}
+        pools: "{{ pools }}"
+      ignore_errors: true
+"""
+
+
+def test_acquire_never_shows_its_cloud_dict_or_node_env(tmp_path: Path, hall: dict[str, Any]) -> None:
+    """Issue 29, defect 4: node_env (it becomes user-data: enrolment tokens, relay passwords) and a cloud given as a
+    dict (its auth) were not no_log, so -vvv's result and ansible-runner's events carried them verbatim."""
+    import ansible_runner
+
+    from tests.secrets_watch import files_showing
+
+    cloud_secret, node_secret = "cloud-" + os.urandom(8).hex(), "node-" + os.urandom(8).hex()
+    pdd = tmp_path / "secrets"
+    (pdd / "project").mkdir(parents=True)
+    (pdd / "project" / "play.yml").write_text(SECRET_PLAY)
+    r = ansible_runner.run(
+        private_data_dir=str(pdd),
+        playbook="play.yml",
+        extravars={**hall, "cloud_secret": cloud_secret, "node_secret": node_secret,
+                   "ansible_python_interpreter": sys.executable},
+        cmdline="-vvv --diff",
+        envvars=ENV,
+        quiet=True,
+    )  # fmt: skip
+    res = {
+        e["event_data"]["task"]: e["event_data"]["res"]
+        for e in r.events
+        if e.get("event") in ("runner_on_ok", "runner_on_failed")
+    }
+    assert "invocation" in res["Acquire"], res  # the module ran and reported its arguments
+    out = r.stdout.read()
+    assert cloud_secret not in out and node_secret not in out, out[-3000:]
+    assert files_showing(Path(r.config.artifact_dir), cloud_secret, node_secret) == []
+    # a cloud named by a clouds.yaml entry is no secret: its name stays readable in what the module says
+    named = res["Acquire from a cloud named by its clouds.yaml entry"]
+    assert named["invocation"]["module_args"]["cloud"] == "sco-named-cloud", named

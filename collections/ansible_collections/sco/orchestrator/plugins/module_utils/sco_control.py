@@ -23,7 +23,8 @@ except ImportError:
 def common_argument_spec() -> dict[str, Any]:
     return {
         "hall": {"type": "str", "required": True},
-        "cloud": {"type": "raw"},
+        # no_log: a cloud given as a dict carries its auth (run_step lets a clouds.yaml entry's name be shown)
+        "cloud": {"type": "raw", "no_log": True},
         "auth": {"type": "dict", "no_log": True},
         "auth_type": {"type": "str"},
         "region_name": {"type": "str"},
@@ -60,6 +61,10 @@ RESERVED = ("failed", "skipped", "msg", "rc", "unreachable")
 def run_step(module: Any, step: str) -> None:
     """Run the control-loop step ``step`` (``sco.control.loop.run``) with the module's params and exit: a cloud or
     input error fails the task with its own message (and every problem line), warnings go through module.warn."""
+    # A cloud named by a clouds.yaml entry is no secret: masked, the name would be starred wherever it appears (in
+    # the hall's name too, when they are the same)
+    if isinstance(module.params.get("cloud"), str):
+        module.no_log_values.discard(module.params["cloud"])
     # the same check as every module of the collection: the product, of the collection's release, where it runs
     require_product(module, SCO_IMPORT_ERROR)
     params = dict(module.params)

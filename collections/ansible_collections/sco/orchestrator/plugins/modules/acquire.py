@@ -151,7 +151,8 @@ def main() -> None:
         "plan": {"type": "dict", "required": True},
         "arbitration": {"type": "dict", "default": {}},
         "signing_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
-        "node_env": {"type": "dict", "default": {}},
+        # user-data of every new instance: enrolment tokens, relay credentials
+        "node_env": {"type": "dict", "default": {}, "no_log": True},
         "concurrency": {"type": "int", "default": 8},
     }
     run_step(AnsibleModule(argument_spec=spec, supports_check_mode=True), "acquire")
