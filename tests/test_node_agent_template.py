@@ -131,3 +131,45 @@ def test_in_operator_mode_the_relay_identity_is_the_nodes_creds_file(tmp_path: P
         assert "nats_creds_file" not in image and "nats_nkey_seed_file" not in image
     finally:
         relay.srv.stop()
+
+
+CONFIGURE = """
+- name: The role's configure tasks, as the role runs them
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Configure
+      ansible.builtin.include_role:
+        name: sco.orchestrator.node_agent
+        tasks_from: configure.yml
+"""
+
+
+def test_the_relay_password_is_not_in_the_diff_of_agent_toml(tmp_path: Path) -> None:
+    """Issue 29, defect 4: `--diff` printed agent.toml's nats_password, when the file was made and when it changed
+    (and ansible-runner kept it in its artifacts). The role's own task runs here, -vvv --diff, twice."""
+    (tmp_path / "trusted").mkdir()
+    write_keypair(generate(), tmp_path / "hall.key", tmp_path / "trusted/hall.pub")
+    (tmp_path / "play.yml").write_text(CONFIGURE)
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    secrets = ["first-" + os.urandom(8).hex(), "second-" + os.urandom(8).hex()]
+    for secret in secrets:
+        ev = {
+            "ansible_python_interpreter": sys.executable,
+            **HALL,
+            "node_agent_nats_password": secret,
+            "node_agent_config_dir": str(tmp_path / "etc"),
+            "node_agent_state_dir": str(tmp_path / "state"),
+            "node_agent_venv": str(BIN.parent),
+            "node_agent_trusted_keys": [str(tmp_path / "trusted/hall.pub")],
+        }
+        r = subprocess.run(
+            [str(BIN / "ansible-playbook"), "-vvv", "--diff", "-i", "localhost,", "-c", "local", "play.yml",
+             "-e", json.dumps(ev)],
+            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        assert "changed: [localhost]" in r.stdout  # agent.toml was written (made, then changed)
+        for s in secrets:
+            assert s not in r.stdout + r.stderr, s
+        assert load(tmp_path / "etc/agent.toml", env={}).nats_password == secret  # the agent does get it
