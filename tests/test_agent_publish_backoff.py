@@ -2,7 +2,7 @@
 
 Before: the publisher tried again at each wake-up, and while a backlog waits housekeeping wakes it twice a
 second, so every agent of a hall sent two refused publishes a second, in step, for as long as the stream was
-broken. Now a refused publish is tried again after ``sco.agent.retry.Backoff`` (0.5 s doubling to 10 s, equal
+broken. Now a refused publish is tried again after ``sco._retry.Backoff`` (0.5 s doubling to 10 s, equal
 jitter), and the backlog is published once JetStream takes it."""
 
 from __future__ import annotations

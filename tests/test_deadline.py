@@ -94,7 +94,7 @@ def test_grace_is_the_smaller_of_budget_and_time_left_and_at_least_one(
 def test_backoff_is_capped_exponential_with_jitter() -> None:
     import random
 
-    from sco.agent.retry import Backoff
+    from sco._retry import Backoff
 
     top = Backoff(0.2, 2.0, rand=lambda a, b: b)
     assert [round(top.next(), 3) for _ in range(6)] == [0.2, 0.4, 0.8, 1.6, 2.0, 2.0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import socket
 import ssl
 import time
@@ -20,6 +19,8 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from sco._retry import Backoff
 
 
 class HttpError(Exception):
@@ -138,7 +139,7 @@ class AsyncHttpClient:
             if not w.is_closing() and not r.at_eof():
                 return r, w
             w.close()
-        delay = REFUSED_RETRY_S[0]
+        backoff = Backoff(*REFUSED_RETRY_S)
         while True:
             try:
                 reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl)
@@ -147,8 +148,7 @@ class AsyncHttpClient:
                 self.refused = str(e.strerror or e)
                 if not self.retry_refused:
                     raise
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # the exchange's timeout ends this loop
-                delay = min(REFUSED_RETRY_S[1], delay * 2)
+                await asyncio.sleep(backoff.next())  # the exchange's timeout ends this loop
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

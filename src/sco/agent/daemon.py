@@ -23,6 +23,7 @@ from typing import Any
 
 from sco import __version__
 from sco._redact import strip_userinfo_in_text
+from sco._retry import Backoff
 from sco.agent import heartbeat
 from sco.agent import metrics as agent_metrics
 from sco.agent.boot import boot_id
@@ -34,7 +35,6 @@ from sco.agent.drain import Drain, DrainPath
 from sco.agent.notice_sources import MetadataNoticeSource, NatsNoticeSource, NoticeSource
 from sco.agent.notices import Notice, NoticeBook, NoticeRefused
 from sco.agent.resume import DrainRecord
-from sco.agent.retry import Backoff
 from sco.agent.sdnotify import notify, watchdog_interval
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.notice import notice_keyring
@@ -49,7 +49,7 @@ sys.modules.setdefault("aiohttp", None)  # type: ignore[arg-type]
 
 OUTCOMES = ("drain.drained", "drain.overrun")
 PUBLISH_WARN_EVERY_S = 60.0
-PUBLISH_RETRY_S = (0.5, 10.0)  # first and longest wait after a refused publish (sco.agent.retry.Backoff)
+PUBLISH_RETRY_S = (0.5, 10.0)  # first and longest wait after a refused publish (sco._retry.Backoff)
 FOREIGN_SAY_EVERY_S = 60.0
 
 

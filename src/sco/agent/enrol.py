@@ -24,7 +24,7 @@ from typing import Any
 
 from sco._fs import atomic_write
 from sco._http import AsyncHttpClient, HttpError
-from sco.agent.retry import Backoff
+from sco._retry import Backoff
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.enrolment import PATH, RETRY, creds_text
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sco._fs import atomic_write
-from sco.agent.retry import jitter
+from sco._retry import jitter
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
 

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sco._retry import Backoff
 from sco.agent.budget import KubeBudgets, PodBudget
 from sco.agent.config import AgentConfig
 from sco.agent.deadline import Deadline
@@ -36,7 +37,6 @@ from sco.agent.kube_events import KubeEvents
 from sco.agent.metrics import count_eviction
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
-from sco.agent.retry import Backoff
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.bundle import Bundle
 from sco.schedulers.kube import (

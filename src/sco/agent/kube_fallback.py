@@ -20,11 +20,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from sco._retry import Backoff
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.deadline import Deadline
 from sco.agent.inhibit import InhibitError, Lock, Logind
 from sco.agent.notices import Notice
-from sco.agent.retry import Backoff
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
 

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sco._retry import Backoff
 from sco.agent.budget import SlurmBudgets
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.deadline import Deadline
 from sco.agent.jobprocs import alive, job_environment, job_processes
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
-from sco.agent.retry import Backoff
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.bundle import Bundle
 from sco.schedulers.slurm import Job, SlurmClient, SlurmCommandError, SlurmUnreachable

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sco._retry import Backoff
 from sco.contract.signing import PrivateKey
 from sco.errors import ConfigError, Problem
-from sco.provider.reclaimer import Backoff, DrainFloor, Reclaimer, ReclaimIncomplete, db_failure
+from sco.provider.reclaimer import DrainFloor, Reclaimer, ReclaimIncomplete, db_failure
 from sco.state.db import HallBusy, SessionLost, StateError, hall_lock
 from sco.state.fleet import FleetState
 
@@ -175,7 +175,7 @@ async def _take_back(s: ReclaimSettings, held: contextlib.ExitStack, lost: Sessi
     import psycopg
 
     held.close()  # the dead session (its lock is gone with it: nothing to unlock)
-    end, backoff, last = time.monotonic() + s.reconnect_for_s, Backoff(base_s=0.5, cap_s=5.0), ""
+    end, backoff, last = time.monotonic() + s.reconnect_for_s, Backoff(0.5, 5.0), ""
     while True:
         try:
             st = held.enter_context(FleetState(s.dsn, application="sco reclaim"))
@@ -193,7 +193,7 @@ async def _take_back(s: ReclaimSettings, held: contextlib.ExitStack, lost: Sessi
         now = time.monotonic()
         if now >= end:
             raise SessionLost(f"{lost} (no writable fleet state for {s.reconnect_for_s:g} s after: {last[:300]})")
-        await asyncio.sleep(min(end - now, backoff.failed(0.0, random.random)))
+        await asyncio.sleep(min(end - now, backoff.next()))
 
 
 async def _before_leases(s: ReclaimSettings, cloud: Any, st: FleetState, now: float) -> dict[str, tuple[float, str]]:

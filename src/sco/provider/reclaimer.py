@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sco._redact import strip_userinfo, strip_userinfo_in_text
+from sco._retry import Backoff
 from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey
 from sco.errors import ConfigError, Problem, ScoError
@@ -133,19 +134,20 @@ def window_problem(what: str, window: object, floor: DrainFloor | None = None) -
 
 
 @dataclass
-class Backoff:
-    """Capped exponential backoff with jitter for one instance's delete: the n-th retry waits between half and
-    all of min(cap, base * 2**n) (equal jitter: never hot, never synchronised across instances)."""
+class DeleteRetry:
+    """When one instance's delete (or the check that it is gone) may be tried next: after each failure, the
+    shared backoff's next wait (``sco._retry``: capped exponential, equal jitter, so never hot and never in step
+    across instances)."""
 
-    base_s: float = 0.5
-    cap_s: float = 30.0
-    attempts: int = 0
+    backoff: Backoff
     next_at: float = 0.0
 
-    def failed(self, now: float, rand: Callable[[], float]) -> float:
-        d = min(self.cap_s, self.base_s * 2.0 ** min(self.attempts, 30))
-        self.attempts += 1
-        self.next_at = now + d / 2 + rand() * d / 2
+    @property
+    def attempts(self) -> int:
+        return self.backoff.attempts
+
+    def failed(self, now: float) -> float:
+        self.next_at = now + self.backoff.next()
         return self.next_at
 
 
@@ -199,7 +201,7 @@ class Reclaimer:
         backoff_base_s: float = 0.5,
         backoff_cap_s: float = 30.0,
         floor: DrainFloor | None = None,
-        rand: Callable[[], float] = random.random,
+        rand: Callable[[float, float], float] = random.uniform,
     ) -> None:
         self.cloud = cloud  # an openstacksdk Connection (sco.provider.cloud.connect: with its api_timeout)
         self.state = state
@@ -215,7 +217,7 @@ class Reclaimer:
         # A deadline on each OpenStack call (its thread may linger until the connection's own api_timeout).
         self.call_timeout_s = call_timeout_s
         self.backoff_base_s, self.backoff_cap_s, self.rand = backoff_base_s, backoff_cap_s, rand
-        self.backoff: dict[int, Backoff] = {}
+        self.backoff: dict[int, DeleteRetry] = {}
         # instance id -> why it is not confirmed gone (the cloud's last message) when run() returned
         self.unconfirmed: dict[int, str] = {}
         self.last_error: dict[int, str] = {}
@@ -529,9 +531,9 @@ class Reclaimer:
     async def _follow_later(self, hall: str) -> Any:
         """The agents' events followed as soon as the relay lets the run subscribe: tried again with capped backoff
         and jitter until it works (the run cancels it when it ends)."""
-        backoff = Backoff(1.0, 8.0)
+        backoff = Backoff(1.0, 8.0, rand=self.rand)
         while True:
-            await asyncio.sleep(backoff.failed(0.0, self.rand))
+            await asyncio.sleep(backoff.next())
             try:
                 sub = await asyncio.wait_for(self._follow_events(hall, retrying=True), 10)
             except Exception as e:
@@ -612,10 +614,16 @@ class Reclaimer:
         b = self.backoff.get(inst.id)
         return b is None or b.next_at <= now
 
+    def _new_backoff(self) -> Backoff:
+        return Backoff(self.backoff_base_s, self.backoff_cap_s, rand=self.rand)
+
+    def _retry(self, instance_id: int) -> DeleteRetry:
+        return self.backoff.setdefault(instance_id, DeleteRetry(self._new_backoff()))
+
     def _failed(self, hall: str, inst: Instance, kind: str, error: str) -> None:
-        b = self.backoff.setdefault(inst.id, Backoff(self.backoff_base_s, self.backoff_cap_s))
+        b = self._retry(inst.id)
         now = self.clock()
-        at = b.failed(now, self.rand)
+        at = b.failed(now)
         self.last_error[inst.id] = error
         self.state.event(
             hall, kind, instance_id=inst.id, pool=inst.pool, error=error[:500], attempt=b.attempts,
@@ -666,7 +674,7 @@ class Reclaimer:
             after_deadline_s=round(at - inst.terminate_at, 3), agent_state=inst.state,
         )  # fmt: skip
         # the next pass asks Nova whether it is gone after gone_poll_s, not at once
-        self.backoff[inst.id] = Backoff(self.backoff_base_s, self.backoff_cap_s, 0, at + self.gone_poll_s)
+        self.backoff[inst.id] = DeleteRetry(self._new_backoff(), at + self.gone_poll_s)
 
     async def _confirm(self, hall: str, inst: Instance) -> None:
         """Ask Nova whether a deleted server is gone; one still there after its delete is sent again (a DELETE
@@ -684,7 +692,7 @@ class Reclaimer:
                 r.gone_at = self.clock()
             self.state.transition(inst.id, "deleted", "instance.deleted", only_from=("deleting",))
             return
-        b = self.backoff.setdefault(inst.id, Backoff(self.backoff_base_s, self.backoff_cap_s))
+        b = self._retry(inst.id)
         if getattr(srv, "status", None) == "ERROR" or (b.attempts and b.attempts % 4 == 0):
             try:
                 await self._nova("delete_server", inst.server_id, ignore_missing=True)
@@ -692,7 +700,7 @@ class Reclaimer:
                 self._failed(hall, inst, "delete.failed", _cloud_message(e))
                 return
             self.state.event(hall, "delete.resent", instance_id=inst.id, pool=inst.pool, status=srv.status)
-        b.failed(self.clock(), self.rand)  # still there: ask again after a growing pause
+        b.failed(self.clock())  # still there: ask again after a growing pause
 
     async def reclaim(self, hall: str, nodes: list[str]) -> list[Reclaim]:
         """``sco reclaim``: notice now, delete at T, fold the agent's account; returns when all are deleted."""
