@@ -1,4 +1,5 @@
-"""Crash-safe file replacement, shared by the distributor and the node's bundle cache.
+"""Crash-safe file replacement: the project's one atomic write (the distributor, the node's bundle cache, spool
+cursors and credentials, the control loop's metrics files, the drill's progress file).
 
 Write to a temporary file in the same directory, fsync it, rename it over the target, fsync the
 directory. rename(2) is atomic within a filesystem, so a reader (or the next start after a crash or
@@ -14,12 +15,22 @@ from pathlib import Path
 _CHUNK = 64 * 1024
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644, chunk_hook: Callable[[int], None] | None = None) -> None:
-    """Replace ``path`` with ``data`` atomically. ``chunk_hook(bytes_written)`` is for crash tests."""
+def atomic_write(
+    path: Path,
+    data: bytes,
+    mode: int = 0o644,
+    chunk_hook: Callable[[int], None] | None = None,
+    *,
+    exact_mode: bool = False,
+) -> None:
+    """Replace ``path`` with ``data`` atomically. ``mode`` is filtered by the umask unless ``exact_mode`` (a file
+    another user's process reads, whatever the writer's umask). ``chunk_hook(bytes_written)`` is for crash tests."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")  # a hidden name that ends in no reader's suffix
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
+        if exact_mode:
+            os.fchmod(fd, mode)
         written = 0
         view = memoryview(data)
         while written < len(data):

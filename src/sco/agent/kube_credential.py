@@ -19,7 +19,6 @@ import base64
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,8 +164,7 @@ class TokenRenewer:
             raise KubeError(500, f'TokenRequest answered a token bound to node "{new.bound_node}"')
         # the answer's expirationTimestamp is authoritative (the server may shorten the lifetime)
         new = TokenInfo(new.namespace, new.service_account, new.issued_at, exp, new.audiences, new.bound_node)
-        atomic_write(self.token_file, token.encode() + b"\n", mode=0o600)
-        os.chmod(self.token_file, 0o600)  # atomic_write's mode is filtered by the umask: say it exactly
+        atomic_write(self.token_file, token.encode() + b"\n", mode=0o600, exact_mode=True)
         return new
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sco._fs import atomic_write
+
 log = logging.getLogger("sco.control.metrics")
 
 ENV = "SCO_METRICS_TEXTFILE_DIR"
@@ -143,13 +145,8 @@ def _drop_from_step_files(d: Path, names: set[str]) -> None:
 
 
 def _replace(path: Path, body: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not *.prom: the collector skips it
-    with open(tmp, "wb") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    # 0644 whatever the loop's umask: node_exporter's textfile collector reads it as another user
+    atomic_write(path, body, 0o644, exact_mode=True)
 
 
 def fleet_gauges(store: object, hall: str) -> list[Gauge]:

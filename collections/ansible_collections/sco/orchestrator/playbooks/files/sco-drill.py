@@ -21,9 +21,7 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 import traceback
 import urllib.error
@@ -32,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from sco._fs import atomic_write
 from sco.contract.notice import sign_notice
 from sco.contract.signing import Keyring, PrivateKey, generate, load_private, verify, write_keypair
 from sco.control.drill import DrillReport, NodeTimeline, fold, save
@@ -138,11 +137,7 @@ async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    atomic_write(path, text.encode(), 0o644, exact_mode=True)  # the product's one atomic write
 
 
 class Drill:

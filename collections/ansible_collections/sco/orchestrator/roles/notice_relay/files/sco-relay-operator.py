@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 try:
+    from sco._fs import atomic_write
     from sco.errors import ScoError
     from sco.provider import relay_identity as ri
 except ImportError as e:  # pragma: no cover - the controller's Python is not the project's
@@ -59,11 +60,7 @@ def write(path: Path, data: bytes, check: bool, changed: list[str]) -> None:
     changed.append(str(path))
     if not check:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        atomic_write(path, data, 0o600)
 
 
 def user_key(path: Path, check: bool, changed: list[str]) -> ri.NKey:
