@@ -12,26 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 from typing import Any
 
+from sco._document import read_document
 from sco.errors import ConfigError
 
 
 def _doc(path: str) -> dict[str, Any]:
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}") from None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        import yaml
-
-        try:
-            doc = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: neither JSON nor YAML: {e}") from None
+    doc = read_document(path)
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a mapping of the acquire module's options")
     return doc

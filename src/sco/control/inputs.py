@@ -20,15 +20,15 @@ A file is read as JSON when its name ends in ``.json`` or it starts with ``{``, 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from decimal import Decimal
 from fractions import Fraction
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
-from pydantic.alias_generators import to_camel
 
+from sco._document import load_document
+from sco.contract.model import Strict
 from sco.control.launch import LaunchSpec
 from sco.control.model import ContractInfo, Instance, PlanInput, PlanSettings, Pool, Reservation
 from sco.control.units import flavor_milli
@@ -64,11 +64,7 @@ Seconds = Annotated[float, BeforeValidator(_not_bool), Field(ge=0, allow_inf_nan
 """A duration or a Unix time: finite (.nan and .inf compare false with everything and stall a plan)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
-
-
-class PoolSpec(_Strict):
+class PoolSpec(Strict):
     name: NonEmpty
     kind: Literal["reclaimable", "committed", "on-demand"]
     flavor: NonEmpty
@@ -114,7 +110,7 @@ def _default_shares() -> dict[Tier, str | int | float]:
     return {1: "1/2", 2: "1/2", 3: 1}
 
 
-class SettingsSpec(_Strict):
+class SettingsSpec(Strict):
     shares: dict[Tier, str | int | float] = Field(default_factory=_default_shares)
     """Most of a tier's new units in one pool or group, as a fraction ("1/2", 0.5, 1)."""
     idle_grace_seconds: Seconds = 600.0
@@ -136,13 +132,13 @@ class SettingsSpec(_Strict):
         return v
 
 
-class ReservationSpec(_Strict):
+class ReservationSpec(Strict):
     lease: NonEmpty
     pool: NonEmpty
     instances: NonNeg
 
 
-class InstanceSpec(_Strict):
+class InstanceSpec(Strict):
     id: NonEmpty
     name: NonEmpty
     pool: NonEmpty
@@ -194,7 +190,7 @@ class DemandSpec(BaseModel):
     node_load_milli: dict[str, NonNeg] = Field(default_factory=dict)
 
 
-class PlanDocument(_Strict):
+class PlanDocument(Strict):
     pools: list[PoolSpec]
     settings: SettingsSpec = Field(default_factory=SettingsSpec)
     reservations: list[ReservationSpec] = Field(default_factory=list)
@@ -236,25 +232,8 @@ def problems(e: ValidationError, where: str) -> list[Problem]:
 
 
 def read_document(raw: bytes, where: str) -> Any:
-    """A planning document's bytes: JSON read as JSON (what the modules and scripts write; PyYAML's loader took
-    90% of a 5k-node plan), anything else as YAML (with libyaml's loader when there is one)."""
-    text = raw.lstrip()
-    if where.endswith(".json") or text[:1] in (b"{", b"["):
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{where}: not JSON: {e}") from None
-        except RecursionError:
-            raise ConfigError(f"{where}: not a planning document: nested too deeply") from None
-    import yaml
-
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    try:
-        return yaml.load(raw, Loader=loader)
-    except RecursionError:
-        raise ConfigError(f"{where}: not a planning document: nested too deeply") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not YAML/JSON: {e}") from None
+    """A planning document's bytes, read by the project's one JSON-or-YAML loader."""
+    return load_document(raw, where, what="planning document")
 
 
 _BOUNDS = {"fleet": MAX_FLEET, "reservations": MAX_RESERVATIONS}

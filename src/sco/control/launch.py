@@ -24,30 +24,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 
+from sco.contract.model import Strict
 from sco.control.nova import Meter, cloud_message
 
 POLICIES = ("anti-affinity", "soft-anti-affinity", "affinity", "soft-affinity")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
-
-
-class ServerGroupSpec(_Strict):
+class ServerGroupSpec(Strict):
     name: Annotated[str, Field(min_length=1, max_length=255)]
     policy: Literal["anti-affinity", "soft-anti-affinity", "affinity", "soft-affinity"] = "anti-affinity"
 
 
-class BootVolumeSpec(_Strict):
+class BootVolumeSpec(Strict):
     size_gib: Annotated[int, Field(gt=0, le=65536, alias="sizeGiB")]
     delete_on_termination: bool = True
     volume_type: str = ""
 
 
-class LaunchSpec(_Strict):
+class LaunchSpec(Strict):
     networks: list[Annotated[str, Field(min_length=1)]] | Literal["auto", "none"] = "auto"
     ports: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     security_groups: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)

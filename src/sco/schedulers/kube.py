@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sco._document import load_document
 from sco._http import AsyncHttpClient, HttpError, HttpTimeout, Response
 
 Obj = dict[str, Any]
@@ -115,14 +116,8 @@ class Credentials:
     @classmethod
     def from_kubeconfig(cls, path: Path, context: str | None = None) -> Credentials:
         """The current (or named) context of a kubeconfig: server, CA, token / tokenFile, client certificate."""
-        text = Path(path).read_text()
-        try:
-            doc = json.loads(text)
-        except ValueError:
-            import yaml  # only when a YAML kubeconfig is configured (the agent's import path stays lean)
-
-            doc = yaml.safe_load(text)
         where = str(path)
+        doc = load_document(Path(path).read_bytes(), where, what="kubeconfig", error=KubeConfigError)
         try:
             name = context or doc["current-context"]
             ctx = next(c["context"] for c in doc["contexts"] if c["name"] == name)
