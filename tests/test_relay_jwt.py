@@ -181,9 +181,18 @@ def test_a_node_enrolled_at_run_time_hears_only_its_notices_and_publishes_only_i
             await reclaimer.jetstream(timeout=5).subscribe(
                 f"sco.events.{HALL}.>", stream=ri.STREAM, durable=f"sco-reclaimer-{HALL}", cb=fold, manual_ack=True
             )
-            for node in ("a", "b"):
-                await reclaimer.publish(f"sco.notice.{HALL}.{node}", f"notice for {node}".encode())
-            await reclaimer.flush(timeout=5)
+            # again every 0.5 s until a's arrives (at most 10 s): a notice published while the relay loads a node's
+            # account on its first connection, and refreshes the notices account, can be lost (tests/test_enrolment.py)
+            for _ in range(20):
+                for node in ("a", "b"):
+                    await reclaimer.publish(f"sco.notice.{HALL}.{node}", f"notice for {node}".encode())
+                await reclaimer.flush(timeout=5)
+                for _ in range(5):
+                    if got:
+                        break
+                    await asyncio.sleep(0.1)
+                if got:
+                    break
             # node a: its own events and heartbeat in; another's events, a notice, an arbitrary subject refused
             ack = await node_a.jetstream(timeout=5).publish(f"sco.events.{HALL}.a", b'{"type": "agent.started"}')
             assert ack.stream == ri.STREAM
@@ -204,7 +213,7 @@ def test_a_node_enrolled_at_run_time_hears_only_its_notices_and_publishes_only_i
                 await c.close()
 
     got, errors, folded, beats = asyncio.run(scenario())
-    assert got == [(f"sco.notice.{HALL}.a", b"notice for a")], got
+    assert got and set(got) == {(f"sco.notice.{HALL}.a", b"notice for a")}, got
     violations = " ".join(errors).lower()
     for subject in (f"sco.notice.{HALL}.b", ">", f"sco.events.{HALL}.b", "elsewhere"):
         assert f'"{subject}"' in violations, (subject, errors)
