@@ -340,12 +340,36 @@ def test_the_reclaim_steps_options_are_parsed_once_and_bad_ones_named() -> None:
     bads: list[tuple[dict[str, Any], str]] = [
         ({"window": "soon"}, "window"),
         ({"lock_wait": -1}, "lock_wait"),
-        ({"retry_for": 0}, "retry_for"),
+        ({"retry_for": -1}, "retry_for"),
+        ({"retry_for": 86401}, "retry_for"),
+        ({"lock_wait": 3601}, "lock_wait"),
         ({"nats_nkey_seed": "/nonexistent/seed.nk"}, "nats_nkey_seed"),
     ]
     for bad, where in bads:
         with pytest.raises(ConfigError, match=where):
             parse_options("reclaim", {"hall": "h", **bad})
+
+
+def test_the_reclaim_step_and_sco_reclaim_read_one_rule_for_retry_for() -> None:
+    """retry_for 0 (one attempt, no retries) is what ``sco reclaim --retry-for 0`` takes (ReclaimSettings); the
+    step refused it (issue 32: two option types for one reclaim that disagreed). Both read
+    sco.provider.reclaim_job.limit_problems now."""
+    from sco.control.options import ReclaimOptions, parse_options
+    from sco.errors import ConfigError
+    from sco.provider.reclaim_job import ReclaimSettings
+
+    def settings(**kw: float) -> ReclaimSettings:
+        return ReclaimSettings(hall="h", nodes=(), window_s=30, nats_url="", signing_keys=[], dsn="", **kw)
+
+    for retry_for in (0, 0.5, 86400):
+        o = parse_options("reclaim", {"hall": "h", "retry_for": retry_for})
+        assert isinstance(o, ReclaimOptions) and o.retry_for == retry_for
+        assert settings(retry_for_s=retry_for).retry_for_s == retry_for
+    for retry_for in (-1, 86401, float("inf")):
+        with pytest.raises(ConfigError, match="retry_for"):
+            parse_options("reclaim", {"hall": "h", "retry_for": retry_for})
+        with pytest.raises(ConfigError, match="retry_for"):
+            settings(retry_for_s=retry_for)
 
 
 SECRET_PLAY = """

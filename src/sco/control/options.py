@@ -249,11 +249,16 @@ class ReclaimOptions:
 
     @classmethod
     def from_params(cls, p: Params) -> ReclaimOptions:
+        from sco.provider.reclaim_job import limit_problems  # (psycopg behind it: only for this step)
+
         window = p.get("window", 120)
         try:
             window_s = float(window)
         except (TypeError, ValueError):
             raise ConfigError(f"window: {window!r} is not a number of seconds") from None
+        lock_wait, retry_for = _non_negative(p, "lock_wait", 0.0), _non_negative(p, "retry_for", 120.0)
+        if bad := limit_problems(lock_wait=lock_wait, retry_for=retry_for):  # the run's own rule, in check mode too
+            raise ConfigError("; ".join(bad))
         keys = tuple(str(k) for k in p.get("notice_keys") or ()) or (
             (os.environ["SCO_NOTICE_KEY"],) if os.environ.get("SCO_NOTICE_KEY") else ()
         )
@@ -267,9 +272,9 @@ class ReclaimOptions:
             nats_url=str(p["nats_url"]) if p.get("nats_url") else None,
             nats_auth=nats_auth(p),
             notice_keys=keys,
-            lock_wait=_non_negative(p, "lock_wait", 0.0),
+            lock_wait=lock_wait,
             wait=bool(p.get("wait", True)),
-            retry_for=_positive(p, "retry_for", 120.0),
+            retry_for=retry_for,
             finish=bool(p.get("finish")),
         )
 

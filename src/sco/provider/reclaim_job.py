@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,20 +56,33 @@ class ReclaimSettings:
     hall's lock taken again, for this long before the run gives up (Patroni's default ttl is 30 s)."""
 
     def __post_init__(self) -> None:
-        import math
-
-        bad = [
-            f"{what}: expected {rule}, got {v}"
-            for what, v, ok, rule in (
-                ("retry_for", self.retry_for_s, 0 <= self.retry_for_s <= 86400, "0 to 86400 seconds"),
-                ("call_timeout", self.call_timeout_s, 0 < self.call_timeout_s <= 600, "more than 0 and at most 600 s"),
-                ("lock_wait", self.lock_wait_s, 0 <= self.lock_wait_s <= 3600, "0 to 3600 seconds"),
-                ("reconnect_for", self.reconnect_for_s, 0 <= self.reconnect_for_s <= 3600, "0 to 3600 seconds"),
-            )
-            if not (math.isfinite(v) and ok)
-        ]
+        bad = limit_problems(
+            retry_for=self.retry_for_s,
+            call_timeout=self.call_timeout_s,
+            lock_wait=self.lock_wait_s,
+            reconnect_for=self.reconnect_for_s,
+        )
         if bad:
             raise ConfigError("; ".join(bad))
+
+
+def limit_problems(**values: float) -> list[str]:
+    """What is wrong with a reclaim run's numbers (retry_for, call_timeout, lock_wait, reconnect_for, in seconds).
+    The one rule that ``sco reclaim`` (through ReclaimSettings) and the collection's reclaim step (through
+    sco.control.options.ReclaimOptions) both read; retry_for 0 (one attempt, no retries) is the CLI's."""
+    # name: (least, most, whether the least itself is allowed, the rule said)
+    rules: dict[str, tuple[float, float, bool, str]] = {
+        "retry_for": (0, 86400, True, "0 to 86400 seconds"),
+        "call_timeout": (0, 600, False, "more than 0 and at most 600 s"),
+        "lock_wait": (0, 3600, True, "0 to 3600 seconds"),
+        "reconnect_for": (0, 3600, True, "0 to 3600 seconds"),
+    }
+    bad = []
+    for what, v in values.items():
+        least, most, least_ok, rule = rules[what]
+        if not (math.isfinite(v) and (least <= v if least_ok else least < v) and v <= most):
+            bad.append(f"{what}: expected {rule}, got {v}")
+    return bad
 
 
 async def reclaim(
