@@ -38,7 +38,9 @@ class ScoError(Exception):
 class ContractError(ScoError):
     """The contract repository has invalid or infeasible contracts."""
 
-    exit_code = 2
+    # 13, not 2: argparse exits 2 for a usage error, and a script telling a wrong flag from a wrong contract
+    # could not (2 in the first release; the changelog's breaking changes say so). 7 to 12 are taken (README's table).
+    exit_code = 13
 
 
 class BundleError(ScoError):
