@@ -1,4 +1,5 @@
 # make demo | make test | make lint | make bench [BENCH=name] | make sanity | make molecule [SCENARIO=name] | make ee
+# make constraints | make release VERSION=x.y.z
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH ?=
@@ -53,6 +54,12 @@ collection: setup
 # extra's closure as this venv resolved it; sco_devkit.constraints). Rerun after changing a dependency; a test checks it.
 constraints: setup
 	$(PY) -m sco_devkit.constraints
+
+# A release: VERSION into pyproject.toml (its one place) and the collection's literals of it, then antsibull-changelog
+# turns the fragments into CHANGELOG.rst (scripts/release.py). Commit and tag the result.
+release: setup
+	@test -n "$(VERSION)" || { echo "make release VERSION=x.y.z" >&2; exit 2; }
+	$(PY) scripts/release.py $(VERSION)
 
 # The execution environment (ee/README.md): built with ansible-builder and podman, then run as AWX runs it (root;
 # ~2 min 45 s cold, seconds when nothing changed, so not part of `make test`).

@@ -71,6 +71,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from sco import __version__
+
 HALL = "local"  # the hall tests.test_drill.start_relay renders the relay for
 NOTICE_SHARE = 0.10
 CONNECT_CONCURRENCY = 64
@@ -324,7 +326,7 @@ class Fleet:
         }
 
     async def heartbeats(self) -> None:
-        body = {"boot_id": "0" * 36, "version": "0.1.0", "drain": "idle", "bundle_serial": 7, "backlog": 0}
+        body = {"boot_id": "0" * 36, "version": __version__, "drain": "idle", "bundle_serial": 7, "backlog": 0}
         await asyncio.gather(
             *(nc.publish(f"sco.heartbeat.{HALL}.{n}", json.dumps(body).encode()) for n, nc in self.ncs.items())
         )

@@ -15,6 +15,7 @@ from typing import Any
 
 from tests.harness import NatsServer
 
+from sco import __version__
 from sco.provider.heartbeats import RelayReader, ensure_stream, read
 from sco.state import heartbeats
 from sco.state.db import connect, migrate
@@ -28,7 +29,7 @@ async def _beat(url: str, nodes: int, rounds: int) -> float:
 
     nc = await nats.connect(url)
     await ensure_stream(nc, HALL)
-    body = {"boot_id": "0" * 36, "version": "0.1.0", "drain": "idle", "bundle_serial": 7, "backlog": 0}
+    body = {"boot_id": "0" * 36, "version": __version__, "drain": "idle", "bundle_serial": 7, "backlog": 0}
     for r in range(rounds):
         for i in range(nodes):
             await nc.publish(f"sco.heartbeat.{HALL}.node-{i:05d}", json.dumps({**body, "at": r}).encode())

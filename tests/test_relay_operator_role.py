@@ -23,6 +23,7 @@ from typing import Any
 import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from sco import __version__
 from sco.provider import relay_identity as ri
 from tests.harness import free_port, wait_for
 from tests.test_drill import BIN, run_playbook
@@ -69,7 +70,7 @@ class Deployed:
         (root / "bin").mkdir()  # /usr/local/bin
 
     def vars(self, nodes: list[str]) -> dict[str, Any]:
-        package = "spot-capacity-orchestrator==0.1.0"
+        package = f"spot-capacity-orchestrator=={__version__}"
         return {
             "sco_hall": HALL, "notice_relay_auth_mode": "operator", "notice_relay_nodes": nodes,
             "notice_relay_credentials_dir": str(self.creds), "notice_relay_listen": "127.0.0.1",

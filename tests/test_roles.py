@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from sco import __version__
 from sco.contract.signing import generate, write_keypair
 from sco.control.loop import node_environment
 from tests.testhosts import REPO, TestHost
@@ -94,7 +95,7 @@ def test_node_agent_role_check_real_again(tmp_path: Path, host: TestHost, wheelh
     assert '"type": "agent.started"' in events
     pkgs = host.ssh("/opt/sco/bin/python", "-m", "pip", "list", "--format=freeze").stdout.lower()
     # the pinned release of the collection, under the distribution's own name (issue 12, defect 1)
-    assert "spot-capacity-orchestrator==0.1.0" in pkgs and "aiohttp" not in pkgs  # the agent's env stays lean
+    assert f"spot-capacity-orchestrator=={__version__}" in pkgs and "aiohttp" not in pkgs  # the agent's env stays lean
 
 
 def _revocation(tmp_path: Path, host: TestHost, role: str, playbook: str, trust_dir: str, ev: dict[str, Any]) -> None:

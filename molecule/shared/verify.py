@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,7 +92,8 @@ def check_agent_config(sc: Scenario, h: Any, node: str, hall: str, scheduler: st
     assert seed.mode == 0o600 and seed.user == "root"
     assert seed.content_string.strip() == (sc.work / "credentials" / "nats" / f"node-{node}.nk").read_text().strip()
     pkgs = h.run("/opt/sco/bin/python -m pip list --format=freeze").stdout
-    assert "spot-capacity-orchestrator==0.1.0" in pkgs
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert f"spot-capacity-orchestrator=={version}" in pkgs
 
 
 def check_removed_key_refused(sc: Scenario, h: Any, node: str) -> None:

@@ -10,4 +10,10 @@ Packages follow the layers of seed view 07 (see ARCHITECTURE.md):
 - ``sco.cli``        the ``sco`` command, the only place errors become messages and exit codes
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+# pyproject.toml holds the version, its one place; an installed (or editable) distribution carries it here
+try:
+    __version__ = version("spot-capacity-orchestrator")
+except PackageNotFoundError:  # sources on sys.path without an install: no release to name
+    __version__ = "0+unknown"

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sco import __version__
 from sco import _logging as sco_logging
 from sco.agent import config
 from sco.errors import ConfigError, ScoError
@@ -104,6 +105,7 @@ def _config_path(args: argparse.Namespace) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sco-agent", description="SCO node agent")
+    p.add_argument("--version", action="version", version=f"sco-agent {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the agent")
     r.add_argument("--config", help="agent.toml [$SCO_AGENT_CONFIG]")

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from sco import __version__
 from sco import _logging as sco_logging
 from sco.errors import ConfigError, ScoError
 from sco.provider import heartbeats
@@ -209,6 +210,7 @@ def run_loop(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sco-control-loop", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"sco-control-loop {__version__}")
     p.add_argument("--private-data-dir", default=os.environ.get("SCO_CONTROL_LOOP_DIR"), help="[$SCO_CONTROL_LOOP_DIR]")
     p.add_argument("--hall", default=os.environ.get("SCO_HALL"), help="[$SCO_HALL]")
     p.add_argument("--dsn", default=os.environ.get("SCO_DB_DSN"), help="fleet state [$SCO_DB_DSN]")

@@ -38,7 +38,7 @@ attributes:
     description: No diff; the bundle is canonical JSON, compare serials and digests instead.
     support: none
 requirements:
-  - spot-capacity-orchestrator of the collection's release (C(pip install spot-capacity-orchestrator==0.1.0)),
+  - spot-capacity-orchestrator of the collection's release (C(pip install spot-capacity-orchestrator)),
     on the host that runs the module
 """
 

@@ -111,7 +111,7 @@ attributes:
     support: none
 requirements:
   - spot-capacity-orchestrator[control] of the collection's release
-    (C(pip install 'spot-capacity-orchestrator[control]==0.1.0')) on the host that runs the module with openstacksdk, psycopg and nats-py
+    (C(pip install 'spot-capacity-orchestrator[control]')) on the host that runs the module with openstacksdk, psycopg and nats-py
 """
 
 EXAMPLES = r"""
