@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
 
 import sco
 from sco.errors import ContractError
@@ -56,7 +57,7 @@ def test_the_version_has_one_place_and_its_copies_agree() -> None:
     allowed = {
         "pyproject.toml",
         "devkit/pyproject.toml",  # the test support's own distribution, never shipped
-        "scripts/openstack/requirements.txt",  # lazy-importer==0.1.0, an OpenStack service's dependency
+        "scripts/openstack/requirements.txt",  # the OpenStack services' pins, one of which may match
         f"{COLL_REL}/galaxy.yml",
         f"{COLL_REL}/plugins/module_utils/product.py",
         f"{COLL_REL}/requirements.txt",
@@ -136,17 +137,21 @@ def test_make_release_writes_the_changelog_of_the_next_version(tmp_path: Path) -
     unreleased = len(list(frag.glob("*.yml")))
     assert unreleased > 0
 
-    assert release(root, "0.1.0").returncode == 2  # released already (changelog.yaml)
+    history = yaml.safe_load((COLL / "changelogs" / "changelog.yaml").read_text())["releases"]
+    last = max(map(Version, history))
+    nxt = f"{last.major}.{last.minor + 1}.0"
+    assert release(root, str(last)).returncode == 2  # released already (changelog.yaml)
     assert release(root, "1.0").returncode == 2
     assert literals(root)["galaxy.yml"] == str(project()["version"])  # refused before writing anything
 
-    p = release(root, "0.2.0")
+    p = release(root, nxt)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert set(literals(root).values()) == {"0.2.0"}, literals(root)
+    assert set(literals(root).values()) == {nxt}, literals(root)
     rst = (root / COLL_REL / "CHANGELOG.rst").read_text()
-    assert "v0.2.0\n======" in rst and "v0.1.0\n======" in rst
+    for v in (nxt, *history):  # the new release and every earlier one
+        assert f"v{v}\n{'=' * len(f'v{v}')}" in rst, v
     assert "Release Summary" in rst and "Breaking Changes / Porting Guide" in rst
-    changes = yaml.safe_load((root / COLL_REL / "changelogs" / "changelog.yaml").read_text())["releases"]["0.2.0"]
+    changes = yaml.safe_load((root / COLL_REL / "changelogs" / "changelog.yaml").read_text())["releases"][nxt]
     assert len(changes["fragments"]) == unreleased + 1  # every fragment, and the summary
     assert not list(frag.glob("*.yml"))  # released: gone from the fragments
     lint = subprocess.run(
@@ -158,7 +163,7 @@ def test_make_release_writes_the_changelog_of_the_next_version(tmp_path: Path) -
         [str(BIN / "ansible-galaxy"), "collection", "build", str(root / COLL_REL), "--output-path", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert built.returncode == 0 and (tmp_path / "sco-orchestrator-0.2.0.tar.gz").is_file(), built.stderr
+    assert built.returncode == 0 and (tmp_path / f"sco-orchestrator-{nxt}.tar.gz").is_file(), built.stderr
     # and this checkout is untouched
     assert sorted(p.name for p in (COLL / "changelogs" / "fragments").iterdir()) == fragments_here
     assert [(COLL / f).read_bytes() if (COLL / f).exists() else None for f in ("CHANGELOG.rst", "galaxy.yml")] == (
