@@ -87,6 +87,10 @@ def settings(postgres: Any, tmp: Path, names: dict[str, str], **over: Any) -> di
         "fleet_state_db_name": names["db"],
         "fleet_state_db_user": names["user"],
         "fleet_state_db_password": "correct-horse-battery",
+        # role hall generates these under the hall's credentials directory (it needs sco_hall, which these runs lack)
+        "fleet_state_patroni_restapi_password": "restapi-password",
+        "fleet_state_etcd_root_password": "etcd-root-password",
+        "fleet_state_etcd_password": "etcd-patroni-password",
         # The product is this checkout's venv (installing it from a wheelhouse is node_agent's test).
         "fleet_state_install": False,
         "fleet_state_venv": str(VENV),
@@ -270,6 +274,53 @@ def _run_unit(path: Path, log: Path) -> subprocess.Popen[bytes]:
         os.close(fd)
 
 
+def _listeners(port: int) -> set[str]:
+    """The addresses something listens on at TCP ``port`` (IPv4 and IPv6, from /proc/net/tcp*)."""
+    import ipaddress
+
+    out = set()
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(f).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, p = local.partition(":")
+            if state != "0A" or int(p, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(addr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            out.add(str(ipaddress.ip_address(raw)))
+    return out
+
+
+def _http(
+    method: str, url: str, body: object = None, *, source: str = "", auth: tuple[str, str] | None = None
+) -> tuple[int, str]:
+    """One request from address ``source`` (any of 127/8 is this machine's): a stranger on the hall's network, or
+    an allowed host."""
+    import base64
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    c = http.client.HTTPConnection(u.hostname or "", u.port, timeout=10, source_address=(source, 0) if source else None)
+    headers = {"Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+    try:
+        c.request(method, u.path, body=None if body is None else json.dumps(body), headers=headers)
+        r = c.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        c.close()
+
+
+def _b64(s: str) -> str:
+    import base64
+
+    return base64.b64encode(s.encode()).decode()
+
+
 def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str]) -> None:
     """Three members on 127.0.0.1-3 (the same ports, as production's hosts): check mode changes nothing; the role
     renders etcd's and Patroni's settings and installs and enables their units without starting them (no systemd
@@ -291,8 +342,6 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
         f"m{i}": {
             **LOCAL,
             "ansible_host": a,
-            "fleet_state_patroni_listen_address": a,
-            "fleet_state_etcd_listen_address": a,
             "fleet_state_patroni_config": str(root / f"m{i}" / "patroni" / "patroni.yml"),
             "fleet_state_patroni_data_dir": str(root / f"m{i}" / "pg" / "data"),
             "fleet_state_patroni_socket_dir": str(root / f"m{i}" / "pg"),
@@ -323,6 +372,10 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
         "fleet_state_patroni_allowed_networks": ["127.0.0.0/8"],
         "fleet_state_admin_password": "patroni-superuser-secret",
         "fleet_state_patroni_replication_password": "replication-secret",
+        # what role hall generates under the hall's credentials directory
+        "fleet_state_patroni_restapi_password": RESTAPI_PASSWORD,
+        "fleet_state_etcd_root_password": "etcd-root-secret-" + os.urandom(4).hex(),
+        "fleet_state_etcd_password": ETCD_PASSWORD,
         "fleet_state_ssl_mode": "disable",
         "fleet_state_db_name": names["db"],
         "fleet_state_db_user": names["user"],
@@ -383,7 +436,13 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
 
         r = play(tmp, ev, inventory=inventory)
         assert r.rc == 0, output(r)
+        # etcd answers now: the first member turned its authentication on (root, and Patroni's user and role)
+        assert changed(r, "m0") > 0 and [changed(r, m) for m in ("m1", "m2")] == [0, 0], output(r)
+        r = play(tmp, ev, inventory=inventory)
+        assert r.rc == 0, output(r)
         assert [changed(r, m) for m in members] == [0, 0, 0], output(r)  # the members' part is idempotent
+        for secret in (RESTAPI_PASSWORD, ETCD_PASSWORD, ev["fleet_state_etcd_root_password"]):
+            assert secret not in output(r)
         env = (root / "control" / "fleet-state.env").read_text()
         dsn = next(x for x in env.splitlines() if x.startswith("SCO_DB_DSN=")).split("=", 1)[1].strip('"')
         assert f"host={','.join(addrs)} port={pg} " in dsn and "target_session_attrs=read-write" in dsn
@@ -397,6 +456,8 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
         admin = f"host={primary} port={pg} user=postgres password=patroni-superuser-secret dbname=postgres"
         with connect(admin) as c:
             assert "sync" in [row[0] for row in c.execute("SELECT sync_state FROM pg_stat_replication")]
+
+        _strangers_are_refused(root, addrs, api, client, peer, pg)
 
     finally:
         for p in procs:
@@ -432,6 +493,90 @@ def test_the_database_password_is_on_no_command_line_environment_or_output(
         assert c.execute("SELECT current_user").fetchone()[0] == names["user"]
     # nothing of the password is left on the target but the DSN file (a passfile the run made is gone)
     assert not list(Path("/tmp").glob("ansible.*sco-passfile*"))
+
+
+RESTAPI_PASSWORD = "restapi-secret-" + os.urandom(4).hex()
+ETCD_PASSWORD = "etcd-patroni-secret-" + os.urandom(4).hex()
+STRANGER = "127.0.0.9"  # on the members' network (this machine's 127/8), in no inventory
+
+
+def _strangers_are_refused(root: Path, addrs: list[str], api: int, client: int, peer: int, pg: int) -> None:
+    """Issue 29, defects 1 and 2, against the cluster the role's settings made: every listener on the members' own
+    addresses; Patroni's unsafe endpoints refuse a request without the role's credentials (401) and one from an
+    address not allowed (403); etcd refuses a write without a user; Patroni, on etcd with authentication, still
+    elects a leader (an authenticated switchover from an allowed host)."""
+    import json
+
+    for port in (api, client, peer, pg):
+        assert _listeners(port) == set(addrs), (port, _listeners(port))  # never 0.0.0.0, each on its own
+
+    def leader() -> str:
+        members = json.loads(_http("GET", f"http://{addrs[0]}:{api}/cluster")[1])["members"]
+        return str(next(m["name"] for m in members if m["role"] == "leader"))
+
+    old = leader()
+    creds = ("patroni", RESTAPI_PASSWORD)
+    switch = {"leader": old}
+    attempts = {
+        "unauthenticated switchover, allowed host": _http("POST", f"http://{addrs[1]}:{api}/switchover", switch),
+        "unauthenticated config patch, allowed host": _http(
+            "PATCH", f"http://{addrs[1]}:{api}/config", {"postgresql": {"parameters": {"archive_command": "id"}}}
+        ),
+        "unauthenticated restart, allowed host": _http("POST", f"http://{addrs[1]}:{api}/restart", {}),
+        "wrong password": _http("POST", f"http://{addrs[1]}:{api}/switchover", switch, auth=("patroni", "guess")),
+        "stranger, unauthenticated": _http("POST", f"http://{addrs[0]}:{api}/switchover", switch, source=STRANGER),
+        "stranger, authenticated": _http(
+            "PATCH", f"http://{addrs[0]}:{api}/config", {"ttl": 5}, source=STRANGER, auth=creds
+        ),
+    }
+    codes = {k: v[0] for k, v in attempts.items()}
+    assert codes == {
+        "unauthenticated switchover, allowed host": 401,
+        "unauthenticated config patch, allowed host": 401,
+        "unauthenticated restart, allowed host": 401,
+        "wrong password": 401,
+        "stranger, unauthenticated": 403,
+        "stranger, authenticated": 403,
+    }, attempts
+    config = json.loads(_http("GET", f"http://{addrs[0]}:{api}/config")[1])
+    assert "archive_command" not in json.dumps(config) and config["ttl"] == 10, config
+
+    # etcd: a write without a user is refused, a read too; Patroni's user only under its own prefix
+    put = {"key": _b64("/service/sco-fleet/leader"), "value": _b64("stranger")}
+    for a in addrs:
+        status, body = _http("POST", f"http://{a}:{client}/v3/kv/put", put, source=STRANGER)
+        assert status in (400, 401, 403) and "user name is empty" in body, (a, status, body)
+        status, body = _http("POST", f"http://{a}:{client}/v3/kv/range", {"key": put["key"]}, source=STRANGER)
+        assert status in (400, 401, 403), (a, status, body)
+    status, body = _http("POST", f"http://{addrs[0]}:{client}/v3/auth/authenticate",
+                         {"name": "patroni", "password": ETCD_PASSWORD})  # fmt: skip
+    token = json.loads(body)["token"]
+    import http.client
+
+    c = http.client.HTTPConnection(addrs[0], client, timeout=10)
+    c.request("POST", "/v3/kv/put", json.dumps({"key": _b64("/elsewhere"), "value": _b64("x")}),
+              {"Authorization": token})  # fmt: skip
+    r = c.getresponse()
+    assert r.status == 403 and "permission denied" in r.read().decode()
+    c.close()
+    assert leader() == old  # nothing moved it
+
+    # the operator's way, from an allowed host with the role's credentials: Patroni (its etcd user) moves the leader
+    status, body = _http("POST", f"http://{addrs[1]}:{api}/switchover", switch, auth=creds)
+    assert status == 200, (status, body)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            new = leader()
+        except (OSError, StopIteration, ValueError):
+            new = old
+        if new != old:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"no new leader within 60 s:\n{_log_tails(root)}")
+    patroni_logs = "".join(f.read_text(errors="replace") for f in root.glob("*/patroni.log"))
+    assert RESTAPI_PASSWORD not in patroni_logs and ETCD_PASSWORD not in patroni_logs
 
 
 def test_cli_migrate_check_applies_nothing(postgres: Any, names: dict[str, str]) -> None:
