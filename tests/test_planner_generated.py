@@ -103,6 +103,26 @@ def test_a_pool_over_its_cap_deletes_only_the_instances_above_it_and_keeps_one_s
     assert not plan(applied(inp, p)).changed
 
 
+def test_a_pool_over_its_cap_deletes_first_the_idle_instance_no_short_work_fits() -> None:
+    """Found by review (seed 1681 of ``planner_halls``): over its cap, the pool deleted its idle instances by name,
+    so the one short work of "w" fits went for the cap and the one running only "x" went too, for no work."""
+    inp = PlanInput(
+        contracts={"w": ContractInfo("w", 2), "x": ContractInfo("x", 2)},
+        demand={"w": 2 * U},
+        pools=(Pool("a", "reclaimable", 8 * U, 1, price_per_hour=Decimal("0.5")),),
+        fleet=(Instance("i1", "n1", "a", ("w",), NOW - 7200), Instance("i2", "n2", "a", ("x",), NOW - 7200)),
+        settings=PlanSettings(now=NOW, shares={2: Fraction(1, 2)}),
+    )
+    p = plan(inp)
+    assert p.pools[0].delete == ("i2",) and p.pools[0].target == 1
+    why = {d.subject: (d.kind, d.reason) for d in p.decisions if d.subject.startswith("instance:")}
+    assert why["instance:n2"][0] == "scale_down" and "more than its cap of 1" in why["instance:n2"][1]
+    assert why["instance:n1"][0] == "keep" and "short" in why["instance:n1"][1]
+    assert [d.subject for d in p.decisions if d.subject.startswith("instance:")] == ["instance:n1", "instance:n2"]
+    assert check(inp, p) == []
+    assert not plan(applied(inp, p)).changed
+
+
 def test_a_kept_idle_instance_never_takes_a_place_under_the_cap_a_launch_uses() -> None:
     """Two pools at share 1/2: work goes to both, and an idle instance kept for short work must not push its pool
     past the cap."""

@@ -461,35 +461,47 @@ def scale_down(
     target = {name: len(sv.held[name]) + (launch or {}).get(name, 0) for name in sv.pools}
     for name, insts in sv.room.items():
         p = sv.pools[name]
+        said: dict[str, Decision] = {}
+        idle: list[Instance] = []
         for i in insts:
             if inp.node_load_milli.get(i.name, 0) or i.name in used or i.state != "active":
                 continue
             age = s.now - i.launched_at
             subject = f"instance:{i.name}"
             if p.kind == "committed":
-                decisions.append(Decision("keep", subject, f"idle, but committed capacity ({p.name}) is paid for"))
+                said[i.id] = Decision("keep", subject, f"idle, but committed capacity ({p.name}) is paid for")
             elif age < s.idle_grace_s:
-                decisions.append(
-                    Decision("keep", subject, f"idle for now, up {age:.0f} s < grace {s.idle_grace_s:.0f} s")
-                )
+                said[i.id] = Decision("keep", subject, f"idle for now, up {age:.0f} s < grace {s.idle_grace_s:.0f} s")
+            else:
+                idle.append(i)
+        # a pool over its cap deletes first the idle instances no short work fits, then by name: deleting by name
+        # alone took the one short work fits and kept one it does not fit (deleted by the next plan)
+        fits_none = {i.id: not _short_work_it_fits(dict(left), i.contracts, p.flavor_milli) for i in idle}
+        for i in sorted(idle, key=lambda i: not fits_none[i.id]):
+            age = s.now - i.launched_at
+            subject = f"instance:{i.name}"
             # the cap first: an instance over it goes whatever fits it, and must not take short work from ``left``
             # that the pool's other idle instances could hold (each was deleted with "no pending work" otherwise)
-            elif target[name] <= p.cap and (fits := _short_work_it_fits(left, i.contracts, p.flavor_milli)):
+            if target[name] <= p.cap and (fits := _short_work_it_fits(left, i.contracts, p.flavor_milli)):
                 what = ", ".join(f"{c} {_units(m)}" for c, m in sorted(fits.items()))
                 why = (
                     f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, kept: {what} it could hold are short"
                     " (the share or a cap kept them off it) and would go to the fallback; deleted once none fits"
                 )
-                decisions.append(Decision("keep", subject, why))
+                said[i.id] = Decision("keep", subject, why)
             else:
                 over = target[name] > p.cap
-                deletes[name].append(i.id)
                 target[name] -= 1
                 what = ",".join(i.contracts) or "it"
                 why = f"idle, up {age:.0f} s >= grace {s.idle_grace_s:.0f} s, " + (
                     f"the pool holds more than its cap of {p.cap}" if over else f"no pending work for {what} put on it"
                 )
-                decisions.append(Decision("scale_down", subject, why))
+                said[i.id] = Decision("scale_down", subject, why)
+        for i in insts:  # in the survey's order, whatever the order they were decided in
+            if i.id in said:
+                decisions.append(said[i.id])
+                if said[i.id].kind == "scale_down":
+                    deletes[name].append(i.id)
     return deletes, decisions
 
 
