@@ -652,13 +652,15 @@ class _Neutron(ThreadingHTTPServer):
               "router:external": True, "project_id": "c0ffee", "tenant_id": "c0ffee", "admin_state_up": True,
               "subnets": []}  # fmt: skip
 
-    def __init__(self, dry_run: tuple[int, str] | None) -> None:
+    def __init__(
+        self, dry_run: tuple[int, str] | None, own: tuple[dict[str, Any], ...] = (), networks_silent: bool = False
+    ) -> None:
         from http.server import BaseHTTPRequestHandler
         from urllib.parse import parse_qs, urlsplit
 
         self.asked: list[str] = []
         self.release = threading.Event()
-        server, public = self, self.PUBLIC
+        server, nets_all = self, [self.PUBLIC, *own]
 
         class H(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -677,8 +679,11 @@ class _Neutron(ThreadingHTTPServer):
                 if not path:
                     self._send(200, {"versions": [{"id": "v2.0", "status": "CURRENT", "links": []}]})
                 elif path == "/networks":  # filtered as Neutron filters: every attribute given must match
+                    if networks_silent:
+                        server.release.wait(120)
+                        return
                     q = {k: {x.lower() for x in v} for k, v in parse_qs(url.query).items() if k != "fields"}
-                    nets = [n for n in [public] if all(str(n.get(k)).lower() in v for k, v in q.items())]
+                    nets = [n for n in nets_all if all(str(n.get(k)).lower() in v for k, v in q.items())]
                     self._send(200, {"networks": nets})
                 elif path.startswith("/auto-allocated-topology/"):
                     server.asked.append(self.path)
@@ -709,19 +714,28 @@ class _Neutron(ThreadingHTTPServer):
         self.server_close()
 
 
-@pytest.mark.parametrize("answer", ["deployment-error", "can-allocate", "silent"])
+@pytest.mark.parametrize("answer", ["deployment-error", "can-allocate", "silent", "own-network-down", "no-list"])
 def test_auto_is_checked_against_neutrons_dry_run_once_per_run(  # type: ignore[no-untyped-def]
     openstack_cloud, cloud, fleet_dsn, kube, tmp_path, answer
 ) -> None:
     """The project sees only an external network (Nova does not choose from those: ``auto`` then asks Neutron for
     a network): Neutron's dry run decides, once per run for every pool; its words reach the line; a Neutron that
-    never answers costs the connection's deadline, not the run."""
+    never answers costs the connection's deadline, not the run. The project's own network that is down is not one
+    Nova chooses from either (it asks for admin_state_up; the preflight counted it, found one, and passed); a
+    network list that never answers fails the line naming launch.networks (it named no setting)."""
     dry_run = {
         "deployment-error": (409, "Deployment error: No default router:external network."),
         "can-allocate": (200, ""),
         "silent": None,
+        "own-network-down": (409, "Deployment error: No default router:external network."),
+        "no-list": (200, ""),
     }[answer]
-    neutron = _Neutron(dry_run)
+    down = {"id": "5d1f0e1c-0000-4000-8000-0000000000d0", "name": "half-built", "status": "DOWN", "shared": False,
+            "router:external": False, "project_id": cloud.current_project_id, "tenant_id": cloud.current_project_id,
+            "admin_state_up": False, "subnets": []}  # fmt: skip
+    neutron = _Neutron(
+        dry_run, own=(down,) if answer == "own-network-down" else (), networks_silent=answer == "no-list"
+    )
     from sco.errors import ConfigError
 
     hall = Hall("autonet-" + answer, tmp_path, openstack_cloud, fleet_dsn, kube, cap=1)
@@ -745,15 +759,20 @@ def test_auto_is_checked_against_neutrons_dry_run_once_per_run(  # type: ignore[
             assert [line.split(": launch.networks: ")[0] for line in lines] == [
                 f"preflight: pools: {p}" for p in launching
             ], lines
-            said = (
+            said = {
+                "silent": ": auto: the project sees no network, and Neutron did not answer its auto-allocation check (",
+                "no-list": ": launch.networks: auto: the cloud did not answer the network lookup: ",
+            }.get(
+                answer,
                 ": auto: the project sees no network, and Neutron cannot allocate one (HTTP 409: Deployment error:"
-                " No default router:external network.): give launch.networks"
-                if answer == "deployment-error"
-                else ": auto: the project sees no network, and Neutron did not answer its auto-allocation check ("
+                " No default router:external network.): give launch.networks",
             )
             assert all(said in line for line in lines), lines
-        assert time.monotonic() - started < 20  # the silent dry run is given up at the 3 s deadline
-        assert len(neutron.asked) == 1 and neutron.asked[0].endswith("?fields=dry-run"), neutron.asked
+        assert time.monotonic() - started < 20  # the silent dry run (list) is given up at the 3 s deadline
+        if answer == "no-list":
+            assert neutron.asked == []  # no dry run without the list: what auto would choose from is not known
+        else:
+            assert len(neutron.asked) == 1 and neutron.asked[0].endswith("?fields=dry-run"), neutron.asked
         assert not tagged(cloud, hall.name)
     finally:
         neutron.close()

@@ -122,10 +122,11 @@ class Resolver:
                 "flavor": lambda: c.compute.flavors(details=False),
                 "image": lambda: c.image.images(),
                 "network": lambda: c.network.networks(),
-                # the networks Nova chooses from for "auto": the project's own and the shared ones (an admin's
-                # plain list holds every project's networks, and anyone's holds the external ones)
+                # the networks Nova chooses from for "auto": the project's own that are up (Nova asks for
+                # admin_state_up: auto-allocation may leave one half built) and the shared ones (an admin's plain
+                # list holds every project's networks, and anyone's holds the external ones)
                 "nova_network": lambda: [
-                    *c.network.networks(project_id=c.current_project_id, is_shared=False),
+                    *c.network.networks(project_id=c.current_project_id, is_shared=False, is_admin_state_up=True),
                     *c.network.networks(is_shared=True),
                 ],
                 "port": lambda: c.network.ports(),
@@ -239,8 +240,14 @@ class Resolver:
         try:
             return self._all(kind)
         except Exception as e:
-            label = "network" if kind == "nova_network" else kind.replace("_", " ")
-            problems.append(f"{where}: the cloud did not answer the {label} lookup: {cloud_message(e)}")
+            if kind == "nova_network":  # the setting it was for, as every other line of the preflight names
+                problems.append(
+                    f"{where}: launch.networks: auto: the cloud did not answer the network lookup: {cloud_message(e)}"
+                )
+            else:
+                problems.append(
+                    f"{where}: the cloud did not answer the {kind.replace('_', ' ')} lookup: {cloud_message(e)}"
+                )
             return []
 
     def _auto_allocation(self) -> str:
