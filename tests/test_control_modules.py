@@ -429,6 +429,9 @@ def test_acquire_never_shows_its_cloud_dict_or_node_env(tmp_path: Path, hall: di
     out = r.stdout.read()
     assert cloud_secret not in out and node_secret not in out, out[-3000:]
     assert files_showing(Path(r.config.artifact_dir), cloud_secret, node_secret) == []
+    # of a cloud given as a dict, what is no secret stays readable: the cloud's message names its address
+    assert "127.0.0.1:9" in res["Acquire"]["invocation"]["module_args"]["cloud"]["auth"]["auth_url"], res["Acquire"]
+    assert res["Acquire"]["invocation"]["module_args"]["cloud"]["auth"]["username"] == "sco", res["Acquire"]
     # a cloud named by a clouds.yaml entry is no secret: its name stays readable in what the module says
     named = res["Acquire from a cloud named by its clouds.yaml entry"]
     assert named["invocation"]["module_args"]["cloud"] == "sco-named-cloud", named

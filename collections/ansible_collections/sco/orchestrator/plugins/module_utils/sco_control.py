@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from typing import Any
 
@@ -58,13 +59,41 @@ def planning_argument_spec() -> dict[str, Any]:
 RESERVED = ("failed", "skipped", "msg", "rc", "unreachable")
 
 
+SECRET_KEY = re.compile(r"password|secret|token|passcode|credential|api_?key|private", re.IGNORECASE)
+
+
+def cloud_values(cloud: Any, key: str = "") -> tuple[set[str], set[str]]:
+    """The string values of a cloud given as a dict: (those under a key that names a secret, every other one)."""
+    secret: set[str] = set()
+    shown: set[str] = set()
+    if isinstance(cloud, dict):
+        for k, v in cloud.items():
+            s, o = cloud_values(v, str(k))
+            secret |= s
+            shown |= o
+    elif isinstance(cloud, (list, tuple)):
+        for v in cloud:
+            s, o = cloud_values(v, key)
+            secret |= s
+            shown |= o
+    elif cloud is not None:
+        (secret if SECRET_KEY.search(key) else shown).add(str(cloud))
+    return secret, shown
+
+
 def run_step(module: Any, step: str) -> None:
     """Run the control-loop step ``step`` (``sco.control.loop.run``) with the module's params and exit: a cloud or
     input error fails the task with its own message (and every problem line), warnings go through module.warn."""
     # A cloud named by a clouds.yaml entry is no secret: masked, the name would be starred wherever it appears (in
-    # the hall's name too, when they are the same)
-    if isinstance(module.params.get("cloud"), str):
-        module.no_log_values.discard(module.params["cloud"])
+    # the hall's name too, when they are the same). Of a cloud given as a dict only the secrets stay masked: with
+    # every value starred, the cloud's own message named no address ("Unable to establish connection to
+    # ********/auth/tokens"), and a task must fail with the cloud's words
+    cloud = module.params.get("cloud")
+    if isinstance(cloud, str):
+        module.no_log_values.discard(cloud)
+    elif isinstance(cloud, dict):
+        secret, shown = cloud_values(cloud)
+        module.no_log_values.difference_update(shown - secret)
     # the same check as every module of the collection: the product, of the collection's release, where it runs
     require_product(module, SCO_IMPORT_ERROR)
     params = dict(module.params)
