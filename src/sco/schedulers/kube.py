@@ -7,7 +7,8 @@ Credentials as client-go finds them: an explicit URL with a bearer-token file an
 (``KUBERNETES_SERVICE_HOST``/``PORT`` and the service account's ``token`` and ``ca.crt``). The token file is
 read again every minute (as client-go's cached file token source does: bound tokens expire and the kubelet
 rotates the file), at once after a 401, and before any request once the file changed (a stat of its inode,
-mtime and size: a rotation that revokes the old token at the same moment costs no 401). With https a CA is
+mtime and size: a rotation that revokes the old token at the same moment costs no failed call; a request already
+in flight with the old token is answered 401 once and sent again). With https a CA is
 required; trusting the system store must be said explicitly (``ca_file="system"``). TLS failures and 401/403
 are :class:`KubeCredentialError`, never "unreachable": retrying does not fix them, a person must.
 """
