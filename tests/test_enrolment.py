@@ -29,7 +29,7 @@ from sco.provider import relay_identity as ri
 from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, MetadataServer, free_port, wait_for
-from tests.test_relay_jwt import HALL, JwtRelay, _refusal, _stream_subjects, start_jwt_relay
+from tests.test_relay_jwt import HALL, JwtRelay, _refusal, _stream_subjects, publish_until, start_jwt_relay
 
 
 @pytest.fixture
@@ -163,20 +163,8 @@ def test_an_instance_enrols_once_and_speaks_for_itself_alone(make_hall: Callable
             await nc.subscribe(f"sco.notice.{HALL}.{node}", cb=on_msg)
             await nc.flush(timeout=5)
             ack = await nc.jetstream(timeout=5).publish(f"sco.events.{HALL}.{node}", b'{"type": "agent.started"}')
-            # Published again every 0.5 s until it arrives (at most 10 s): the relay loads the node's account when
-            # the node first connects and refreshes the notices account it imports from; on a loaded machine a
-            # message published during that refresh was seen lost (CI, 1 run in ~15 under load, the shadow
-            # subscription in place when looked at). The agent reads notices from the metadata service as well.
-            for _ in range(20):
-                await reclaimer.publish(f"sco.notice.{HALL}.other", b"someone else's")
-                await reclaimer.publish(f"sco.notice.{HALL}.{node}", b"your notice")
-                await reclaimer.flush(timeout=5)
-                for _ in range(5):
-                    if got:
-                        break
-                    await asyncio.sleep(0.1)
-                if got:
-                    break
+            mine = (f"sco.notice.{HALL}.{node}", b"your notice")
+            await publish_until(reclaimer, [(f"sco.notice.{HALL}.other", b"someone else's"), mine], got)
             await asyncio.sleep(0.3)  # a moment for a foreign notice, were it delivered
             return got, ack.stream
         finally:
