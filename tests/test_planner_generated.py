@@ -171,6 +171,57 @@ def test_committed_pools_say_what_they_hold_now_and_launch_within_the_lease(cap:
     assert not after.floors_later_milli
 
 
+def test_a_committed_instance_holds_only_the_floors_of_the_contracts_it_runs() -> None:
+    """Found by review: a committed instance launched for "silver" was counted as holding gold's floor (the pool's
+    instances were counted whatever their contracts), so the plan said gold's floor held and launched nothing."""
+    inp = PlanInput(
+        contracts={"gold": ContractInfo("gold", 1, 8 * U), "silver": ContractInfo("silver", 1, 0)},
+        demand={},
+        pools=(Pool("c", "committed", 8 * U, 4),),
+        fleet=(Instance("i0", "n0", "c", ("silver",), NOW - 1000),),
+        reservations=(Reservation("l", "c", 4),),
+        settings=PlanSettings(now=NOW),
+    )
+    p = plan(inp)
+    (pp,) = p.pools
+    assert pp.launch == 1 and pp.launch_contracts == ("gold",) and pp.delete == ()  # paid for: kept
+    assert p.floors_milli == {"gold": 8 * U}
+    (said,) = [d for d in p.decisions if d.subject == "contract:gold"]
+    assert said.reason == "floor of 8 units held: 8 units on c"
+    assert check(inp, p) == []
+    assert not plan(applied(inp, p)).changed
+    # one that runs gold among others holds it; with the lease full of silver ones, gold's floor is short
+    runs_both = PlanInput(**{**inp.__dict__, "fleet": (Instance("i0", "n0", "c", ("gold", "silver"), NOW - 1000),)})
+    assert not plan(runs_both).changed and plan(runs_both).floors_milli == {"gold": 8 * U}
+    full = PlanInput(
+        **{**inp.__dict__, "fleet": tuple(Instance(f"i{k}", f"n{k}", "c", ("silver",), NOW) for k in range(4))}
+    )
+    p = plan(full)
+    assert not p.changed and p.floors_milli == {"gold": 0}
+    assert [d.kind for d in p.decisions if d.subject == "contract:gold"] == ["short"]
+
+
+def test_a_floor_goes_where_a_lease_has_room_now_not_behind_another_pools_outgoing_instances() -> None:
+    """Found by review: floors were split across committed pools by name, so gold's floor waited for pool a's
+    draining instance while pool b's lease, paid for, stood empty."""
+    inp = PlanInput(
+        contracts={"gold": ContractInfo("gold", 1, 16 * U)},
+        demand={},
+        pools=(Pool("a", "committed", 8 * U, 2), Pool("b", "committed", 8 * U, 2)),
+        fleet=(
+            Instance("i0", "n0", "a", ("gold",), NOW - 1000),
+            Instance("i1", "n1", "a", ("gold",), NOW - 1000, state="draining"),
+        ),
+        reservations=(Reservation("la", "a", 2), Reservation("lb", "b", 2)),
+        settings=PlanSettings(now=NOW),
+    )
+    p = plan(inp)
+    assert {x.pool: x.launch for x in p.pools} == {"a": 0, "b": 1}
+    assert p.floors_milli == {"gold": 16 * U} and not p.floors_later_milli
+    assert check(inp, p) == []
+    assert not plan(applied(inp, p)).changed
+
+
 SEEDS = range(31, 31 + 300)
 
 

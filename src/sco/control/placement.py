@@ -51,6 +51,10 @@ _W_PRICE = 1_000_000  # objective weight of one PRICE_QUANTUM per hour
 _W_UNIT = 10  # objective weight of one unit of new capacity: price first, then size
 _W_KEEP = 1  # reward for each idle instance kept busy with pending work (below any unit of new capacity)
 
+LAUNCH_SPREAD_S = 30.0
+"""Instances launched within this of the newest fresh one are taken for one plan's launches (the acquire step
+creates them one after another)."""
+
 
 @dataclass(frozen=True)
 class Room:
@@ -63,6 +67,9 @@ class Room:
     """Idle and past its grace: scaled down unless pending work is put on it."""
     launch: bool = False
     """A new instance packed in an earlier round (``solve``): launched, at its pool's price, if work is put on it."""
+    fresh: float | None = None
+    """When it was launched, if it is still settling and holds nothing yet (a floor instance about to launch: now):
+    the instances of the last launch are those within ``LAUNCH_SPREAD_S`` of the newest (``_greedy``'s replay)."""
 
 
 @dataclass(frozen=True)
@@ -596,7 +603,7 @@ def _disaggregate(p: Problem, q: _Classed, s: _Counts) -> dict[str, dict[Req, in
 # --- the greedy start (and fallback) -------------------------------------------------------------------------
 
 
-def _greedy(p: Problem, q: _Classed) -> _Counts:
+def _greedy(p: Problem, q: _Classed, replay: bool = False) -> _Counts:
     """Largest requests first, tier 1 first: onto room already there, else into new instances of the cheapest pool
     per unit they fit (a new instance may take the place of an idle room no work went on); on reclaimable capacity
     within the tier's share of what it wants placed. Then, as the share is of what was placed: while a pool or group
@@ -604,18 +611,23 @@ def _greedy(p: Problem, q: _Classed) -> _Counts:
     left = {k: n for k, n in q.requests.items() if n > 0}
     out = _Counts()
     group = {x.name: "g:" + x.group for x in p.pools}  # the reclaimable pools: shares apply there
-    # the rooms fewest contracts may use first (what one takes there takes nothing from another's), then in the
-    # order new instances are opened: a plan made again onto the instances this one launched meets them nearer the
-    # order it filled them in
+    # the rooms fewest contracts may use first (what one takes there takes nothing from another's); replaying, the
+    # instances of the last launch are met with their pools instead, in the order new instances are opened
     rank = {x.name: k for k, x in enumerate(sorted(p.pools, key=lambda x: (x.price / x.flavor, x.flavor, x.name)))}
     order_rooms = sorted(
         range(len(p.rooms)),
         key=lambda i: (len(p.rooms[i].contracts), rank.get(p.rooms[i].pool, -1), p.rooms[i].free, p.rooms[i].key),
     )
+    newest = max((r.fresh for r in p.rooms if r.fresh is not None), default=0.0)
     rooms_of: dict[str, list[int]] = {}
+    fresh_of: dict[tuple[str, str], list[int]] = {}  # (pool, contract) -> fresh rooms, met with the pool's new ones
     for i in [i for i in order_rooms if not p.rooms[i].launch]:  # packed ones are the program's to reuse
         for c in p.rooms[i].contracts:
-            rooms_of.setdefault(c, []).append(i)
+            fresh = p.rooms[i].fresh
+            if replay and p.rooms[i].pool in rank and fresh is not None and fresh >= newest - LAUNCH_SPREAD_S:
+                fresh_of.setdefault((p.rooms[i].pool, c), []).append(i)
+            else:
+                rooms_of.setdefault(c, []).append(i)
     free = [r.free for r in p.rooms]
     order = sorted(left, key=lambda ck: (p.tiers[ck[0]], -ck[1], ck[0]))
     pools = sorted(p.pools, key=lambda x: (x.price / x.flavor, x.flavor, x.name))
@@ -652,18 +664,25 @@ def _greedy(p: Problem, q: _Classed) -> _Counts:
                 held[pool] = held.get(pool, 0) + milli  # noqa: B023
                 held[group[pool]] = held.get(group[pool], 0) + milli  # noqa: B023
 
+        def onto(i: int, c: str, k: int) -> None:
+            n = min(left[c, k], free[i] // k, within(p.rooms[i].pool, k))
+            if n > 0:
+                free[i] -= n * k
+                left[c, k] -= n
+                slot = out.on_room.setdefault(i, {})
+                slot[c, k] = slot.get((c, k), 0) + n
+                hold(p.rooms[i].pool, n * k)
+
         for c, k in [ck for ck in order if p.tiers[ck[0]] == tier]:
             for i in rooms_of.get(c, []):
                 if not left[c, k]:
                     break
-                n = min(left[c, k], free[i] // k, within(p.rooms[i].pool, k))
-                if n > 0:
-                    free[i] -= n * k
-                    left[c, k] -= n
-                    slot = out.on_room.setdefault(i, {})
-                    slot[c, k] = slot.get((c, k), 0) + n
-                    hold(p.rooms[i].pool, n * k)
+                onto(i, c, k)
             for pool in pools:
+                for i in fresh_of.get((pool.name, c), []):
+                    if not left[c, k]:
+                        break
+                    onto(i, c, k)
                 if not left[c, k]:
                     break
                 if pool.flavor < k:
@@ -758,11 +777,22 @@ def _keepable_left_idle(p: Problem, s: _Counts) -> bool:
 def _round(p: Problem) -> tuple[_Round, _Round]:
     """One solve: the program's answer (or the greedy's, without it) and the greedy's, both in true sizes."""
     q = _classed(p)
-    start = _greedy(p, q)
     wanted = sum(q.requests.values())
+
+    def steady(s: _Counts) -> bool:
+        got = sum(n for r in s.on_room.values() for n in r.values()) + sum(s.new.values())
+        launches = s.instances or any(p.rooms[i].launch for i, r in s.on_room.items() if any(r.values()))
+        return got == wanted and not launches and not _keepable_left_idle(p, s)
+
+    start = _greedy(p, q)
+    if not steady(start) and any(r.fresh is not None for r in p.rooms):
+        # the instances the last plan launched, met in the order it filled them (tier by tier, largest first, does
+        # not always find again the packing it made when they were new: 5k nodes then ran HiGHS to its time limit)
+        again = _greedy(p, q, replay=True)
+        if steady(again):
+            start = again
     got = sum(n for r in start.on_room.values() for n in r.values()) + sum(start.new.values())
-    launches = start.instances or any(p.rooms[i].launch for i, r in start.on_room.items() if any(r.values()))
-    if got == wanted and not launches and not _keepable_left_idle(p, start):
+    if steady(start):
         # everything fits room already there: nothing is cheaper, so no program is built (in a hall's steady state,
         # the instances the last plan launched are rooms: 390k columns at 5k nodes, 16 s of HiGHS for a plan that
         # launches nothing). Which idle instances are kept busy is the greedy's choice here, not the program's.

@@ -237,7 +237,7 @@ class Floors:
     held_milli: dict[str, int]
     """Floor units held now per contract: on committed instances that are room, or launched by this plan."""
     alloc: dict[str, dict[str, int]]
-    """Committed pool -> contract -> floor units it holds there."""
+    """Committed pool -> contract -> floor units this plan's launches there hold (their contract subset)."""
     launch: dict[str, int]
     """Committed pool -> floor instances to launch."""
     decisions: list[Decision]
@@ -246,7 +246,47 @@ class Floors:
     take the lease's hosts and the pool's cap, so nothing can be launched in their place yet)."""
 
 
+_Node = tuple[str, ...]
+
+
+def _augment(cap: dict[_Node, dict[_Node, int]], flow: dict[tuple[_Node, _Node], int]) -> None:
+    """Push flow from ("s",) to ("t",) along shortest residual paths until none is left (Edmonds-Karp). Adjacency
+    in insertion order, so the same graph gives the same flow. ``flow`` is kept: later stages add to it and a path
+    never leaves the sink, so what earlier stages put on an edge into the sink stays there."""
+    src: _Node = ("s",)
+    sink: _Node = ("t",)
+    while True:
+        back: dict[_Node, tuple[_Node, int]] = {src: (src, 0)}
+        queue = [src]
+        for u in queue:
+            steps = [(v, c - flow.get((u, v), 0)) for v, c in cap.get(u, {}).items()]
+            steps += [(v, flow.get((v, u), 0)) for v in cap if u in cap[v]]  # undo flow already sent into u
+            for v, left in steps:
+                if left > 0 and v not in back:
+                    back[v] = (u, left)
+                    queue.append(v)
+        if sink not in back:
+            return
+        path: list[tuple[_Node, _Node]] = []
+        v, push = sink, None
+        while v != src:
+            u, left = back[v]
+            path.append((u, v))
+            push = left if push is None else min(push, left)
+            v = u
+        for u, v in path:
+            if v in cap.get(u, {}):
+                flow[u, v] = flow.get((u, v), 0) + (push or 0)
+            else:
+                flow[v, u] -= push or 0
+
+
 def hold_floors(inp: PlanInput, sv: Survey) -> Floors:
+    """Floors onto committed capacity as a flow, in three stages so each uses what the one before left: the
+    instances already there that run the contract (an instance holds a floor only if its contract subset names
+    it), then launches that the pools' caps and leases allow now, then the places instances on their way out will
+    give back. A later stage never takes what an earlier one holds, so the floor waits for outgoing instances only
+    when no committed pool has room for it now."""
     decisions: list[Decision] = []
     committed: dict[str, int] = {}
     for r in sorted(inp.reservations, key=lambda r: (r.pool, r.lease)):
@@ -258,49 +298,57 @@ def hold_floors(inp: PlanInput, sv: Survey) -> Floors:
             continue
         committed[r.pool] = committed.get(r.pool, 0) + r.instances
     reserved = [p for p in sv.pools.values() if p.kind == "committed" and p.available and committed.get(p.name)]
-    room = {p.name: min(committed[p.name], p.cap) * p.flavor_milli for p in reserved}
-    alloc: dict[str, dict[str, int]] = {p.name: {} for p in reserved}
-    short: dict[str, int] = {}
-    for c in sorted(inp.contracts.values(), key=lambda c: c.name):
-        if c.tier != 1 or c.floor_milli <= 0:
-            continue
-        need = c.floor_milli
-        for p in reserved:
-            take = min(need, room[p.name])
-            if take:
-                room[p.name] -= take
-                alloc[p.name][c.name] = take
-                need -= take
-        short[c.name] = need
-    launch: dict[str, int] = {}
-    now: dict[str, dict[str, int]] = {}  # pool -> contract -> floor units held now
-    later: dict[str, dict[str, int]] = {}  # pool -> contract -> floor units held once the outgoing are gone
+    floors = {
+        c.name: c.floor_milli
+        for c in sorted(inp.contracts.values(), key=lambda c: c.name)
+        if c.tier == 1 and c.floor_milli > 0
+    }
+    cap: dict[_Node, dict[_Node, int]] = {("s",): {("c", c): m for c, m in floors.items()}}
+    for c in floors:
+        cap[("c", c)] = {}
     out_of: dict[str, int] = {}
+    stages: list[list[tuple[_Node, int]]] = [[], [], []]  # (bin, units) per stage: have, now, later
     for p in reserved:
-        needed = _ceil_div(sum(alloc[p.name].values()), p.flavor_milli)
-        have = len(sv.room.get(p.name, []))
-        out_of[p.name] = len(sv.held[p.name]) - have
-        # within the cap and the lease's instances, both of which the instances on their way out still take
-        # (survey): past the lease, Blazar has no host for the launch
-        launch[p.name] = max(0, min(needed - have, min(p.cap, committed[p.name]) - len(sv.held[p.name])))
-        free = (have + launch[p.name]) * p.flavor_milli
-        for cn, m in sorted(alloc[p.name].items()):
-            take = min(m, free)
-            free -= take
-            now.setdefault(p.name, {})[cn] = take
-            if m - take:
-                later.setdefault(p.name, {})[cn] = m - take
+        there = sv.room.get(p.name, [])
+        limit = min(p.cap, committed[p.name])
+        now_slots = max(0, limit - len(sv.held[p.name]))
+        out_of[p.name] = len(sv.held[p.name]) - len(there)
+        groups: dict[tuple[str, ...], int] = {}
+        for i in there:
+            runs = tuple(sorted(set(i.contracts) & floors.keys()))
+            if runs:
+                groups[runs] = groups.get(runs, 0) + 1
+        for runs, n in sorted(groups.items()):
+            stages[0].append((("have", p.name, *runs), n * p.flavor_milli))
+            for c in runs:
+                cap[("c", c)][("have", p.name, *runs)] = sum(floors.values())
+        for stage, kind, slots in ((1, "now", now_slots), (2, "later", max(0, limit - len(there)) - now_slots)):
+            if slots > 0:
+                stages[stage].append(((kind, p.name), slots * p.flavor_milli))
+                for c in floors:
+                    cap[("c", c)][(kind, p.name)] = sum(floors.values())
+    flow: dict[tuple[_Node, _Node], int] = {}
+    for bins in stages:
+        for node, units in bins:
+            cap[node] = {("t",): units}
+        _augment(cap, flow)
+
+    def on(kind: str, pool: str, c: str) -> int:
+        return sum(f for (u, v), f in flow.items() if u == ("c", c) and v[0] == kind and v[1] == pool and f > 0)
+
+    alloc = {p.name: {c: m for c in floors if (m := on("now", p.name, c))} for p in reserved}
+    launch = {p.name: _ceil_div(sum(alloc[p.name].values()), p.flavor_milli) for p in reserved}
     held: dict[str, int] = {}
     after: dict[str, int] = {}
-    for cn, need in sorted(short.items()):
-        held[cn] = sum(now.get(p.name, {}).get(cn, 0) for p in reserved)
-        wait = sum(later.get(p.name, {}).get(cn, 0) for p in reserved)
+    for cn, floor in floors.items():
+        now = {p.name: on("have", p.name, cn) + on("now", p.name, cn) for p in reserved}
+        later = {p.name: on("later", p.name, cn) for p in reserved}
+        held[cn] = sum(now.values())
+        wait = sum(later.values())
+        need = floor - held[cn] - wait
         if wait:
             after[cn] = wait
-        where = [
-            f"{_units(now.get(p.name, {}).get(cn, 0))} on {p.name}" for p in reserved if now.get(p.name, {}).get(cn)
-        ]
-        floor = inp.contracts[cn].floor_milli
+        where = [f"{_units(now[p.name])} on {p.name}" for p in reserved if now[p.name]]
         if need:
             said = f"floor short by {_units(need)}: committed capacity is all held ({', '.join(where) or 'none free'})"
         elif wait:
@@ -308,7 +356,7 @@ def hold_floors(inp: PlanInput, sv: Survey) -> Floors:
         else:
             said = f"floor of {_units(floor)} held: {', '.join(where)}"
         if wait:
-            gone = sum(out_of[p.name] for p in reserved if later.get(p.name, {}).get(cn))
+            gone = sum(out_of[p.name] for p in reserved if later[p.name])
             said += f"; {_units(wait)} only once the {gone} instances on their way out are gone"
         decisions.append(Decision("short" if need else "floor", f"contract:{cn}", said))
     return Floors(held, alloc, launch, decisions, after)
@@ -353,7 +401,7 @@ def rooms(inp: PlanInput, sv: Survey, fl: Floors) -> tuple[Room, ...]:
     out: list[Room] = []
     for name, n in fl.launch.items():
         for k in range(n):
-            out.append(Room(f"+{name}/{k}", name, frozenset(fl.alloc[name]), sv.pools[name].flavor_milli))
+            out.append(Room(f"+{name}/{k}", name, frozenset(fl.alloc[name]), sv.pools[name].flavor_milli, fresh=s.now))
     for name, insts in sv.room.items():
         p = sv.pools[name]
         for i in insts:
@@ -364,7 +412,8 @@ def rooms(inp: PlanInput, sv: Survey, fl: Floors) -> tuple[Room, ...]:
             free = max(0, p.flavor_milli - busy)
             if free and i.contracts:
                 deletable = _deletable(inp, p, i)
-                out.append(Room(i.name, name, frozenset(i.contracts), free, deletable))
+                fresh = i.launched_at if settling and not busy else None
+                out.append(Room(i.name, name, frozenset(i.contracts), free, deletable, fresh=fresh))
     return tuple(out)
 
 
