@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -602,3 +603,57 @@ _EMPTY_SUMMARY: dict[str, Any] = {
     "shortfall_units": {}, "granted": [], "refused": [], "launched": 0, "deleted": 0, "launch_failed": 0,
     "failed_tasks": [],
 }  # fmt: skip
+
+
+def test_a_notice_lost_on_the_relay_is_sent_again_until_the_agent_answers(fleet_dsn: str, nats_server: Any) -> None:
+    """The node subscribes after the one publish (it was connecting while the relay loaded its account, where a
+    notice was seen lost): the run sends the same signed notice again with growing pauses until the agent's first
+    event, then stops; the agent de-duplicates by id. Before, the notice reached the node only through the
+    metadata service."""
+
+    import nats
+
+    from sco.contract.notice import verify_notice
+    from sco.contract.signing import Keyring
+
+    key = generate()
+    got: list[tuple[float, dict[str, Any]]] = []
+
+    async def go() -> tuple[int, str]:
+        with FleetState(fleet_dsn) as st:
+            inst = _active(st, "rn", "rn-0", "srv-rn-0")
+            # no cloud: the metadata write fails, so only the relay can tell the node
+            r = Reclaimer(None, st, nats_server.url, window_s=20, signing_keys=[key], retry_for_s=1)
+            stop = asyncio.Event()
+            try:
+                (rec,) = await r.notify("rn", ["rn-0"])  # published to nobody
+                run = asyncio.create_task(r.run("rn", follow_events=False, stop=stop))
+                node = await nats.connect(nats_server.url)
+
+                async def on(msg: Any) -> None:
+                    got.append((time.monotonic(), verify_notice(msg.data, Keyring([key.public]))))
+
+                await node.subscribe("sco.notice.rn.rn-0", cb=on)
+                for _ in range(150):  # the event loop runs the reclaim beside: no blocking wait here
+                    if got:
+                        break
+                    await asyncio.sleep(0.1)
+                assert got, "the notice was not sent again within 15 s"
+                # the agent's first event (it tainted the node) is its answer: no more notices after it
+                r.fold("rn", {"type": "node.tainted", "node": "rn-0", "seq": 1, "at": 1.0, "notice": rec.notice["id"]},
+                       "sco.events.rn.rn-0")  # fmt: skip
+                answered, before = time.monotonic(), len(got)
+                await asyncio.sleep(6)  # past the longest pause (8 s cap, but attempts 1, 2, 4 s so far)
+                late = [t for t, _ in got if t > answered + 0.5]
+                stop.set()
+                await asyncio.wait_for(run, 30)
+                await node.close()
+                assert not late, f"{len(late)} notices after the agent answered ({before} before)"
+                kinds_ = kinds(st, inst.id)
+                return kinds_.count("notice.republished"), rec.notice["id"]
+            finally:
+                await r.close()
+
+    republished, nid = asyncio.run(go())
+    assert {n["id"] for _, n in got} == {nid}  # the same notice, not a new one with another T
+    assert republished == 1  # said once in the fleet state, with how many times

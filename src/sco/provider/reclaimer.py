@@ -70,6 +70,7 @@ _FOLD: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "drain.overrun": ("overrun", ("notified", "draining")),
     **{t: ("draining", ("notified",)) for t in _DRAINING},
 }
+RENOTICE_BASE_S, RENOTICE_CAP_S = 1.0, 8.0  # a notice sent again until the agent answers (Reclaimer._renotice)
 _RECORDED_PREFIXES = ("notice.", "node.", "drain.", "scheduler.", "job.")
 # A notice was tried on a channel (sent or not): the node may know its T. None of these for the reclaim it is
 # under: the run that recorded T stopped before it told anyone.
@@ -180,6 +181,9 @@ class Reclaim:
     deleted_at: float | None = None  # when Nova accepted it
     agent_state: str | None = None  # the agent's account when the delete went out (drained, overrun, draining...)
     gone_at: float | None = None  # when Nova confirmed the server gone
+    renotice: Backoff | None = None  # the notice sent again until the agent answers (``Reclaimer._renotice``)
+    renotice_at: float = 0.0
+    renoticed: int = 0
 
 
 class Reclaimer:
@@ -581,11 +585,13 @@ class Reclaimer:
                 due = await self._tell_or_hold(hall, due)
                 if not due:  # only instances it may not delete are left (said in unnoticed)
                     return
+                await self._renotice(hall, due, now)
                 await self._pass(hall, due, now)
                 passes += 1
                 upcoming = [i.terminate_at - now for i in due if i.state != "deleting" and i.terminate_at]
                 retries = [b.next_at - now for b in self.backoff.values()]
-                wait = min([self.gone_poll_s, *(u for u in (*upcoming, *retries) if u > 0)])
+                again = [r.renotice_at - now for r in self.reclaims.values() if r.renotice is not None]
+                wait = min([self.gone_poll_s, *(u for u in (*upcoming, *retries, *again) if u > 0)])
                 await asyncio.sleep(max(0.01, wait))
         except psycopg.Error as e:
             raise db_failure(self.state, hall, e) from None
@@ -602,6 +608,46 @@ class Reclaimer:
                 with contextlib.suppress(Exception):
                     await asyncio.sleep(0.2)
                     await asyncio.wait_for(sub.unsubscribe(), 5)
+
+    async def _renotice(self, hall: str, due: list[Instance], now: float) -> None:
+        """This run's notices sent again, with growing pauses (RENOTICE_BASE_S to RENOTICE_CAP_S, jittered), until
+        the agent answers (its first event moves the instance on from notified) or T: one publish is lost when the
+        node is connecting while the relay loads its account, or the relay was down. The agent ignores a notice id
+        it has seen; the metadata service carries it too, but only at the agent's 5 s poll."""
+        for inst in due:
+            r = self.reclaims.get(inst.id)
+            if r is None:
+                continue
+            if inst.state != "notified" or r.terminate_at <= now or r.notice["id"] != inst.reclaim_id:
+                if r.renotice is not None and r.renoticed:
+                    self.state.event(
+                        hall, "notice.republished", instance_id=inst.id, notice=r.notice["id"], times=r.renoticed
+                    )
+                r.renotice = None
+                continue
+            if r.renotice is None:
+                r.renotice = Backoff(RENOTICE_BASE_S, RENOTICE_CAP_S, rand=self.rand)
+                r.renotice_at = (r.published_at or now) + r.renotice.next()
+            if now < r.renotice_at:
+                continue
+            r.renotice_at = now + r.renotice.next()
+            nc = self.nc
+            if nc is None or not nc.is_connected:
+                # never a connect here: the run's deletes at T do not wait on a relay (the events' retry connects)
+                continue
+            try:  # no flush: the client's own flusher sends it, and the run does not wait on a slow relay
+                subject = NOTICE_SUBJECT.format(hall=r.notice["hall"], node=r.notice["node"])
+                await nc.publish(subject, encode_notice(r.notice, self.signing_keys))
+            except Exception as e:  # the metadata still carries it; the next try comes after the pause
+                log.debug("%s: notice not sent again (%s)", inst.name, _cloud_message(e))
+                continue
+            r.renoticed += 1
+            if r.published_at is None:  # the first publish failed: now it is on the relay
+                r.published_at = self.clock()
+                self.state.event(
+                    hall, "notice.published", instance_id=inst.id, pool=inst.pool, notice=r.notice["id"],
+                    terminate_at=r.terminate_at, ms=round((r.published_at - r.started_at) * 1000, 3), again=True,
+                )  # fmt: skip
 
     async def _pass(self, hall: str, due: list[Instance], now: float) -> None:
         """One pass: send the deletes that are due (T reached, backoff over), check the ones sent; all at once."""
