@@ -222,14 +222,15 @@ def test_a_failed_root_task_makes_run_exit_non_zero(
 
     from sco.agent import config
     from sco.agent.daemon import Agent
+    from sco.agent.relay import RelayLink
 
     cfg_path = _config(root, key)
     cfg_path.write_text(cfg_path.read_text() + 'metrics_listen = ""\n')
 
-    async def broken(self: Agent) -> None:
+    async def broken(self: RelayLink, stop: asyncio.Event) -> None:
         raise RuntimeError("injected: the NATS task failed")
 
-    monkeypatch.setattr(Agent, "_nats_link", broken)
+    monkeypatch.setattr(RelayLink, "run", broken)
     agent = Agent(config.load(cfg_path, env={}))
 
     async def run() -> int:

@@ -18,47 +18,47 @@ import contextlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from sco import __version__
-from sco.agent.boot import boot_id
 
 log = logging.getLogger("sco.agent.heartbeat")
 
 
-def body(agent: Any) -> bytes:
+def body(*, node: str, boot_id: str, drain: str, bundle_serial: int | None, backlog: int, at: float) -> bytes:
     """What one beat says: who, which boot, the drain's state, the bundle serial, the spool backlog."""
-    b = agent.cache.bundle
     return json.dumps(
         {
-            "node": agent.cfg.node,
-            "boot_id": boot_id(),
+            "node": node,
+            "boot_id": boot_id,
             "version": __version__,
-            "drain": agent.drain_state(),
-            "bundle_serial": b.serial if b else None,
-            "backlog": agent.spool.last_seq - agent.spool.published_seq,
-            "at": round(agent.clock(), 3),
+            "drain": drain,
+            "bundle_serial": bundle_serial,
+            "backlog": backlog,
+            "at": round(at, 3),
         },
         separators=(",", ":"),
     ).encode()
 
 
-async def run(agent: Any) -> None:
-    """Beat once connected and then every ``heartbeat_seconds`` (at once again after an outage longer than that);
-    a failed publish is said once until one succeeds again."""
-    every = float(agent.cfg.heartbeat_seconds)
+async def run(
+    *, connection: Callable[[], Any], subject: str, every: float, beat: Callable[[], bytes], stop: asyncio.Event
+) -> None:
+    """Beat once connected and then every ``every`` seconds (at once again after an outage longer than that);
+    a failed publish is said once until one succeeds again. ``connection()``: the relay's nats-py client or
+    None; ``beat()``: the body as of now."""
     if every <= 0:
         return
-    subject = agent.cfg.subject(agent.cfg.heartbeat_subject)
     loop = asyncio.get_running_loop()
     last = -math.inf
     failing = False
-    while not agent._stop.is_set():
-        nc = agent.nc
+    while not stop.is_set():
+        nc = connection()
         if nc is not None and nc.is_connected and loop.time() - last >= every:
             last = loop.time()
             try:
-                await nc.publish(subject, body(agent))
+                await nc.publish(subject, beat())
                 if failing:
                     log.info("heartbeat on %s published again", subject)
                 failing = False
@@ -67,7 +67,7 @@ async def run(agent: Any) -> None:
                     log.warning("heartbeat on %s not published: %s", subject, e)
                 failing = True
         with contextlib.suppress(TimeoutError):  # a second at most: the first beat follows the connection
-            await asyncio.wait_for(agent._stop.wait(), min(every, 1.0))
+            await asyncio.wait_for(stop.wait(), min(every, 1.0))
 
 
 __all__ = ["body", "run"]
