@@ -17,7 +17,7 @@ from typing import Any
 from tests.harness import AgentEnv, NatsServer, add_pod, ensure_stream, wait_for
 from tests.node_install import build_wheelhouse, install_venv, pins
 
-from sco.agent.kube_drain import taint_value
+from sco.agent.kube.drain import taint_value
 from sco.agent.spool import read_events
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sco.agent.kube_credential import NotRenewable, jwt_claims, token_info
+from sco.agent.kube.credential import NotRenewable, jwt_claims, token_info
 from sco.schedulers.kube import KubeClient, KubeCredentialError, KubeError
 from sco_devkit.standins.kube_apiserver import Identity, KubeApiStandIn, _token_id
 from tests.harness import BIN, AgentEnv, NatsServer, add_pod, wait_for
@@ -257,7 +257,7 @@ def test_failed_renewals_retry_jittered_not_in_step(tmp_path: Path) -> None:
     """A hall's tokens are issued together, so after an API outage their renewals all fail at once: each retry
     wait is drawn from [w/2, w] (sco._retry.jitter), not w for every node (issue 20: one retry pacing with
     jitter for the agent's loops; the renewal's waited exactly max(5 s, time left / 10) everywhere)."""
-    from sco.agent.kube_credential import TokenRenewer
+    from sco.agent.kube.credential import TokenRenewer
     from sco.agent.spool import Spool, read_events
 
     kube = KubeApiStandIn(tokens={}).start()

@@ -124,7 +124,7 @@ def test_the_real_agent_stays_inside_its_scope(tmp_path: Path, kube: KubeApiStan
         return any((b.get(k) or b["metadata"].get(k)) != (a.get(k) or a["metadata"].get(k)) for k in keep)
 
     assert any(q["method"] == "PATCH" and changes(q) for q in writes)  # the taint itself
-    # the drain's Kubernetes Events (sco.agent.kube_events): about node-a or its pods, so refused for node-b
+    # the drain's Kubernetes Events (sco.agent.kube.events): about node-a or its pods, so refused for node-b
     seen_pods = {
         f"/api/v1/namespaces/{q['before']['metadata']['namespace']}/pods/{q['before']['metadata']['name']}": q["before"]
         for q in reqs

@@ -6,7 +6,7 @@ import calendar
 
 import pytest
 
-from sco.agent.slurm_drain import SLURM_REASON_MAX_BYTES, drain_reason
+from sco.agent.slurm.drain import SLURM_REASON_MAX_BYTES, drain_reason
 
 T = calendar.timegm((2026, 12, 1, 21, 16, 5)) + 0.9  # a T with a fraction: shown rounded down, never later
 

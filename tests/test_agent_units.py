@@ -228,7 +228,7 @@ def test_spool_round_trip(tmp_path_factory: pytest.TempPathFactory, prios: list[
 
 
 def test_job_processes_from_cgroup_v1_and_v2_layouts(tmp_path: Path) -> None:
-    from sco.agent.jobprocs import from_cgroups, job_processes
+    from sco.agent.slurm.jobprocs import from_cgroups, job_processes
 
     me = os.getpid()
     v2 = tmp_path / "v2" / "system.slice" / "n1_slurmstepd.scope" / "job_42" / "step_batch" / "user" / "task_0"

@@ -116,7 +116,9 @@ def test_the_agents_retry_loops_all_use_it() -> None:
     forced delete: no hand-rolled doubling left."""
     import inspect
 
-    from sco.agent import kube_drain, kube_fallback, slurm_drain
+    from sco.agent.kube import drain as kube_drain
+    from sco.agent.kube import fallback as kube_fallback
+    from sco.agent.slurm import drain as slurm_drain
 
     for mod in (kube_drain, kube_fallback, slurm_drain):
         src = inspect.getsource(mod)

@@ -127,7 +127,7 @@ def test_an_overrun_event_names_its_reasons(tmp_path: Path, nats_server: NatsSer
 def test_an_event_about_a_pod_with_a_253_character_name_is_accepted(tmp_path: Path) -> None:
     import asyncio
 
-    from sco.agent.kube_events import KubeEvents
+    from sco.agent.kube.events import KubeEvents
     from sco.agent.spool import Spool
     from sco.schedulers.kube import KubeClient
 

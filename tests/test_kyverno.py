@@ -183,12 +183,12 @@ def test_agent_clusterrole_is_the_smallest_the_drain_needs() -> None:
         ("pods", "watch"),
         ("pods", "delete"),
         ("pods/eviction", "create"),
-        ("events", "create"),  # sco.agent.kube_events: kubectl describe shows the drain
+        ("events", "create"),  # sco.agent.kube.events: kubectl describe shows the drain
     }
 
 
 def test_the_agent_may_create_tokens_for_its_own_account_only() -> None:
-    """sco.agent.kube_credential renews its token (TokenRequest): a Role in the account's namespace, the
+    """sco.agent.kube.credential renews its token (TokenRequest): a Role in the account's namespace, the
     account named (resourceNames), create only; bound to that account alone."""
     docs = [d for f in sorted((KYVERNO / "rbac").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
     roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "sco-agent-token"]
@@ -229,7 +229,7 @@ def _evict(ns: str = "ci", name: str = "p") -> Obj:
 
 
 def _token_request(bound: Obj | None, sa: str = "sco-agent", ns: str = "sco-system") -> Obj:
-    """A TokenRequest as sco.agent.kube_credential sends it (the API server names it after the account)."""
+    """A TokenRequest as sco.agent.kube.credential sends it (the API server names it after the account)."""
     spec: Obj = {"expirationSeconds": 86400}
     if bound is not None:
         spec["boundObjectRef"] = bound
@@ -246,7 +246,7 @@ def _node_ref(name: str) -> Obj:
 
 
 def _kevent(kind: str, name: str, ns: str) -> Obj:
-    """A core/v1 Event as sco.agent.kube_events makes it (Node events in default, pod events in the pod's)."""
+    """A core/v1 Event as sco.agent.kube.events makes it (Node events in default, pod events in the pod's)."""
     ref = {"apiVersion": "v1", "kind": kind, "name": name, "uid": name, **({"namespace": ns} if kind != "Node" else {})}
     return {
         "apiVersion": "v1",

@@ -69,7 +69,7 @@ def test_a_node_install_runs_the_agent_without_pydantic_or_yaml(node_venv: Path,
     )
     p = run(node_venv, "sco-agent", "check-config", "--config", cfg)
     assert p.returncode == 0 and "node n1" in p.stdout, p.stdout + p.stderr
-    p = run(node_venv, "python", "-c", "import sco.agent.daemon, sco.agent.kube_fallback, sco.agent.slurm_drain")
+    p = run(node_venv, "python", "-c", "import sco.agent.daemon, sco.agent.kube.fallback, sco.agent.slurm.drain")
     assert p.returncode == 0, p.stderr
     # node-side commands of `sco`: the bundle a control host compiled, verified and rendered for Slurm here
     bundle = tmp_path / "bundle.json"

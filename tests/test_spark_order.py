@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sco.agent.spark_order import driver_may_go, eviction_rank, in_eviction_order
+from sco.agent.kube.spark_order import driver_may_go, eviction_rank, in_eviction_order
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, add_pod
 

@@ -210,7 +210,7 @@ InactiveLimit=0
                 except subprocess.TimeoutExpired:
                     p.kill()
         # slurmstepd and the job processes outlive their slurmd: end this cluster's (and only its) too
-        from sco.agent.jobprocs import from_stepd_tree, stepd_pids
+        from sco.agent.slurm.jobprocs import from_stepd_tree, stepd_pids
 
         for n in self.nodes:
             spool = self.root / "spool" / n

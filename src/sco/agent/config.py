@@ -85,7 +85,7 @@ class AgentConfig:
     """Bearer token file, read again once it changed (a stat before each request), every minute and after a 401."""
     kube_token_renew: int = 1
     """1: renew the service-account token in kube_token_file through TokenRequest once 80% of its lifetime has
-    passed, bound to this node (sco.agent.kube_credential); 0: something else rewrites the file."""
+    passed, bound to this node (sco.agent.kube.credential); 0: something else rewrites the file."""
     kube_ca_file: str = ""
     """The cluster's CA (PEM); "system" trusts the system store. Required with an https kube_url."""
     kube_kubeconfig: str = ""

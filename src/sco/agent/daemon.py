@@ -1,8 +1,8 @@
 """The node agent: one asyncio process per node (seed view 10). This module only wires its parts.
 
 Sources (NATS, the metadata poll) -> notice intake (``intake``: the NoticeBook's verdict, accounted) -> the drain
-supervisor (``drains``) -> the drain path the scheduler factory chose (``scheduler``: ``kube_node`` or
-``slurm_drain``). Beside them, root tasks, each named and guarded: the relay link (``relay``, reconnecting
+supervisor (``drains``) -> the drain path the scheduler factory chose (``scheduler``: ``kube.node`` or
+``slurm.drain``). Beside them, root tasks, each named and guarded: the relay link (``relay``, reconnecting
 forever), the metadata poll (every 5 s, covering NATS outages), the bundle refresh (``refresh``, every 60 s), the
 event publisher (``publisher``: spool to JetStream, in order), the heartbeat, the preflight, the rearm watch and
 the housekeeping tick (spool sync, systemd watchdog and status). SIGTERM stops the root tasks first, then the

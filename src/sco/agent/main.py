@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 async def _kube_preflight(cfg: config.AgentConfig) -> list[str]:
     """Whether the API server knows this node and lets the credential patch it (a server-side dry run)."""
-    from sco.agent.kube_drain import KubePath
+    from sco.agent.kube.drain import KubePath
     from sco.schedulers.kube import KubeClient, KubeConfigError
 
     try:

@@ -195,7 +195,7 @@ CURRENT: AgentMetrics | None = None  # the running agent's metrics (one agent a 
 
 
 def count_eviction(code: int | str) -> None:
-    """Hook for the eviction call site (kube_drain): no metrics object to thread through the drain path."""
+    """Hook for the eviction call site (kube.drain): no metrics object to thread through the drain path."""
     if CURRENT is not None:
         CURRENT.eviction(code)
 

@@ -21,7 +21,7 @@ from sco.agent.spool import Spool
 from sco.errors import ConfigError
 
 if TYPE_CHECKING:
-    from sco.agent.kube_credential import TokenRenewer
+    from sco.agent.kube.credential import TokenRenewer
 
 
 @dataclass
@@ -63,7 +63,7 @@ def node_scheduler(
 def _slurm(
     cfg: AgentConfig, spool: Spool, cache: BundleCache, checkpoint: CheckpointServer | None, api_timeout: float
 ) -> NodeScheduler:
-    from sco.agent.slurm_drain import SlurmPath
+    from sco.agent.slurm.drain import SlurmPath
     from sco.schedulers.slurm import SlurmClient
 
     slurm = SlurmClient(slurm_conf=cfg.slurm_conf, bin_dir=cfg.slurm_bin_dir, timeout=api_timeout)
@@ -93,8 +93,8 @@ def _kubernetes(
     on_credential_change: Callable[[], None],
 ) -> NodeScheduler:
     from sco.agent.inhibit import Logind
-    from sco.agent.kube_drain import KubePath
-    from sco.agent.kube_node import KubeNodePath
+    from sco.agent.kube.drain import KubePath
+    from sco.agent.kube.node import KubeNodePath
     from sco.schedulers.kube import KubeClient, KubeConfigError
 
     try:
@@ -104,7 +104,7 @@ def _kubernetes(
     renewer = None
     if cfg.kube_token_file and cfg.kube_token_renew and not (cfg.kube_in_cluster or cfg.kube_kubeconfig):
         # in-cluster and kubeconfig tokens are kubelet's or a person's to renew; the agent's own file is its
-        from sco.agent.kube_credential import TokenRenewer
+        from sco.agent.kube.credential import TokenRenewer
 
         renewer = TokenRenewer(
             kube,
@@ -114,7 +114,7 @@ def _kubernetes(
             timeout=max(2.0, api_timeout),
             on_change=on_credential_change,
         )
-    # Spark executors first, a driver last; around a silent API server, logind and kubelet (kube_node).
+    # Spark executors first, a driver last; around a silent API server, logind and kubelet (kube.node).
     path = KubeNodePath(
         kube=kube,
         spool=spool,

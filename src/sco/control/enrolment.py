@@ -65,7 +65,7 @@ class KubeSettings:
     namespace: str = "sco-system"
     service_account: str = "sco-agent"
     token_seconds: int = 86400
-    """The first token's lifetime; the agent renews it at 80% (sco.agent.kube_credential)."""
+    """The first token's lifetime; the agent renews it at 80% (sco.agent.kube.credential)."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""The Kubernetes drain of this node: the API path (``sco.agent.kube_drain``) with two additions.
+"""The Kubernetes drain of this node: the API path (``sco.agent.kube.drain``) with two additions.
 
-- Spark (``sco.agent.spark_order``): executor pods are evicted first, a driver only once this node's executors
+- Spark (``sco.agent.kube.spark_order``): executor pods are evicted first, a driver only once this node's executors
   are gone (or out of budget), so decommissioning can migrate their blocks while the driver still coordinates.
-- Around a silent API server (``sco.agent.kube_fallback``): nothing heard from it for the timeout (800 ms)
+- Around a silent API server (``sco.agent.kube.fallback``): nothing heard from it for the timeout (800 ms)
   while a request is outstanding ends the API path; kubelet's graceful node shutdown does the rest under a
   logind delay lock, and the API server is told once it answers again (a follow-up task).
 """
@@ -17,18 +17,18 @@ from typing import Any
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.deadline import Deadline
 from sco.agent.inhibit import InhibitError, Logind
-from sco.agent.kube_drain import KubePath, KubernetesDrain, PodState
-from sco.agent.kube_fallback import KubeFallback, report_late
+from sco.agent.kube.drain import KubePath, KubernetesDrain, PodState
+from sco.agent.kube.fallback import KubeFallback, report_late
+from sco.agent.kube.spark_order import DRIVER, EXECUTOR, driver_may_go, in_eviction_order, spark_role
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
-from sco.agent.spark_order import DRIVER, EXECUTOR, driver_may_go, in_eviction_order, spark_role
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient
 
 DRIVER_POLL_S = 0.1
 MIN_INHIBIT_DELAY_S = 10.0  # logind's default is 5 s; anything this short cannot hold a graceful shutdown
 
-log = logging.getLogger("sco.agent.kube_node")
+log = logging.getLogger("sco.agent.kube.node")
 
 
 class KubeNodeDrain(KubernetesDrain):

@@ -30,7 +30,7 @@ from sco._retry import jitter
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
 
-log = logging.getLogger("sco.agent.kube_credential")
+log = logging.getLogger("sco.agent.kube.credential")
 
 RENEW_AT = 0.8  # of the lifetime, as kubelet renews projected service-account tokens
 MIN_SECONDS = 600  # the API server refuses expirationSeconds below 10 minutes

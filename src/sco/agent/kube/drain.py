@@ -33,7 +33,7 @@ from sco._retry import Backoff
 from sco.agent.budget import KubeBudgets, PodBudget
 from sco.agent.config import AgentConfig
 from sco.agent.deadline import Deadline
-from sco.agent.kube_events import KubeEvents
+from sco.agent.kube.events import KubeEvents
 from sco.agent.metrics import count_eviction
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord

@@ -28,7 +28,7 @@ from sco.agent.notices import Notice
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.schedulers.kube import KubeClient, KubeError, KubeUnreachable
 
-log = logging.getLogger("sco.agent.kube_fallback")
+log = logging.getLogger("sco.agent.kube.fallback")
 
 KUBELET_WHO = "kubelet"  # kubelet's graceful node shutdown takes its delay lock under this name
 POLL_S = 0.25  # each look at logind's inhibitors is a short D-Bus connection: a few a second is plenty
@@ -208,7 +208,7 @@ async def report_late(
     interval: float = 2.0,
 ) -> None:
     """Tell the API server once it answers: the node tainted for the notice (nothing is evicted: kubelet did it)."""
-    from sco.agent.kube_drain import NOTICE_ANNOTATION, taint_value
+    from sco.agent.kube.drain import NOTICE_ANNOTATION, taint_value
 
     backoff = Backoff(0.5, interval)
     while not stop.is_set():

@@ -6,7 +6,7 @@ budget, for it to leave the node; requeue it so it resumes elsewhere; verify tha
 on the node ("drained"), else "overrun" listing the jobs.
 
 Around the scheduler: when slurmctld does not answer within the API timeout, stop asking. Find each job's
-processes locally (``sco.agent.jobprocs``), signal them directly, wait up to the budget, then TERM and, at the
+processes locally (``sco.agent.slurm.jobprocs``), signal them directly, wait up to the budget, then TERM and, at the
 deadline less the margin, KILL what is left; spool the outcome; and tell slurmctld (DRAIN, requeue) once it
 answers again: the scheduler learns late, which is acceptable because the node is going anyway.
 """
@@ -28,9 +28,9 @@ from sco._retry import Backoff
 from sco.agent.budget import SlurmBudgets
 from sco.agent.checkpoint import CheckpointServer
 from sco.agent.deadline import Deadline
-from sco.agent.jobprocs import alive, job_environment, job_processes
 from sco.agent.notices import Notice
 from sco.agent.resume import DrainRecord
+from sco.agent.slurm.jobprocs import alive, job_environment, job_processes
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.bundle import Bundle
 from sco.schedulers.slurm import Job, SlurmClient, SlurmCommandError, SlurmUnreachable
