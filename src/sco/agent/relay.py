@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from sco import _nats
 from sco._redact import strip_userinfo_in_text
 from sco.agent.config import AgentConfig
 from sco.agent.notice_sources import NatsNoticeSource
@@ -25,17 +26,15 @@ FLUSH_TIMEOUT_S = 2
 CLOSE_TIMEOUT_S = 2
 
 
-def nats_auth(cfg: AgentConfig) -> dict[str, Any]:
-    c = cfg
-    if c.nats_creds_file:
-        return {"user_credentials": c.nats_creds_file}
-    if c.nats_nkey_seed_file:
-        return {"nkeys_seed": c.nats_nkey_seed_file}
-    if c.nats_token:
-        return {"token": c.nats_token}
-    if c.nats_user:
-        return {"user": c.nats_user, "password": c.nats_password}
-    return {}
+def nats_auth(c: AgentConfig) -> dict[str, Any]:
+    """The node's own relay identity (the first of creds file, nkey seed file, token, user and password)."""
+    return _nats.auth_options(
+        creds_file=c.nats_creds_file,
+        nkey_seed_file=c.nats_nkey_seed_file,
+        token=c.nats_token,
+        user=c.nats_user,
+        password=c.nats_password,
+    )
 
 
 class RelayLink:
@@ -53,8 +52,6 @@ class RelayLink:
         return self.nc is not None and bool(self.nc.is_connected)
 
     async def run(self, stop: asyncio.Event) -> None:
-        import nats
-
         if not self.creds_ready.is_set():  # enrolling: connect once the creds file is written
             waits = [asyncio.create_task(self.creds_ready.wait()), asyncio.create_task(stop.wait())]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -75,14 +72,15 @@ class RelayLink:
             level = logging.WARNING if "authoriz" in str(e).lower() or "permission" in str(e).lower() else logging.DEBUG
             log.log(level, "NATS: %s", strip_userinfo_in_text(str(e)))
 
-        servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]
-        # max_reconnect_attempts=-1: nats-py retries forever, the first connection included.
-        self.nc = await nats.connect(
-            servers=servers,
-            name=f"sco-agent {self.cfg.hall}/{self.cfg.node}",
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=RECONNECT_WAIT_S,
+        # reconnect, no deadline: nats-py retries forever, the first connection included.
+        self.nc = await _nats.connect(
+            self.cfg.nats_url,
+            auth=nats_auth(self.cfg),
+            deadline_s=None,
+            reconnect=True,
             connect_timeout=CONNECT_TIMEOUT_S,
+            name=f"sco-agent {self.cfg.hall}/{self.cfg.node}",
+            reconnect_time_wait=RECONNECT_WAIT_S,
             ping_interval=PING_INTERVAL_S,
             max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             disconnected_cb=disconnected,
@@ -91,7 +89,6 @@ class RelayLink:
             # Replies (JetStream acks) come back on the node's own inbox: the relay lets a node subscribe only
             # there, never to _INBOX.>, where the control users' consumers deliver every node's events.
             inbox_prefix=self.cfg.inbox_prefix,
-            **nats_auth(self.cfg),
         )
         subject = self.cfg.subject(self.cfg.notice_subject)
         await self.source.subscribe(self.nc, subject)

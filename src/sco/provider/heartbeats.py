@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from sco import _nats
 from sco.errors import ConfigError, ScoError
 
 log = logging.getLogger("sco.provider.heartbeats")
@@ -143,17 +144,8 @@ class RelayReader:
 
 
 async def read(reader: RelayReader, hall: str) -> dict[str, tuple[datetime, dict[str, Any]]]:
-    import nats
-
-    async def quiet(e: Exception) -> None:  # nats-py's default prints a traceback per failed attempt
-        log.debug("relay: %s", e)
-
-    servers = [s.strip() for s in reader.url.split(",") if s.strip()]
-    opts: dict[str, Any] = {"connect_timeout": 2, "max_reconnect_attempts": 0, "allow_reconnect": False}
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(servers=servers, error_cb=quiet, **opts, **reader.auth), reader.timeout_s
-        )
+        nc = await _nats.connect(reader.url, auth=reader.auth, deadline_s=reader.timeout_s)
     except Exception as e:
         raise HeartbeatsUnreadable(
             f"relay {_hosts(reader.url)}: cannot connect: {type(e).__name__} {e}".strip()
@@ -197,21 +189,20 @@ def reader_from_env(env: Mapping[str, str]) -> RelayReader | None:
     url = env.get("SCO_NATS_URL", "").strip()
     if not url:
         return None
-    auth: dict[str, Any] = {}
-    if env.get("SCO_NATS_CREDS"):
-        auth = {"user_credentials": env["SCO_NATS_CREDS"]}
-    elif env.get("SCO_NATS_NKEY_SEED"):
-        seed = env["SCO_NATS_NKEY_SEED"]
+    creds, seed, user = env.get("SCO_NATS_CREDS"), env.get("SCO_NATS_NKEY_SEED"), env.get("SCO_NATS_USER")
+    password = ""
+    if creds:
+        pass
+    elif seed:
         if not os.access(seed, os.R_OK):  # nats-py would only say the relay cannot be reached
             raise ConfigError(f"$SCO_NATS_NKEY_SEED {seed}: no readable nkey seed file there")
-        auth = {"nkeys_seed": seed}
-    elif env.get("SCO_NATS_USER"):
+    elif user:
         pw_file = env.get("SCO_NATS_PASSWORD_FILE", "")
         try:
             password = open(pw_file, encoding="utf-8").read().strip() if pw_file else ""  # noqa: SIM115
         except OSError as e:
             raise ConfigError(f"$SCO_NATS_PASSWORD_FILE {pw_file}: {e.strerror or e}") from None
-        auth = {"user": env["SCO_NATS_USER"], "password": password}
+    auth = _nats.auth_options(creds_file=creds, nkey_seed_file=seed, user=user, password=password)
     return RelayReader(url, auth)
 
 

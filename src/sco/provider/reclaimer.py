@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sco import _nats
 from sco._redact import strip_userinfo, strip_userinfo_in_text
 from sco._retry import Backoff
 from sco.contract.notice import sign_notice
@@ -250,8 +251,6 @@ class Reclaimer:
 
     async def _connect_once(self, retrying: bool) -> Any:
         if self.nc is None or self.nc.is_closed:
-            import nats
-
             # it just failed: the run does not wait on it again (the events' retry, beside the run, does)
             if not retrying and time.monotonic() < self._relay_down_until:
                 raise ConnectionError(f"relay {strip_userinfo(self.nats_url)} unreachable a moment ago")
@@ -264,13 +263,10 @@ class Reclaimer:
             # relays before a live one took 6 s, past a fixed 5 s), capped so a dead relay list fails in time.
             servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
             try:
-                self.nc = await asyncio.wait_for(
-                    nats.connect(
-                        servers,  # every relay of the hall's cluster: nats-py fails over between them
-                        connect_timeout=2, max_reconnect_attempts=-1, allow_reconnect=True,
-                        error_cb=said, **self.nats_auth,
-                    ),
-                    min(15.0, 3.0 + 2.0 * len(servers)),
+                # every relay of the hall's cluster: nats-py fails over between them
+                self.nc = await _nats.connect(
+                    servers, auth=self.nats_auth, deadline_s=min(15.0, 3.0 + 2.0 * len(servers)), reconnect=True,
+                    error_cb=said,
                 )  # fmt: skip
             except asyncio.CancelledError:  # the run stopped waiting (its end, a bound): says nothing of the relay
                 raise

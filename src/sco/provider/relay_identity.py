@@ -48,6 +48,7 @@ from typing import Any
 
 import nkeys  # type: ignore[import-untyped]  # no stubs, no py.typed
 
+from sco import _nats
 from sco._fs import atomic_write
 from sco.contract.enrolment import creds_text
 from sco.errors import ConfigError, ScoError
@@ -525,8 +526,6 @@ class RelayAdmin:
     @classmethod
     async def connect(cls, servers: str | Sequence[str], keys: HallKeys, timeout: float = 5.0) -> RelayAdmin:
         """Connect as the system account's admin user, from the keys (no creds file on disk)."""
-        import nats
-
         token = system_admin_user_jwt(keys).encode()
         admin = keys.system_admin
 
@@ -538,12 +537,9 @@ class RelayAdmin:
 
         urls = [servers] if isinstance(servers, str) else list(servers)
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    urls, user_jwt_cb=lambda: token, signature_cb=signature, connect_timeout=timeout,
-                    max_reconnect_attempts=0, allow_reconnect=False, error_cb=quiet,
-                ),
-                timeout * 2,
+            nc = await _nats.connect(
+                urls, auth={"user_jwt_cb": lambda: token, "signature_cb": signature}, deadline_s=timeout * 2,
+                connect_timeout=timeout, error_cb=quiet,
             )  # fmt: skip
         except Exception as e:
             what = str(e) or type(e).__name__
