@@ -1,6 +1,8 @@
 """A small asyncio HTTP/1.1 client: keep-alive pool, JSON bodies, chunked responses, one deadline per call for
-the whole exchange (connect to the last body byte: a peer sending a byte a second cannot stretch a call), and
-:func:`get` for one-off fetches from synchronous code. The agent's one HTTP client: the Kubernetes API, the
+the whole exchange (connect to the last body byte: a peer sending a byte a second cannot stretch a call),
+streamed responses read as they arrive (:meth:`AsyncHttpClient.stream`, a Kubernetes watch: the head within the
+call's deadline, the body within the stream's own, each piece and record bounded), and :func:`get` for one-off
+fetches from synchronous code. The agent's one HTTP client: the Kubernetes API, the
 instance metadata poll, the bundle fetch (and the ConfigMap publisher on the Kubernetes credentials code).
 
 Why not httpx or aiohttp: the node agent's memory budget is 40 MiB, and the official clients cost more than the
@@ -16,7 +18,7 @@ import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +141,11 @@ class AsyncHttpClient:
             if not w.is_closing() and not r.at_eof():
                 return r, w
             w.close()
+        return await self._open()
+
+    async def _open(self) -> _Conn:
+        """A new connection (a refused one tried again with backoff when ``retry_refused``: the caller's
+        deadline ends the retries)."""
         backoff = Backoff(*REFUSED_RETRY_S)
         while True:
             try:
@@ -165,7 +172,7 @@ class AsyncHttpClient:
         query: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
     ) -> Response:
-        target = self.prefix + path + (("?" + urllib.parse.urlencode(query)) if query else "")
+        target = self._target(path, query)
         data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
         head = [f"{method} {target} HTTP/1.1"]
         head += [f"{k}: {v}" for k, v in {**self.headers, **(headers or {})}.items()]
@@ -191,6 +198,59 @@ class AsyncHttpClient:
                 raise
             finally:
                 self.hearing.ended(answered)
+
+    def _target(self, path: str, query: dict[str, str] | None) -> str:
+        return self.prefix + path + (("?" + urllib.parse.urlencode(query)) if query else "")
+
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict[str, str] | None = None,
+        timeout: float | None = None,
+        deadline: float,
+        max_record: int | None = None,
+    ) -> StreamResponse:
+        """Send a body-less request on a connection of its own and return once the status line and headers are
+        in (within ``timeout``, the client's by default); the body is then read as it arrives, for at most
+        ``deadline`` seconds from now, each chunk and each newline-delimited record at most ``max_record`` bytes
+        (the client's body cap by default). Close the stream (``async with``) when done."""
+        target = self._target(path, query)
+        head = [f"{method} {target} HTTP/1.1", *(f"{k}: {v}" for k, v in self.headers.items())]
+        raw = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+        limit = self.timeout if timeout is None else timeout
+        ends_at = asyncio.get_running_loop().time() + deadline
+        writer: asyncio.StreamWriter | None = None
+        self.refused = ""
+        try:
+            async with asyncio.timeout(limit):
+                try:
+                    reader, writer = await self._open()
+                except OSError as e:
+                    raise HttpError(f"connect {self.host}:{self.port}: {e.strerror or e}") from None
+                writer.write(raw)
+                await writer.drain()
+                status, headers = await self._read_head(reader)
+        except TimeoutError:
+            if writer is not None:
+                writer.close()
+            why = f" (connection refused: {self.refused})" if self.refused else ""
+            raise HttpTimeout(f"{method} {target}: no answer within {limit:g} s{why}") from None
+        except HttpError:
+            if writer is not None:
+                writer.close()
+            raise
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
+            if writer is not None:
+                writer.close()
+            raise HttpError(f"{self.host}:{self.port}: {e}") from None
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            raise
+        cap = self.max_body if max_record is None else max_record
+        return StreamResponse(self, status, headers, reader, writer, ends_at, cap, f"{method} {target}", limit)
 
     async def _exchange(self, raw: bytes, method: str) -> Response:
         for attempt in (0, 1):
@@ -229,6 +289,11 @@ class AsyncHttpClient:
             )
 
     async def _read(self, reader: asyncio.StreamReader, method: str) -> tuple[Response, bool]:
+        status, headers = await self._read_head(reader)
+        return await self._read_body(reader, method, status, headers)
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+        """The status line and the header section (at most MAX_HEADER_LINES lines and MAX_HEADER_BYTES)."""
         line = await reader.readline()
         if not line:
             raise ValueError("connection closed before a response")
@@ -250,6 +315,11 @@ class AsyncHttpClient:
                 )
             k, _, v = h.decode("latin-1").partition(":")
             headers[k.strip().lower()] = v.strip()
+        return status, headers
+
+    async def _read_body(
+        self, reader: asyncio.StreamReader, method: str, status: int, headers: dict[str, str]
+    ) -> tuple[Response, bool]:
         if method == "HEAD" or status in (204, 304):
             body = b""
         elif headers.get("transfer-encoding", "").lower() == "chunked":
@@ -281,6 +351,92 @@ class AsyncHttpClient:
         self.hearing.heard()
         keep = headers.get("connection", "").lower() != "close"
         return Response(status, headers, body), keep
+
+
+class StreamResponse:
+    """A response read as it arrives (see :meth:`AsyncHttpClient.stream`): ``status`` and ``headers`` are in;
+    :meth:`records` yields the body's newline-delimited records, :meth:`body` reads a whole (error) body. Each
+    piece received counts as the peer heard (a watch event or bookmark is an answer)."""
+
+    def __init__(
+        self,
+        client: AsyncHttpClient,
+        status: int,
+        headers: dict[str, str],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        ends_at: float,
+        max_record: int,
+        what: str,
+        timeout: float,
+    ) -> None:
+        self.client, self.status, self.headers = client, status, headers
+        self._reader, self._writer, self._ends_at = reader, writer, ends_at
+        self.max_record, self.what, self.timeout = max_record, what, timeout
+
+    async def __aenter__(self) -> StreamResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    async def body(self) -> bytes:
+        """The whole body (an error's Status) within the call's timeout, at most the client's body cap."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                resp, _ = await self.client._read_body(self._reader, "GET", self.status, self.headers)
+        except TimeoutError:
+            raise HttpTimeout(f"{self.what}: body not read within {self.timeout:g} s") from None
+        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+            raise HttpError(f"{self.what}: {e}") from None
+        return resp.body
+
+    async def _pieces(self) -> AsyncGenerator[bytes, None]:
+        reader, c = self._reader, self.client
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    return
+                if size > self.max_record:
+                    raise HttpTooLarge(f"{self.what}: a chunk of {size} bytes exceeds the {self.max_record} byte cap")
+                data = await reader.readexactly(size)
+                await reader.readline()
+                c.hearing.heard()
+                yield data
+        else:
+            while data := await reader.read(65536):
+                c.hearing.heard()
+                yield data
+
+    async def records(self) -> AsyncIterator[bytes]:
+        """The body's non-empty newline-delimited records until the peer ends it; a record longer than
+        ``max_record`` is refused (HttpTooLarge), the stream's deadline raises HttpTimeout."""
+        buf = b""
+        pieces = self._pieces()
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(self._ends_at):
+                        piece = await anext(pieces, None)
+                except TimeoutError:
+                    raise HttpTimeout(f"{self.what}: the stream outlived its deadline") from None
+                except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+                    raise HttpError(f"{self.what}: {e}") from None
+                if piece is None:
+                    return
+                buf += piece
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        yield line
+                if len(buf) > self.max_record:
+                    raise HttpTooLarge(f"{self.what}: a record exceeds the {self.max_record} byte cap")
+        finally:
+            await pieces.aclose()
 
 
 def get(

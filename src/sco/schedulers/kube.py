@@ -33,6 +33,8 @@ from sco._http import AsyncHttpClient, HttpError, HttpTimeout, Response
 
 Obj = dict[str, Any]
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# A watch the API server does not end by its timeoutSeconds (plus this) is cut: every stream has an end.
+WATCH_GRACE_S = 30.0
 TOKEN_REREAD_S = 60.0  # client-go's cached file token source re-reads at this period
 LIST_PAGE = 500
 
@@ -383,73 +385,40 @@ class KubeClient:
 
     async def watch_pods(self, node: str, resource_version: str, timeout_s: int = 300) -> AsyncIterator[Obj]:
         """Watch events for the pods bound to ``node`` from ``resource_version`` (bookmarks included). An
-        expired resourceVersion raises :class:`KubeGone`: list again. The stream has its own connection."""
+        expired resourceVersion raises :class:`KubeGone`: list again. The stream has its own connection
+        (``sco._http``'s stream: the head within the call's timeout, its header and record limits); the API
+        server ends it after ``timeout_s``, and a stream that outlives that by WATCH_GRACE_S is cut."""
         self._refresh_token()
-        query = urllib.parse.urlencode(
-            {
-                "watch": "true",
-                "fieldSelector": f"spec.nodeName={node}",
-                "resourceVersion": resource_version,
-                "allowWatchBookmarks": "true",
-                "timeoutSeconds": str(timeout_s),
-            }
-        )
-        http = self.http
+        query = {
+            "watch": "true",
+            "fieldSelector": f"spec.nodeName={node}",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_s),
+        }
         try:
-            async with asyncio.timeout(self.timeout):
-                reader, writer = await asyncio.open_connection(http.host, http.port, ssl=http.ssl)
-                head = [f"GET {http.prefix}/api/v1/pods?{query} HTTP/1.1"]
-                head += [f"{k}: {v}" for k, v in http.headers.items()]
-                writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-                await writer.drain()
-                status = int((await reader.readline()).split(b" ", 2)[1])
-                self.hearing.heard()
-                headers: dict[str, str] = {}
-                while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    k, _, v = line.decode("latin-1").partition(":")
-                    headers[k.strip().lower()] = v.strip()
-        except TimeoutError:
+            resp = await self.http.stream("GET", "/api/v1/pods", query=query, deadline=timeout_s + WATCH_GRACE_S)
+        except HttpTimeout:
             raise KubeUnreachable(f"watch: no answer within {self.timeout} s") from None
-        except ssl.SSLError as e:
-            raise KubeCredentialError(0, f"TLS: {e}") from None
-        except (OSError, ValueError, IndexError) as e:
+        except HttpError as e:
+            if isinstance(e.__context__, ssl.SSLError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
+                raise KubeCredentialError(0, f"TLS: {e}") from None
             raise KubeUnreachable(f"watch: {e}") from None
-        try:
-            if status != 200:
-                if status == 401:
-                    self._refresh_token(force=True)  # rotated: the next watch sends the new token
-                body = await reader.read(65536)
-                raise _error(status, body.split(b"\r\n", 1)[-1] if b"\r\n" in body[:8] else body)
-            chunked = headers.get("transfer-encoding", "").lower() == "chunked"
-            buf = b""
-            while True:
-                if chunked:
-                    size = int((await reader.readline()).split(b";")[0], 16)
-                    if size == 0:
-                        return
-                    buf += await reader.readexactly(size)
-                    await reader.readline()
-                    self.hearing.heard()  # an event or a bookmark: the API server answers
-                else:
-                    data = await reader.read(65536)
-                    if not data:
-                        return
-                    self.hearing.heard()
-                    buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if not line.strip():
-                        continue
+        async with resp:
+            try:
+                if resp.status != 200:
+                    if resp.status == 401:
+                        self._refresh_token(force=True)  # rotated: the next watch sends the new token
+                    raise _error(resp.status, await resp.body())
+                async for line in resp.records():
                     ev = json.loads(line)
                     if ev.get("type") == "ERROR":
                         st = ev.get("object") or {}
                         code = int(st.get("code") or 500)
                         raise (KubeGone if code == 410 else KubeError)(code, str(st.get("message", "")))
                     yield ev
-        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-            raise KubeUnreachable(f"watch: {e}") from None
-        finally:
-            writer.close()
+            except (HttpError, ValueError) as e:
+                raise KubeUnreachable(f"watch: {e}") from None
 
     async def request_token(
         self,
