@@ -33,6 +33,7 @@ from sco.errors import ConfigError, ScoError
 
 def status(state_dir: Path) -> dict[str, Any]:
     """What the spool and the bundle cache say, read-only (safe beside a running agent)."""
+    from sco.agent.resume import unfinished_drain
     from sco.agent.spool import SPOOL_FILE, read_cursor, read_events
 
     spool_dir = state_dir / "spool"
@@ -67,12 +68,15 @@ def status(state_dir: Path) -> dict[str, Any]:
         scheduler = json.loads((state_dir / "scheduler.json").read_text())
     except (OSError, ValueError):
         scheduler = None
+    _, open_ = unfinished_drain(read_events(spool_dir), "", "")
     return {
         "scheduler": scheduler,
         "spool": {"records": records, "last_seq": last, "bytes": size, "last_unwritable": unwritable},
         "events": {"published_seq": published, "unpublished": unpublished},
         "bundle": bundle,
         "notices": notices,  # as of the agent's last record (this run's): refusals, and foreign traffic counted
+        # the drain started and not ended, by the rule a restarted agent resumes by: the upgrade waits for it
+        "drain": {"notice": open_.id, "terminate_at": open_.terminate_at} if open_ is not None else None,
     }
 
 
