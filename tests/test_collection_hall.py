@@ -42,7 +42,8 @@ def run(argv: list[str], cwd: Path = REPO, **extra: str) -> subprocess.Completed
 # --- defect 2: the playbooks and the hall-wide defaults are in the artifact --------------------------------------
 
 PLAYBOOKS = [
-    "site", "bake_image", "node_agent", "slurm_admission", "fleet_state", "kyverno_policies", "control_loop", "drill"
+    "site", "bake_image", "node_agent", "slurm_admission", "fleet_state", "kyverno_policies", "control_loop", "drill",
+    "uninstall", "upgrade",
 ]  # fmt: skip
 
 
