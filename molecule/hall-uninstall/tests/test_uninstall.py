@@ -89,8 +89,18 @@ def users(h: Any) -> list[str]:
 
 
 def left_running(h: Any) -> list[str]:
-    ps = h.run("ps -eo args=").stdout.splitlines()
-    return [p for p in ps if any(x in p for x in PROCESSES) and "ps -eo" not in p]
+    """Command lines of the test host's processes (those in its network namespace: ps in the chroot would list the
+    whole machine's) that run from what the roles installed."""
+    pids = subprocess.run(["ip", "netns", "pids", f"scom-{SC.name}-{HOST}"], capture_output=True, text=True).stdout
+    out = []
+    for pid in pids.split():
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        if any(x in args for x in PROCESSES):
+            out.append(args)
+    return out
 
 
 def listening(h: Any) -> list[int]:
