@@ -6,6 +6,7 @@ generated halls (``benchmarks.planner_halls``: its own seeded generator and the 
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any
 from fractions import Fraction
 
 import pytest
@@ -244,3 +245,56 @@ def test_300_generated_halls_plan_what_they_say() -> None:
             again.append(seed)
     assert not wrong, wrong
     assert not again, again
+
+
+@pytest.mark.parametrize(
+    ("pools", "reservations", "fleet", "said"),
+    [
+        (
+            (Pool("c", "committed", 8 * U, 4),),
+            (),
+            (),
+            "0 units held now (none), short by 16 units: no committed capacity",
+        ),
+        (
+            (Pool("c", "committed", 8 * U, 4, available=False, unavailable_reason="maintenance"),),
+            (Reservation("l", "c", 4),),
+            (),
+            "0 units held now (none), short by 16 units: no committed capacity",
+        ),
+        (
+            (Pool("c", "committed", 8 * U, 0),),
+            (Reservation("l", "c", 4),),
+            (),
+            "short by 16 units: no committed capacity",
+        ),
+        (
+            (Pool("c", "committed", 8 * U, 4),),
+            (Reservation("l", "c", 2),),
+            (
+                Instance("i0", "n0", "c", ("gold",), NOW - 9, state="draining"),
+                Instance("i1", "n1", "c", ("silver",), NOW - 9),
+            ),
+            "0 units held now (none), short by 8 units: the committed capacity the leases and caps allow is all taken;"
+            " 8 units only once the 1 instances on their way out are gone",
+        ),
+    ],
+    ids=["no-lease", "unavailable", "cap-0", "lease-taken"],
+)
+def test_a_short_floor_says_what_is_held_now_and_why_the_rest_is_not(
+    pools: tuple[Pool, ...], reservations: tuple[Any, ...], fleet: tuple[Instance, ...], said: str
+) -> None:
+    """Found by review: with no lease, an unavailable pool or a cap of 0 the plan said "committed capacity is all
+    held (none free)", and a floor short while part of it waits for outgoing instances never said what is held now."""
+    p = plan(
+        PlanInput(
+            contracts={"gold": ContractInfo("gold", 1, 16 * U), "silver": ContractInfo("silver", 2)},
+            demand={},
+            pools=pools,
+            fleet=fleet,
+            reservations=reservations,
+            settings=PlanSettings(now=NOW),
+        )
+    )
+    (d,) = [d for d in p.decisions if d.subject == "contract:gold"]
+    assert d.kind == "short" and said in d.reason, d.reason

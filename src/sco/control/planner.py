@@ -350,7 +350,11 @@ def hold_floors(inp: PlanInput, sv: Survey) -> Floors:
             after[cn] = wait
         where = [f"{_units(now[p.name])} on {p.name}" for p in reserved if now[p.name]]
         if need:
-            said = f"floor short by {_units(need)}: committed capacity is all held ({', '.join(where) or 'none free'})"
+            said = f"floor of {_units(floor)}: {_units(held[cn])} held now ({', '.join(where) or 'none'}), short by"
+            if not any(min(p.cap, committed[p.name]) for p in reserved):
+                said += f" {_units(need)}: no committed capacity (no lease on an available committed pool with a cap)"
+            else:
+                said += f" {_units(need)}: the committed capacity the leases and caps allow is all taken"
         elif wait:
             said = f"floor of {_units(floor)}: {_units(held[cn])} held now ({', '.join(where) or 'none'})"
         else:
