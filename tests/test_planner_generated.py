@@ -298,3 +298,42 @@ def test_a_short_floor_says_what_is_held_now_and_why_the_rest_is_not(
     )
     (d,) = [d for d in p.decisions if d.subject == "contract:gold"]
     assert d.kind == "short" and said in d.reason, d.reason
+
+
+def test_a_pool_whose_counts_did_not_pack_keeps_its_other_places_under_the_cap() -> None:
+    """Found by review (seed 20823 of ``planner_halls``): s0 (cap 8, one instance) had 7 places; its counts did not
+    pack, and the second round was left only the 6 instances packed, so 6 units of c1 went short that the cap
+    allowed, and the plan made again on the applied one launched the 7th (and so on every run)."""
+    inp = hall(20823)
+    p = plan(inp)
+    assert {x.pool: x.launch for x in p.pools if x.launch} == {"s0": 7, "s1": 2}, p.explain()
+    assert p.shortfall_milli == {"c2": 3 * U}
+    again = plan(applied(inp, p))
+    assert not any(x.launch or x.delete for x in again.pools), again.explain()
+    assert check(inp, p) == []
+
+
+def test_a_pool_over_its_cap_keeps_no_more_than_its_cap_busy_whatever_else_is_pending() -> None:
+    """Found by review: cap 1, two idle instances past their grace, two 8-unit requests of w that fit them. The greedy
+    (everything fits room already there, no program) kept both busy and the pool over its cap; with one more request
+    that no flavour fits the program ran and kept one, deleting the other for the cap. An unrelated request decided
+    whether the cap held. Now both keep one and say why the other goes."""
+    for demand, requests in (
+        ({"w": 16 * U}, {"w": {8 * U: 2}}),
+        ({"w": 16 * U, "x": 20 * U}, {"w": {8 * U: 2}, "x": {20 * U: 1}}),
+    ):
+        p = plan(
+            PlanInput(
+                contracts={"w": ContractInfo("w", 3), "x": ContractInfo("x", 3)},
+                demand=demand,
+                requests=requests,
+                pools=(Pool("a", "reclaimable", 8 * U, 1, price_per_hour=Decimal("0.8")),),
+                fleet=(Instance("i1", "n1", "a", ("w",), NOW - 7200), Instance("i2", "n2", "a", ("w",), NOW - 7200)),
+                settings=PlanSettings(now=NOW, shares={3: Fraction(1)}),
+            )
+        )
+        (a,) = p.pools
+        assert (a.target, len(a.delete)) == (1, 1), p.explain()
+        assert p.shortfall_milli.get("w") == 8 * U
+        (d,) = [d for d in p.decisions if d.kind == "scale_down"]
+        assert "more than its cap of 1" in d.reason, d.reason

@@ -634,6 +634,8 @@ def _greedy(p: Problem, q: _Classed, replay: bool = False) -> _Counts:
     bins: dict[str, list[list[Any]]] = {x.name: [] for x in pools}  # [free, {(c, k): n}]
     idle = _idle_places(p)
     freed: dict[str, int] = {}
+    kept: dict[str, int] = {}  # pool -> its idle rooms given work
+    by_name = {x.name: x for x in p.pools}
 
     def can_open(pool: NewPool) -> bool:
         """One more new instance under the cap: a place free, or an idle room's without work (it is scaled down)."""
@@ -665,8 +667,17 @@ def _greedy(p: Problem, q: _Classed, replay: bool = False) -> _Counts:
                 held[group[pool]] = held.get(group[pool], 0) + milli  # noqa: B023
 
         def onto(i: int, c: str, k: int) -> None:
-            n = min(left[c, k], free[i] // k, within(p.rooms[i].pool, k))
+            r = p.rooms[i]
+            if r.deletable and i not in out.on_room and r.pool in by_name:
+                # an idle instance kept busy takes a place under the cap, as a new one does: a pool over its cap
+                # keeps no more than the cap (the program's rule; the greedy kept both of two over a cap of 1)
+                x = by_name[r.pool]
+                if kept.get(r.pool, 0) + len(bins[r.pool]) >= x.most + len(idle.get(r.pool, [])):
+                    return
+            n = min(left[c, k], free[i] // k, within(r.pool, k))
             if n > 0:
+                if r.deletable and i not in out.on_room:
+                    kept[r.pool] = kept.get(r.pool, 0) + 1
                 free[i] -= n * k
                 left[c, k] -= n
                 slot = out.on_room.setdefault(i, {})
@@ -877,9 +888,13 @@ def solve(p: Problem) -> Solution:
             solver = {**solver, "status": f"counts did not pack onto instances in {MAX_ROUNDS} rounds"}
             rooms = rooms[:first_new]
             break
-        for name in over:  # its counts did not pack: only what it packed is left to it, exactly
+        idle = _idle_places(cur)
+        for name in over:  # its counts did not pack: what it packed is left to it exactly, and its other places
             x = pools[name]
-            rooms.extend(Room(f"+{name}/{j}", name, contracts, x.flavor, launch=True) for j in range(len(bins[name])))
+            # under the cap as empty instances: a place lost here left work short that the cap allows, and the next
+            # plan launched it (found by review: seed 20823 of planner_halls)
+            places = max(len(bins[name]), x.most + len(idle.get(name, [])))
+            rooms.extend(Room(f"+{name}/{j}", name, contracts, x.flavor, launch=True) for j in range(places))
             pools[name] = NewPool(x.name, x.group, x.flavor, x.room, x.price, x.freeable, aggregate=False)
     out = Solution(solver=dict(solver))
     of_pool = {i: rooms[i].pool for i in range(first_new, len(rooms))}
