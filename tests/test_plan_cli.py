@@ -216,3 +216,37 @@ def test_plan_reads_json_as_json_and_refuses_a_fleet_listing_an_id_twice(
     no_traceback(p)
     assert p.returncode == 5
     assert "fleet: Value error, instance id 'i-old' is listed twice: fleet.0 and fleet.1" in p.stderr
+
+
+def test_plan_refuses_a_file_naming_what_is_not_there(tmp_path: Path, bundle: tuple[Path, Path]) -> None:
+    """Found by review: a lease on an unknown or reclaimable pool, an instance in an unknown pool or running an
+    unknown contract, demand of an unknown contract, a lease listed twice (its instances added up) and a state
+    misspelt ("ACTIVE": taken for an instance on its way out) all planned with exit 0."""
+    b, pub = bundle
+    bad = _plan_doc()
+    bad["reservations"] += [
+        {"lease": "lease-2", "pool": "nope", "instances": 1},
+        {"lease": "lease-3", "pool": "spot-a", "instances": 1},
+        {"lease": "lease-1", "pool": "committed", "instances": 8},
+    ]
+    bad["fleet"].append({"id": "i-x", "name": "x", "pool": "gone", "contracts": ["no-such-contract"]})
+    bad["demand"]["demand"].append({"contract": "nope", "units_milli": 1000})
+    doc = tmp_path / "plan.yaml"
+    doc.write_text(yaml.safe_dump(bad))
+    p = sco("plan", "--input", doc, "--bundle", b, "--trust", pub)
+    no_traceback(p)
+    assert p.returncode == 5, p.stdout
+    for said in (
+        "reservations.1.pool: no pool 'nope' in pools",
+        "reservations.2.pool: pool 'spot-a' is reclaimable, not committed",
+        "reservations.3.lease: 'lease-1' is listed already (reservations.0)",
+        "fleet.1.pool: no pool 'gone' in pools",
+        "fleet.1.contracts: contract 'no-such-contract' is not in the bundle",
+        "demand.demand.3.contract: contract 'nope' is not in the bundle",
+    ):
+        assert f"{doc}: {said}" in p.stderr, p.stderr
+    typo = _plan_doc()
+    typo["fleet"][0]["state"] = "ACTIVE"
+    doc.write_text(yaml.safe_dump(typo))
+    p = sco("plan", "--input", doc, "--bundle", b, "--trust", pub)
+    assert p.returncode == 5 and f"{doc}: fleet.0.state: Value error, 'ACTIVE' is not a lifecycle state" in p.stderr

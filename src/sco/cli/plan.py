@@ -12,12 +12,16 @@ from sco.cli._common import _add_trust, _env, _keyring, _read
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from sco.contract.bundle import Bundle
-    from sco.control.inputs import contracts_from_bundle, parse, plan_input, read_document
+    from sco.control.inputs import contracts_from_bundle, parse, plan_input, read_document, references
     from sco.control.planner import plan
+    from sco.errors import ConfigError
 
     bundle = Bundle.from_bytes(_read(args.bundle), _keyring(args), args.bundle)
-    doc = read_document(_read(args.input), args.input)
-    inp = plan_input(parse(doc, args.input), contracts_from_bundle(bundle.contracts), time.time(), args.input)
+    doc = parse(read_document(_read(args.input), args.input), args.input)
+    contracts = contracts_from_bundle(bundle.contracts)
+    if problems := references(doc, contracts, args.input):
+        raise ConfigError(f"{args.input}: names what is not there", problems)
+    inp = plan_input(doc, contracts, time.time(), args.input)
     result = plan(inp)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, sort_keys=True))

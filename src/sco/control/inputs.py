@@ -30,7 +30,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from sco._document import load_document
 from sco.contract.model import Strict
 from sco.control.launch import LaunchSpec
-from sco.control.model import ContractInfo, Instance, PlanInput, PlanSettings, Pool, Reservation
+from sco.control.model import STATES, ContractInfo, Instance, PlanInput, PlanSettings, Pool, Reservation
 from sco.control.units import flavor_milli
 from sco.errors import ConfigError, Problem
 
@@ -145,6 +145,14 @@ class InstanceSpec(Strict):
     contracts: list[str] = Field(default_factory=list)
     launched_at: Seconds = 0.0
     state: str = "active"
+
+    @field_validator("state")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        # a typo ("ACTIVE") was taken for an instance on its way out: held against the cap, given no work
+        if v not in STATES:
+            raise ValueError(f"{v!r} is not a lifecycle state (one of {', '.join(sorted(STATES))})")
+        return v
 
 
 class DemandLine(BaseModel):
@@ -272,6 +280,42 @@ def parse(doc: Any, where: str) -> PlanDocument:
 
 def contracts_from_bundle(contracts: Mapping[str, Mapping[str, Any]]) -> dict[str, ContractInfo]:
     return {name: ContractInfo.from_bundle(name, c) for name, c in contracts.items()}
+
+
+def references(d: PlanDocument, contracts: Mapping[str, ContractInfo], where: str) -> list[Problem]:
+    """What a document written by hand names that is not there: pools, contracts, a lease twice. The loop's own
+    input may name them (a pool dropped from the settings, a contract from the bundle: the plan says "ignore");
+    a person's file given to ``sco plan`` is wrong, and the plan of it would be of another hall. (Load on nodes
+    outside the fleet is the intake's report of the whole cluster: not checked.)"""
+    pools = {p.name: p for p in d.pools}
+    out: list[Problem] = []
+    seen: dict[str, int] = {}
+    for k, r in enumerate(d.reservations):
+        if r.lease in seen:  # its instances were added up: a lease counted twice
+            out.append(
+                Problem(
+                    where, f"reservations.{k}.lease", f"{r.lease!r} is listed already (reservations.{seen[r.lease]})"
+                )
+            )
+        seen.setdefault(r.lease, k)
+        if r.pool not in pools:
+            out.append(Problem(where, f"reservations.{k}.pool", f"no pool {r.pool!r} in pools"))
+        elif pools[r.pool].kind != "committed":
+            out.append(
+                Problem(where, f"reservations.{k}.pool", f"pool {r.pool!r} is {pools[r.pool].kind}, not committed")
+            )
+    for k, i in enumerate(d.fleet):
+        if i.pool not in pools:
+            out.append(Problem(where, f"fleet.{k}.pool", f"no pool {i.pool!r} in pools"))
+        for c in i.contracts:
+            if c not in contracts:
+                out.append(Problem(where, f"fleet.{k}.contracts", f"contract {c!r} is not in the bundle"))
+    for k, line in enumerate(d.demand.demand):
+        if line.contract not in contracts:
+            out.append(
+                Problem(where, f"demand.demand.{k}.contract", f"contract {line.contract!r} is not in the bundle")
+            )
+    return out
 
 
 def plan_input(d: PlanDocument, contracts: Mapping[str, ContractInfo], now: float, where: str = "input") -> PlanInput:

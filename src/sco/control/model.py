@@ -49,6 +49,8 @@ ROOM_STATES = frozenset({"requested", "launching", "active"})
 work) or gone (``deleted``, ``lost``: vanished from the cloud)."""
 GONE_STATES = frozenset({"deleted", "lost"})
 """States of instances that hold nothing in the cloud any more: they count neither as room nor against a cap."""
+STATES = ROOM_STATES | {"notified", "draining", "drained", "overrun", "deleting", "failed"} | GONE_STATES
+"""Every lifecycle state the fleet state records."""
 
 
 @dataclass(frozen=True)
