@@ -100,6 +100,7 @@ rm -rf "$work/dist"
 ansible-galaxy collection build collections/ansible_collections/sco/orchestrator --output-path "$work/dist" --force >/dev/null
 same ee/sco-orchestrator.tar.gz "$work/dist/sco-orchestrator-$version.tar.gz" ||
   cp "$work/dist/sco-orchestrator-$version.tar.gz" ee/sco-orchestrator.tar.gz
+rm -rf build  # setuptools' scratch keeps modules moved since an earlier build: the wheel shipped them
 pip wheel -q --no-deps -w "$work/dist" . 2>&1 | grep -v '^$' || true
 whl=$(cd "$work/dist" && ls spot_capacity_orchestrator-"$version"-*.whl) || fail "no wheel of spot-capacity-orchestrator $version"
 if ! same "ee/wheels/$whl" "$work/dist/$whl"; then

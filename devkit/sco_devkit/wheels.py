@@ -8,6 +8,7 @@ pins) is the same set for the base dependencies, since setup installs the venv w
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,10 @@ def build(dest: Path, *requirements: str, timeout: float = 900, constraints: Pat
     constraints file given, such as constraints/control.txt), no isolated build (the venv has setuptools; an
     isolated build fetches it again each time)."""
     dest.mkdir(parents=True, exist_ok=True)
+    for req in requirements:  # a source tree: setuptools' build/ keeps modules moved since (shipped stale)
+        tree = Path(req.split("[", 1)[0])
+        if (tree / "pyproject.toml").is_file():
+            shutil.rmtree(tree / "build", ignore_errors=True)
     pins = constraints or freeze_constraints(dest.parent / f".{dest.name}.constraints.txt")
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-build-isolation",
