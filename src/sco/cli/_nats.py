@@ -6,21 +6,16 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from sco._nats import auth_options, connect, servers_of
 from sco._redact import strip_userinfo, strip_userinfo_in_text
 from sco.cli._common import _env
 from sco.errors import ConfigError, FetchError
 
 
 def _nats_auth(args: argparse.Namespace) -> dict[str, Any]:
-    if args.creds:
-        return {"user_credentials": args.creds}
-    if args.nkey_seed:
-        return {"nkeys_seed": args.nkey_seed}
-    if args.token:
-        return {"token": args.token}
-    if args.user:
-        return {"user": args.user, "password": args.password or ""}
-    return {}
+    return auth_options(
+        creds_file=args.creds, nkey_seed_file=args.nkey_seed, token=args.token, user=args.user, password=args.password
+    )
 
 
 def _add_nats(p: argparse.ArgumentParser) -> None:
@@ -68,9 +63,7 @@ def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
     import contextlib
 
     async def main() -> Any:
-        import nats
-
-        servers = [u.strip() for u in (args.nats or "").split(",") if u.strip()]
+        servers = servers_of(args.nats or "")
         shown = strip_userinfo(args.nats or "")  # credentials in the URL are never printed
         if not servers or not all(_nats_url_ok(u) for u in servers):
             raise ConfigError(f"--nats {shown!r}: expected nats://HOST:PORT (comma-separated for several)")
@@ -85,15 +78,9 @@ def _nats_run(args: argparse.Namespace, work: Callable[[Any], Any]) -> Any:
                 if len(errors) >= len(servers):
                     gave_up.set()
 
+        # bounded below, and sooner when every server has refused (the one connect helper has no such early end)
         connecting = asyncio.ensure_future(
-            nats.connect(
-                servers,
-                connect_timeout=5,
-                allow_reconnect=False,
-                max_reconnect_attempts=0,
-                error_cb=on_error,
-                **_nats_auth(args),
-            )
+            connect(servers, auth=_nats_auth(args), deadline_s=None, connect_timeout=5, error_cb=on_error)
         )
         failed = asyncio.ensure_future(gave_up.wait())
         await asyncio.wait({connecting, failed}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
