@@ -6,8 +6,8 @@ generated halls (``benchmarks.planner_halls``: its own seeded generator and the 
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any
 from fractions import Fraction
+from typing import Any
 
 import pytest
 from benchmarks.planner_halls import check, hall
@@ -337,3 +337,18 @@ def test_a_pool_over_its_cap_keeps_no_more_than_its_cap_busy_whatever_else_is_pe
         assert p.shortfall_milli.get("w") == 8 * U
         (d,) = [d for d in p.decisions if d.kind == "scale_down"]
         assert "more than its cap of 1" in d.reason, d.reason
+
+
+def test_without_the_solver_a_plan_applied_and_made_again_keeps_the_idle_instance_it_used(monkeypatch: Any) -> None:
+    """Found by review (seed 50000 of ``planner_halls``, greedy alone: no highspy): plan 1 put a 1-unit request on
+    idle n2; made again on the applied plan, the greedy met the new instances (fewer contracts) first, put it there
+    and deleted n2. Idle rooms are now met first: work on them keeps them. Over 200 halls (seeds 50000..50199) re-plans
+    on the applied plan that changed: 4 -> 1 at once, 6 -> 1 at +400 s."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "highspy", None)  # the greedy fallback's plan, as without the control extra
+    inp = hall(50000)
+    p = plan(inp)
+    assert p.solver.get("name") == "greedy", p.solver
+    again = plan(applied(inp, p))
+    assert not again.changed, again.explain()

@@ -616,7 +616,13 @@ def _greedy(p: Problem, q: _Classed, replay: bool = False) -> _Counts:
     rank = {x.name: k for k, x in enumerate(sorted(p.pools, key=lambda x: (x.price / x.flavor, x.flavor, x.name)))}
     order_rooms = sorted(
         range(len(p.rooms)),
-        key=lambda i: (len(p.rooms[i].contracts), rank.get(p.rooms[i].pool, -1), p.rooms[i].free, p.rooms[i].key),
+        key=lambda i: (
+            not p.rooms[i].deletable,  # idle ones first: work there keeps them, elsewhere they are deleted
+            len(p.rooms[i].contracts),
+            rank.get(p.rooms[i].pool, -1),
+            p.rooms[i].free,
+            p.rooms[i].key,
+        ),
     )
     newest = max((r.fresh for r in p.rooms if r.fresh is not None), default=0.0)
     rooms_of: dict[str, list[int]] = {}
