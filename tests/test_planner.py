@@ -101,7 +101,8 @@ def test_a_floor_larger_than_committed_capacity_is_reported_short() -> None:
     )
     p = plan(inp)
     assert p.floors_milli == {"api": 32 * U}
-    assert any(d.kind == "short" and "32 units held now (32 units on res), short by 68 units" in d.reason for d in p.decisions)
+    said = "32 units held now (32 units on res), short by 68 units"
+    assert any(d.kind == "short" and said in d.reason for d in p.decisions)
 
 
 def test_launched_instances_cover_their_pending_work_then_idle_ones_scale_down() -> None:
