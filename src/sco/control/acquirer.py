@@ -11,6 +11,10 @@ ones in the highest slots), and waited for until Nova no longer lists them.
 API calls are paid from a token budget in the fleet state that every concurrent run shares. A quota error or
 NoValidHost marks the pool unavailable for a while: the run stops launching into it, says so in its warnings,
 and later runs skip it until the time is up, instead of retrying hot.
+
+A run observes its entry once (the fleet state's records and one tagged list call, ``reconcile.FleetIO.observe``),
+decides purely (``decide_entry``: the entry's reconciliation, then what to delete and which slots to launch into),
+applies that (``Acquirer.apply``), and waits for the builds (``FleetIO.settle_builds``, the reconciler's wait too).
 """
 
 from __future__ import annotations
@@ -21,25 +25,13 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from sco.control.launch import LaunchParams
-from sco.control.nova import (
-    TAG,
-    Budget,
-    CloudError,
-    Meter,
-    cloud_message,
-    delete_all,
-    entry_servers,
-    tag_value,
-    wait_gone,
-    wait_until,
-)
-from sco.control.reconcile import Reconciler
+from sco.control.nova import TAG, Budget, CloudError, Meter, cloud_message, delete_all, wait_gone
+from sco.control.reconcile import Adopt, Decisions, Delete, FleetIO, Move, View, building, decide, project
 from sco.errors import ConfigError, ScoError
 from sco.provider.reservations import merge_hints
 from sco.state import enrolment
@@ -125,19 +117,57 @@ def _quota_error(e: Exception) -> bool:
     return code == 413 or (code == 403 and "quota" in text)
 
 
-def _build_seconds(server: Any) -> float | None:
-    """Seconds from the server's create to its launch, by Nova's timestamps (None when either is missing)."""
-    try:
-        created = datetime.fromisoformat(str(server.created_at).replace("Z", "+00:00"))
-        launched = datetime.fromisoformat(str(server.launched_at).replace("Z", "+00:00"))
-    except (TypeError, ValueError, AttributeError):
-        return None
-    if created.tzinfo is None:
-        created = created.replace(tzinfo=UTC)
-    if launched.tzinfo is None:
-        launched = launched.replace(tzinfo=UTC)
-    took = (launched - created).total_seconds()
-    return round(took, 1) if 0 <= took < 86400 else None
+def capacity_reason(fault: str) -> str | None:
+    """Why a pool takes no more launches for a while, from a build's fault (None: not for capacity)."""
+    low = fault.lower()
+    if "no valid host" in low:
+        return f"NoValidHost: {fault[:300]}"
+    if "exhausted all hosts" in low:  # builds refused on every host (e.g. a group policy)
+        return f"no host left after retries: {fault[:300]}"
+    if "quota exceeded" in low:  # Nova's API counts only scheduled instances; its conductor rechecks and fails the rest
+        return f"quota: {fault[:300]}"
+    return None
+
+
+@dataclass(frozen=True)
+class EntryDecisions:
+    """What one run does to its entry: the entry's reconciliation, then the plan's count held by deleting
+    ``retire`` (an instance adopted in this run has id 0 until its record is written) or launching into
+    ``launch`` (slots)."""
+
+    reconcile: Decisions
+    retire: tuple[Instance, ...] = ()
+    launch: tuple[int, ...] = ()
+    live: tuple[Instance, ...] = ()
+    """The entry's live instances once the reconciliation is written."""
+
+
+def victims(e: PlanEntry, live: Iterable[Instance], n: int) -> list[Instance]:
+    """The plan's named instances first, then idle ones from the highest slot down; never one under reclaim
+    (the reclaimer is taking it away on its own schedule)."""
+    live = list(live)
+    named = [i for i in live if i.name in e.delete]
+    rest = sorted(
+        (i for i in live if i.name not in e.delete and i.state in ("requested", "launching", "active")),
+        key=lambda i: -i.slot,
+    )
+    return (named + rest)[:n]
+
+
+def free_slots(live: Iterable[Instance], n: int) -> list[int]:
+    """The ``n`` lowest slots no live instance holds."""
+    used = {i.slot for i in live}
+    return [s for s in range(len(used) + n + 1) if s not in used][:n]
+
+
+def decide_entry(e: PlanEntry, v: View) -> EntryDecisions:
+    """Pure: the entry's view in, what to write, delete and launch out."""
+    d = decide(v)
+    live = project(v.records, d.changes)
+    surplus = len(live) - e.count
+    retire = victims(e, live, surplus) if surplus > 0 else []
+    launch = free_slots(live, -surplus) if surplus < 0 else []
+    return EntryDecisions(d, tuple(retire), tuple(launch), tuple(live))
 
 
 class Acquirer:
@@ -208,37 +238,24 @@ class Acquirer:
             # a bare Acquirer (library use) boots without a network; the acquire step always passes the pool's
             # resolved launch options, whose default is Nova's automatic network
             params = params or LaunchParams(flavor_id=pool.flavor, image_id=pool.image, networks="none")
+            io = FleetIO(
+                self.cloud, self.state, self.meter, entry.hall, pool=entry.pool, entry=entry.entry,
+                concurrency=self.concurrency, delete_timeout_s=self.delete_timeout_s, sleep=self.sleep,
+            )  # fmt: skip
             # what a crashed run left: one list call for the entry, compared with its records. An entry with no
             # record at all, live or past, has no server: each create is recorded (requested) before it is sent,
             # so there is nothing to list (a server tagged behind the fleet state's back is the hall
-            # reconciliation's, which lists the whole hall before the acquire step)
-            ever = self.state.instances(entry.hall, pool=entry.pool, plan_entry=entry.entry, states=None)
+            # reconciliation's, which lists the whole hall before the acquire step). A create a killed run sent
+            # may still land: observe waits for it (its window), so it is adopted, not launched again.
+            ever = io.records(None)
             records = [r for r in ever if r.state not in ("deleted", "failed")]
-            servers = entry_servers(self.cloud, self.meter, entry.hall, entry.pool, entry.entry) if ever else []
-            rec = Reconciler(self.cloud, self.state, self.meter, concurrency=self.concurrency, sleep=self.sleep)
-            in_flight = {r.id for r in records if r.state == "requested" and r.server_id is None}
-            if in_flight:  # a create a killed run sent may still land: wait for it (its window), not launch again
-                mine = (entry.pool, entry.entry)
-                servers = [
-                    s for s in rec.await_in_flight(entry.hall, servers, in_flight)
-                    if (tag_value(s, "pool"), tag_value(s, "entry")) == mine
-                ]  # fmt: skip
-            r = rec.apply(entry.hall, servers, records)
-            out.adopted = len(r.adopted)
-            out.warnings += r.warnings
-            live = self.state.instances(entry.hall, pool=entry.pool, plan_entry=entry.entry)
-            surplus = len(live) - entry.count
+            servers = io.servers() if ever else []
+            view = io.observe(records, servers, wait_in_flight=True, pools=frozenset({entry.pool}))
+            d = decide_entry(entry, view)
             started = time.monotonic()
-            if surplus > 0:
-                self._delete(entry, self._victims(entry, live, surplus), out)
-            elif surplus < 0:
-                used = {i.slot for i in live}
-                free = [s for s in range(len(live) + entry.count + 1) if s not in used][:-surplus]
-                self._launch(entry, pool, params, free, out)
-            if any(i.state in ("requested", "launching") for i in self.state.instances(
-                entry.hall, pool=entry.pool, plan_entry=entry.entry
-            )):  # fmt: skip
-                self._wait_active(entry, out, started)
+            self._apply(entry, pool, params, io, view, d, out)
+            if building(i for i in d.live if i not in d.retire) or out.launched:
+                self._settle(entry, io, out, started)
             out.instances = self.state.instances(entry.hall, pool=entry.pool, plan_entry=entry.entry)
             out.active = sum(1 for i in out.instances if i.state == "active")
             out.pending = max(0, entry.count - len(out.instances))
@@ -253,15 +270,20 @@ class Acquirer:
         out.api_calls = self.meter.calls - calls0
         return out
 
-    def _victims(self, e: PlanEntry, live: list[Instance], n: int) -> list[Instance]:
-        """The plan's named instances first, then idle ones from the highest slot down; never one under reclaim
-        (the reclaimer is taking it away on its own schedule)."""
-        named = [i for i in live if i.name in e.delete]
-        rest = sorted(
-            (i for i in live if i.name not in e.delete and i.state in ("requested", "launching", "active")),
-            key=lambda i: -i.slot,
-        )
-        return (named + rest)[:n]
+    def _apply(
+        self, e: PlanEntry, pool: Pool, params: LaunchParams, io: FleetIO, view: View, d: EntryDecisions, out: Outcome
+    ) -> None:
+        """The run's writes: the entry's reconciliation (each change with its event; surplus servers deleted until
+        gone), then the plan's deletes or launches."""
+        applied = io.apply(d.reconcile, seen=[s.id for s in view.servers])
+        out.adopted = sum(1 for c in d.reconcile.changes if isinstance(c, Adopt))
+        out.warnings += [*d.reconcile.warnings, *applied.warnings]
+        if d.retire:
+            adopted = applied.adopted
+            retire = [adopted.get((i.pool, i.plan_entry, i.slot), i) if i.id == 0 else i for i in d.retire]
+            self._delete(e, io, [i for i in retire if i.id], out)
+        elif d.launch:
+            self._launch(e, pool, params, list(d.launch), out)
 
     def _launch(self, e: PlanEntry, pool: Pool, params: LaunchParams, slots: list[int], out: Outcome) -> None:
         stop = threading.Event()  # set on a quota error: no more launches into this pool in this run
@@ -326,60 +348,35 @@ class Acquirer:
             )
             self._record(self.state.mark_unavailable, e.hall, e.pool, self.unavailable_for_s, reason)
 
-    def _wait_active(self, e: PlanEntry, out: Outcome, started: float) -> None:
-        """One list call per poll for the whole entry (not one GET per server), when the servers should be
-        ready at the pace seen so far (``nova.next_poll``): a batch costs a handful of calls."""
+    def _settle(self, e: PlanEntry, io: FleetIO, out: Outcome, started: float) -> None:
+        """Wait for the entry's builds (``FleetIO.settle_builds``); a build in ERROR is a failure of this run (its
+        pool marked unavailable when Nova ran out of room), its server taken back at once, not waited for."""
         errored: list[str] = []
-        total = sum(1 for i in self.state.instances(e.hall, pool=e.pool, plan_entry=e.entry)
-                    if i.state in ("requested", "launching"))  # fmt: skip
 
-        def poll() -> tuple[int, int]:
-            pending = {
-                i.server_id: i for i in self.state.instances(e.hall, pool=e.pool, plan_entry=e.entry)
-                if i.state in ("launching", "requested") and i.server_id
-            }  # fmt: skip
-            if not pending:
-                return total, total
-            for s in entry_servers(self.cloud, self.meter, e.hall, e.pool, e.entry):
-                inst = pending.pop(s.id, None)
-                if inst is None:
+        def act(b: Decisions) -> None:
+            io.apply(Decisions(tuple(c for c in b.changes if not isinstance(c, Delete))))
+            for c in b.changes:
+                if not (isinstance(c, Move) and c.kind == "fail" and c.server_id):
                     continue
-                if s.status == "ACTIVE":
-                    built = _build_seconds(s)
-                    extra: dict[str, Any] = {} if built is None else {"build_s": built}
-                    self.state.transition(inst.id, "active", "instance.active", only_from=("launching",), **extra)
-                elif s.status == "ERROR":
-                    fault = (s.fault or {}).get("message", "") if isinstance(s.fault, dict) else str(s.fault or "")
-                    self.state.transition(inst.id, "failed", "launch.failed", error=fault[:500], status="ERROR")
-                    out.failed += 1
-                    out.errors.append(f"{inst.name}: {fault[:500]}")
-                    errored.append(s.id)
-                    low = fault.lower()
-                    capacity = any(w in low for w in ("no valid host", "exhausted all hosts", "quota exceeded"))
-                    if s.id in self._sent:
-                        out.failures.append(
-                            Failure(inst.name, fault[:500] or "ERROR, no fault given", "build", capacity)
-                        )
-                    if "no valid host" in fault.lower():
-                        self._unavailable(e, f"NoValidHost: {fault[:300]}", out)
-                    elif "exhausted all hosts" in fault.lower():  # builds refused on every host (e.g. a group policy)
-                        self._unavailable(e, f"no host left after retries: {fault[:300]}", out)
-                    elif "quota exceeded" in fault.lower():
-                        # Nova's API counts only scheduled instances; its conductor rechecks and fails the rest.
-                        self._unavailable(e, f"quota: {fault[:300]}", out)
-            for inst in pending.values():  # created, then gone before it was ever ACTIVE
-                self.state.lose(inst.id, f"server {inst.server_id} vanished while launching", server_id=inst.server_id)
-            left = sum(1 for i in self.state.instances(e.hall, pool=e.pool, plan_entry=e.entry)
-                       if i.state in ("launching", "requested") and i.server_id)  # fmt: skip
-            return total - left, total
+                fault, name = str(c.detail.get("error", "")), c.record.name
+                out.failed += 1
+                out.errors.append(f"{name}: {fault}")
+                errored.append(c.server_id)
+                reason = capacity_reason(fault)
+                if c.server_id in self._sent:
+                    out.failures.append(Failure(name, fault or "ERROR, no fault given", "build", reason is not None))
+                if reason is not None:
+                    self._unavailable(e, reason, out)
 
         # the first list call when the last create should be ACTIVE, going by how long the pool's recent builds
         # took (Nova's own created/launched times): a batch then costs two or three list calls, where polling on
         # the pace seen so far spent two or three more before the first server was ACTIVE
         expected = self.state.build_seconds(e.hall, e.pool)
-        self.sleep(max(self.poll_s, min(expected or 0.0, self.active_timeout_s)))
+        first = max(self.poll_s, min(expected or 0.0, self.active_timeout_s))
         try:
-            done = wait_until(poll, started=started, timeout_s=self.active_timeout_s, sleep=self.sleep)
+            done = io.settle_builds(
+                act, by=None, look_up=False, started=started, first_wait=first, timeout_s=self.active_timeout_s
+            )
         finally:
             # A server in ERROR holds quota and a name: take it back now; the next run launches anew if allowed.
             if errored:
@@ -387,7 +384,7 @@ class Acquirer:
         if not done:
             raise AcquireError(f"plan entry {e.entry}: servers not ACTIVE after {self.active_timeout_s:.0f} s")
 
-    def _delete(self, e: PlanEntry, victims: list[Instance], out: Outcome) -> None:
+    def _delete(self, e: PlanEntry, io: FleetIO, victims: list[Instance], out: Outcome) -> None:
         """All DELETEs at once, each recorded as it is accepted; then wait until Nova no longer lists them."""
         t0 = time.monotonic()
         with_server = {i.server_id: i for i in victims if i.server_id}
@@ -400,10 +397,7 @@ class Acquirer:
             out.deleted += 1
         for sid, msg in refused.items():
             out.errors.append(f"deleting {with_server[sid].name}: {msg}")
-        left = wait_gone(
-            lambda: entry_servers(self.cloud, self.meter, e.hall, e.pool, e.entry), accepted, started=t0,
-            timeout_s=self.delete_timeout_s, sleep=self.sleep,
-        )  # fmt: skip
+        left = wait_gone(io.servers, accepted, started=t0, timeout_s=self.delete_timeout_s, sleep=self.sleep)
         for sid in left:
             out.warnings.append(
                 f"{with_server[sid].name} ({sid}): Nova still lists it {self.delete_timeout_s:.0f} s after the"

@@ -122,6 +122,9 @@ class FleetState:
         hall_, name_, flavor, image, kind, az, platform, until, reason = row
         return Pool(hall_, name_, flavor, image, kind, az, platform, _epoch(until), reason)
 
+    def pool_names(self, hall: str) -> set[str]:
+        return {r[0] for r in self.conn.execute("SELECT name FROM pool WHERE hall = %s", (hall,))}
+
     def mark_unavailable(self, hall: str, pool: str, for_s: float, reason: str) -> float:
         """The pool takes no launches for ``for_s`` seconds (quota, no valid host); returns until when."""
         with self.conn.transaction():
@@ -175,6 +178,17 @@ class FleetState:
     def by_server(self, server_id: str) -> Instance | None:
         row = self.conn.execute(f"SELECT {_ICOLS} FROM instance WHERE server_id = %s", (server_id,)).fetchone()
         return _inst(row) if row else None
+
+    def by_servers(self, server_ids: list[str]) -> dict[str, Instance]:
+        """The record of each of these servers that has one (the first written), in one query."""
+        out: dict[str, Instance] = {}
+        if server_ids:
+            rows = self.conn.execute(
+                f"SELECT {_ICOLS} FROM instance WHERE server_id = ANY(%s) ORDER BY id", (list(server_ids),)
+            )
+            for r in rows:
+                out.setdefault(r[6], _inst(r))
+        return out
 
     def request(self, hall: str, pool: str, plan_entry: str, slot: int, name: str) -> Instance:
         """The slot's live instance row, created in state ``requested`` if there is none."""
