@@ -533,7 +533,7 @@ def fill(dsn: str, nodes: list[str], pools: list[dict[str, Any]], reclaims: dict
 def loop_run(dsn: str, common: dict[str, Any], pools: list[dict[str, Any]], demand: dict[str, Any],
              env: dict[str, str], counter: SqlCounter) -> dict[str, Any]:  # fmt: skip
     """One control-loop run without a cloud, in sco-control-loop's order (sco.control.runner.run_loop)."""
-    from sco.control import loop, metrics
+    from sco.control import metrics, steps
     from sco.control.record import PgFleetStore
     from sco.provider import heartbeats
 
@@ -558,11 +558,11 @@ def loop_run(dsn: str, common: dict[str, Any], pools: list[dict[str, Any]], dema
         try:
             p = {**common, "run_id": run_id, "pools": pools, "settings": settings}
             with phase("plan"):
-                out["plan"] = loop.run("plan", {**p, "demand": demand}, check=False)
+                out["plan"] = steps.run("plan", {**p, "demand": demand}, check=False)
             with phase("arbitrate"):
-                out["arbitrate"] = loop.run("arbitrate", {**p, "plan": out["plan"], "ceiling_per_hour": "0"}, False)
+                out["arbitrate"] = steps.run("arbitrate", {**p, "plan": out["plan"], "ceiling_per_hour": "0"}, False)
             with phase("acquire_offline"):
-                out["acquire"] = loop.run(
+                out["acquire"] = steps.run(
                     "acquire", {**p, "plan": out["plan"], "arbitration": out["arbitrate"]}, check=True
                 )
             with phase("finish"):

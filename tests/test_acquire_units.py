@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from sco.control.launch import BootVolumeSpec, LaunchParams, LaunchSpec
-from sco.control.loop import entry_targets
 from sco.control.nova import next_poll, wait_until
 from sco.control.record import entry_name
+from sco.control.steps import entry_targets
 from sco.errors import ConfigError
 
 
@@ -114,7 +114,7 @@ def test_a_step_never_returns_a_key_ansible_reads_as_the_tasks_status(monkeypatc
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collections"))
     from ansible_collections.sco.orchestrator.plugins.module_utils import sco_control
 
-    from sco.control import loop
+    from sco.control import steps
 
     class Module:
         params: dict[str, Any] = {"hall": "h"}
@@ -131,13 +131,13 @@ def test_a_step_never_returns_a_key_ansible_reads_as_the_tasks_status(monkeypatc
             raise SystemExit(("exit", kw))
 
     monkeypatch.setattr(sco_control, "require_product", lambda m, e: None)
-    monkeypatch.setattr(loop, "run", lambda step, p, check: {"changed": True, "skipped": [], "warnings": ["w1"]})
+    monkeypatch.setattr(steps, "run", lambda step, p, check: {"changed": True, "skipped": [], "warnings": ["w1"]})
     m = Module()
     with pytest.raises(SystemExit) as e:
         sco_control.run_step(m, "acquire")
     kind, kw = e.value.args[0]
     assert kind == "fail" and "reserved keys skipped" in kw["msg"] and m.warned == ["w1"]
-    monkeypatch.setattr(loop, "run", lambda step, p, check: {"changed": False, "launched": 0, "warnings": ["w2"]})
+    monkeypatch.setattr(steps, "run", lambda step, p, check: {"changed": False, "launched": 0, "warnings": ["w2"]})
     with pytest.raises(SystemExit) as e:
         sco_control.run_step(m, "acquire")
     assert e.value.args[0] == ("exit", {"changed": False, "launched": 0}) and m.warned[-1] == "w2"
@@ -165,7 +165,7 @@ def test_waiting_for_deletes_polls_at_a_short_fixed_interval() -> None:
 def test_the_clouds_messages_are_said_once_on_one_bounded_line() -> None:
     """Review of issue 31, defect 4: 25 builds in ERROR, each fault naming its instance's id, made an 11 KB error, and
     a message holding a newline made two lines."""
-    from sco.control.loop import said_once
+    from sco.control.steps import said_once
 
     faults = [f"Build of instance {uuid.uuid4()} aborted: Failure prepping block device." for _ in range(25)]
     line = said_once([*faults, "Policy doesn't allow\nos_compute_api:servers:create"])

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sco.control.loop import entry_targets
 from sco.control.record import entry_name
 from sco.control.runner import summarise, summary_lines
+from sco.control.steps import entry_targets
 
 
 @dataclass
@@ -115,7 +115,7 @@ def test_summary_from_runner_events() -> None:
 
 def test_committed_capacity_from_blazar_leases_per_pool() -> None:
     from sco.control.inputs import PoolSpec
-    from sco.control.loop import committed_from_leases
+    from sco.control.steps import committed_from_leases
     from sco.provider.reservations import parse_leases
 
     doc = {

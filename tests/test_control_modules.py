@@ -328,7 +328,7 @@ def test_a_pool_the_fleet_state_marks_unavailable_is_skipped(
 
 def test_the_reclaim_steps_options_are_parsed_once_and_bad_ones_named() -> None:
     """The reclaim step reads one typed object, as the other steps do (its options were read with params.get in
-    five places of loop.py); a bad option is refused by name before anything runs."""
+    five places of steps.py); a bad option is refused by name before anything runs."""
     from sco.control.options import ReclaimOptions, parse_options
     from sco.errors import ConfigError
 

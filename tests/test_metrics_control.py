@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sco.control import loop, metrics
+from sco.control import metrics, steps
 from sco.control.record import PgFleetStore
 from sco.errors import ConfigError
 from sco.state.db import connect as connect_db
@@ -56,7 +56,7 @@ def textdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_step_run_writes_its_textfile_with_the_fleet_gauges(fleet_dsn: str, textdir: Path) -> None:
     seed_fleet(fleet_dsn)
     params: dict[str, Any] = {"hall": "h1", "state_dsn": fleet_dsn, "nodes": []}
-    loop.run("reclaim", params, check=False)
+    steps.run("reclaim", params, check=False)
     text = (textdir / "sco_control_reclaim.prom").read_text()
     promtool_check(text)
     s = samples(text)
@@ -75,14 +75,14 @@ def test_a_step_run_writes_its_textfile_with_the_fleet_gauges(fleet_dsn: str, te
     assert s['sco_pool_available{pool="spot-a"}'] == 1 and s['sco_pool_available{pool="spot-b"}'] == 0
     # a failing run keeps the last ok time beside its own: the alert compares the two
     with pytest.raises(ConfigError):
-        loop.run("reclaim", {**params, "nodes": ["no-such-node"]}, check=False)
+        steps.run("reclaim", {**params, "nodes": ["no-such-node"]}, check=False)
     s = samples((textdir / "sco_control_reclaim.prom").read_text())
     assert s['sco_control_last_run_timestamp_seconds{step="reclaim",result="ok"}'] == ok_at
     assert s['sco_control_last_run_timestamp_seconds{step="reclaim",result="failed"}'] >= ok_at
     assert sorted(p.name for p in textdir.iterdir()) == [metrics.FLEET_FILE, "sco_control_reclaim.prom"]  # no temp file
     # check mode ran nothing for real: it leaves the file alone
     before = (textdir / "sco_control_reclaim.prom").read_bytes()
-    loop.run("reclaim", params, check=True)
+    steps.run("reclaim", params, check=True)
     assert (textdir / "sco_control_reclaim.prom").read_bytes() == before
 
 
@@ -92,7 +92,7 @@ def test_no_series_is_in_two_files_whatever_steps_ran(fleet_dsn: str, textdir: P
     one file's, the newest, and the real node_exporter serves that one."""
     seed_fleet(fleet_dsn)
     params: dict[str, Any] = {"hall": "h1", "state_dsn": fleet_dsn, "nodes": []}
-    loop.run("reclaim", params, check=False)
+    steps.run("reclaim", params, check=False)
     with connect_db(fleet_dsn) as c:
         c.execute("UPDATE instance SET state = 'active' WHERE state = 'draining'")
     with PgFleetStore(fleet_dsn) as store:  # the loop's own file (sco-control-loop), after the reclaim step's
@@ -121,7 +121,7 @@ def test_an_unwritable_directory_does_not_fail_the_step(
     fleet_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(metrics.ENV, str(tmp_path / "missing" / "dir"))
-    assert loop.run("reclaim", {"hall": "h1", "state_dsn": fleet_dsn, "nodes": []}, check=False)["changed"] is False
+    assert steps.run("reclaim", {"hall": "h1", "state_dsn": fleet_dsn, "nodes": []}, check=False)["changed"] is False
 
 
 def test_a_torn_previous_file_is_replaced_not_trusted(textdir: Path) -> None:
@@ -190,7 +190,7 @@ def test_on_demand_spend_and_authority_by_tier_from_the_arbiters_view() -> None:
     from sco.control.arbiter import arbitrate
 
     result = arbitrate({}, infos, pools, fleet, Decimal("100"))
-    assert loop.spend_by_tier(result) == {0: (2.5, 0.0), 1: (3.75, 10.0), 2: (1.25, 4.0)}
+    assert steps.spend_by_tier(result) == {0: (2.5, 0.0), 1: (3.75, 10.0), 2: (1.25, 4.0)}
 
 
 def test_a_step_file_an_earlier_version_left_loses_its_fleet_gauges(fleet_dsn: str, textdir: Path) -> None:

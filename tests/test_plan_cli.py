@@ -125,7 +125,7 @@ def _plan_doc() -> dict[str, Any]:
 )
 def test_plan_refuses_absurd_numbers_naming_the_field(path: tuple[Any, ...], value: Any, needle: str) -> None:
     from sco.control.inputs import parse
-    from sco.control.loop import _document
+    from sco.control.steps import _document
 
     doc = _plan_doc()
     target = doc
@@ -166,7 +166,7 @@ def _pool(i: int, cap: int) -> dict[str, Any]:
 )
 def test_plan_bounds_pools_and_their_total_cap(pools: list[dict[str, Any]], needle: str) -> None:
     from sco.control.inputs import parse
-    from sco.control.loop import _document
+    from sco.control.steps import _document
 
     with pytest.raises(ConfigError) as e:
         parse({"pools": pools, "now": 1_764_400_000}, "plan.yaml")

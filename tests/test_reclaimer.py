@@ -475,7 +475,7 @@ def test_the_reclaim_step_fails_with_the_clouds_words_while_an_instance_is_not_g
     tmp_path: Path, fleet_dsn: str, silent_port: int, nats_server
 ) -> None:
     """The collection's reclaim module runs this step; a ScoError becomes fail_json(msg=...) with its message."""
-    from sco.control import loop
+    from sco.control import steps
     from sco.control.record import PgFleetStore
     from sco.provider.reclaimer import ReclaimIncomplete
 
@@ -489,7 +489,7 @@ def test_the_reclaim_step_fails_with_the_clouds_words_while_an_instance_is_not_g
               "api_timeout": 2}, "nats_url": nats_server.url, "notice_keys": [str(tmp_path / "notice.key")],
               "state_dsn": fleet_dsn}  # fmt: skip
     with PgFleetStore(fleet_dsn) as store, pytest.raises(ReclaimIncomplete) as e:
-        loop.step_reclaim(loop.parse_options("reclaim", params), False, store)
+        steps.step_reclaim(steps.parse_options("reclaim", params), False, store)
     assert e.value.exit_code == 9
     assert str(e.value).startswith("hall step: 1 instance(s) not confirmed gone from Nova")
     assert "step-0" in str(e.value) and "timed out" in str(e.value)  # keystoneauth's own words
@@ -507,7 +507,7 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
     """Host A's `sco reclaim` sends the notices and is killed -9 before T; host B's control-loop run (the reclaim
     step with finish, as control_loop.yml runs it) deletes each instance at its recorded T, or at once when T has
     passed, saying how late, and sends no second notice. While A runs, B's finish leaves the hall to it."""
-    from sco.control import loop
+    from sco.control import steps
     from sco.control.acquirer import Acquirer, PlanEntry
     from sco.control.runner import summary_lines
 
@@ -533,7 +533,7 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
                 wait_for(lambda: noticed(names) or p.poll() is not None, 60, f"host A's notices to {names}")
                 assert p.poll() is None, p.communicate()
                 if names == [i.name for i in on_time]:  # A alive and holding the hall: B leaves it alone
-                    busy = loop.run("reclaim", host_b, False)
+                    busy = steps.run("reclaim", host_b, False)
                     assert busy["changed"] is False and "another writer holds" in busy["busy"], busy
                 os.kill(p.pid, signal.SIGKILL)  # the control host dies before T
                 p.wait(10)
@@ -554,7 +554,7 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
             assert t_late is not None and st.now() < t_on_time  # B starts before the others' T...
             wait_for(lambda: st.now() > t_late + 2, 30, "the first instance's T to pass by 2 s")  # ...after this one's
 
-            out = loop.run("reclaim", host_b, False)
+            out = steps.run("reclaim", host_b, False)
             finished = {f["name"]: f for f in out["finished"]}
             print({n: (f["late_s"], f["state"]) for n, f in finished.items()})  # the figures for the notes
             assert set(finished) == {late.name, *(i.name for i in on_time)} and out["reclaimed"] == []
@@ -574,7 +574,7 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
             assert untold.name not in finished and [u["name"] for u in out["unnoticed"]] == [untold.name]
             assert "never sent" in out["unnoticed"][0]["why"] and st.instance(untold.id).state == "notified"
             assert cloud.compute.get_server(untold.server_id).status == "ACTIVE"
-            again = loop.run("reclaim", host_b, False)  # nothing else under way: nothing done, the untold one said
+            again = steps.run("reclaim", host_b, False)  # nothing else under way: nothing done, the untold one said
             assert (again["changed"], again["finished"], [u["name"] for u in again["unnoticed"]]) == (
                 False, [], [untold.name]
             )  # fmt: skip

@@ -1,5 +1,5 @@
 """The control loop converges on a real cloud (issue 17, acquirer and fleet state): the loop's steps in the order
-of ``control_loop.yml``, run in-process as its modules run them (``sco.control.loop.run``), against real Nova
+of ``control_loop.yml``, run in-process as its modules run them (``sco.control.steps.run``), against real Nova
 (fake virt driver), Keystone, Placement and Glance on loopback, a real PostgreSQL fleet state and the Kubernetes
 API **stand-in** holding a fixed demand. Faults between runs: kill -9 mid-launch, a server deleted behind the
 product's back, OpenStack cut off; after each, the next run brings the fleet state and Nova into agreement.
@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from sco.contract.signing import generate, write_keypair
-from sco.control import loop
+from sco.control import steps
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import hall_bundle, wait_for
 
@@ -45,15 +45,7 @@ def playbook_steps() -> list[str]:
 
 
 def call(step: str, params: dict[str, Any], check: bool = False) -> dict[str, Any]:
-    if hasattr(loop, "run"):
-        return dict(loop.run(step, params, check))
-    if not hasattr(loop, f"step_{step}"):  # the code before issue 17 had no such step
-        return {}
-    store = loop.open_store(params)
-    try:
-        return dict(getattr(loop, f"step_{step}")(params, check, store))
-    finally:
-        store.close()
+    return dict(steps.run(step, params, check))
 
 
 class Hall:
@@ -81,14 +73,6 @@ class Hall:
              "ramMiB": 4096, "cap": cap, "launch": {"networks": "none"}},
         ]  # fmt: skip
         self.key = str(tmp / "signing.key")
-        if not hasattr(loop, "run"):  # the code before issue 17 (to see these tests fail on it): no launch
-            self.common.pop("api_timeout")  # options, flavor and image by id only
-            ids = {**openstack_cloud.flavors, "sco-node": openstack_cloud.image_id}
-            self.pools = [
-                {**{k: v for k, v in x.items() if k != "launch"}, "flavor": ids.get(x["flavor"], x["flavor"]),
-                 "image": ids.get(x["image"], x["image"])}
-                for x in self.pools
-            ]  # fmt: skip
         self.settings = {"shares": {1: 1, 2: 1, 3: 1}}
 
     def pods(self, n: int, cpu: str = "2", start: int = 0) -> None:
@@ -780,7 +764,7 @@ def test_auto_is_checked_against_neutrons_dry_run_once_per_run(  # type: ignore[
 
 def _run_module(name: str, args: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     """A module of the collection as Ansible runs it (its args in a file), its JSON answer."""
-    collections = Path(loop.__file__).resolve().parents[3] / "collections"  # the collection of the code under test
+    collections = Path(steps.__file__).resolve().parents[3] / "collections"  # the collection of the code under test
     module = collections / f"ansible_collections/sco/orchestrator/plugins/modules/{name}.py"
     argf = tmp_path / f"{name}-args.json"
     argf.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {**args, "_ansible_check_mode": False}}))

@@ -56,8 +56,8 @@ def test_an_unparseable_dsn_prints_no_part_of_it(dsn: str) -> None:
 
 
 def test_the_modules_path_redacts_too() -> None:
-    """The collection's modules open the fleet state through loop.open_store: their msg is the same text."""
-    from sco.control.loop import open_store
+    """The collection's modules open the fleet state through steps.open_store: their msg is the same text."""
+    from sco.control.steps import open_store
 
     for dsn in SECRET_DSNS:
         with pytest.raises(ScoError) as e:

@@ -14,7 +14,7 @@ import pytest
 
 from sco import __version__
 from sco.contract.signing import generate, write_keypair
-from sco.control.loop import node_environment
+from sco.control.steps import node_environment
 from tests.testhosts import REPO, TestHost
 
 

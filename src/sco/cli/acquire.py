@@ -34,14 +34,14 @@ def _print(result: dict[str, Any], as_json: bool, lines: list[str]) -> None:
 
 
 def cmd_acquire(args: argparse.Namespace) -> int:
-    from sco.control import loop
+    from sco.control import steps
 
     params = _doc(args.input)
     if args.dsn:
         params["state_dsn"] = args.dsn
     if args.os_cloud and not params.get("cloud"):
         params["cloud"] = args.os_cloud
-    result = loop.run("acquire", params, args.check)
+    result = steps.run("acquire", params, args.check)
     lines = [
         f"{e['pool']}/{e['entry']}: hold {e['count']} (+{e['launch']} -{len(e['delete'])})" for e in result["entries"]
     ]
@@ -56,12 +56,12 @@ def cmd_acquire(args: argparse.Namespace) -> int:
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
-    from sco.control import loop
+    from sco.control import steps
 
     params: dict[str, Any] = {"hall": args.hall, "state_dsn": args.dsn, "lock_wait": args.lock_wait}
     if args.os_cloud:
         params["cloud"] = args.os_cloud
-    result = loop.run("reconcile", params, args.check)
+    result = steps.run("reconcile", params, args.check)
     _print(result, args.json, result["explain"] + [f"warning: {w}" for w in result["warnings"]])
     return 0
 

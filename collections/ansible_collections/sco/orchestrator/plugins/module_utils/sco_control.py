@@ -82,7 +82,7 @@ def cloud_values(cloud: Any, key: str = "") -> tuple[set[str], set[str]]:
 
 
 def run_step(module: Any, step: str) -> None:
-    """Run the control-loop step ``step`` (``sco.control.loop.run``) with the module's params and exit: a cloud or
+    """Run the control-loop step ``step`` (``sco.control.steps.run``) with the module's params and exit: a cloud or
     input error fails the task with its own message (and every problem line), warnings go through module.warn."""
     # A cloud named by a clouds.yaml entry is no secret: masked, the name would be starred wherever it appears (in
     # the hall's name too, when they are the same). Of a cloud given as a dict only the secrets stay masked: with
@@ -99,9 +99,9 @@ def run_step(module: Any, step: str) -> None:
     params = dict(module.params)
     params["state_dsn"] = params.get("state_dsn") or os.environ.get("SCO_DB_DSN")
     try:
-        from sco.control import loop
+        from sco.control import steps
 
-        result = loop.run(step, params, module.check_mode)
+        result = steps.run(step, params, module.check_mode)
     except ScoError as e:
         module.fail_json(msg=str(e), problems=e.lines())
     for w in result.pop("warnings", None) or []:

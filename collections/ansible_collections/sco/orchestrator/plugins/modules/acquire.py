@@ -1,6 +1,6 @@
 #!/usr/bin/python
 # Thin module: docs and argument spec here; the acquirer lives in sco.control.acquirer (Nova), the mapping from
-# a plan to plan entries in sco.control.loop.
+# a plan to plan entries in sco.control.steps.
 from __future__ import annotations
 
 DOCUMENTATION = r"""

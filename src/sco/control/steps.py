@@ -384,130 +384,147 @@ def step_acquire(o: AcquireOptions, check: bool, store: Any = None) -> dict[str,
     specs = {p.name: p for p in o.plan.document.pools}
     targets = entry_targets(o.plan_doc, o.arbitration_doc, store.slots(hall), store.entries(hall))
     result: dict[str, Any] = {
-        "changed": any(t.launch or t.delete for t in targets),
-        "entries": [t.to_dict() for t in targets],
-        "launched": 0,
-        "deleted": 0,
-        "launch_failures": 0,
-        "pending": [],
-        "errors": [],
-        "unavailable": [],
-        "preflight": {},
-        "warnings": [],
-    }
+        "changed": any(t.launch or t.delete for t in targets), "entries": [t.to_dict() for t in targets],
+        "launched": 0, "deleted": 0, "launch_failures": 0, "pending": [], "errors": [], "unavailable": [],
+        "preflight": {}, "warnings": [],
+    }  # fmt: skip
     unknown = sorted({t.pool for t in targets} - set(specs))
     if unknown:
         raise ConfigError(f"pools: the plan names pools that are not configured: {', '.join(unknown)}")
-    launching = sorted({t.pool for t in targets if t.launch})
     if not targets:
         return result
-    from sco.control.launch import Resolver
-    from sco.control.nova import CloudError, Meter
+    from sco.control.nova import Meter
     from sco.state.fleet import FleetState
-    from sco.state.fleet import Pool as StatePool
 
     if check and not o.plan.cloud.given:  # an offline dry run: the counts, and that nothing was checked
-        result["launched"] = sum(t.launch for t in targets)
-        result["deleted"] = sum(len(t.delete) for t in targets)
         result["warnings"].append(
             "no cloud given: the preflight of the pools' flavors, images and networks was not run"
         )
-        return result
+        return {**result, **_would(targets)}
     cloud = o.plan.cloud.connect()
+    with FleetState(store.dsn, application="sco acquire") as state:
+        meter = Meter(state)
+        params = _preflight(cloud, meter, check, specs, sorted({t.pool for t in targets if t.launch}), result)
+        if check:
+            return {**result, **_would(targets)}  # what would be launched and deleted
+        outcomes = _acquire(o, cloud, state, meter, store, targets, params, result)
+        result["api_calls"] = meter.calls
+    _fail_when_nothing_launched(outcomes)
+    return result
+
+
+def _would(targets: list[EntryTarget]) -> dict[str, int]:
+    return {"launched": sum(t.launch for t in targets), "deleted": sum(len(t.delete) for t in targets)}
+
+
+def _preflight(
+    cloud: Any, meter: Any, check: bool, specs: Mapping[str, PoolSpec], launching: list[str], result: dict[str, Any]
+) -> dict[str, Any]:
+    """Each launching pool's create arguments resolved against the cloud once (``sco.control.launch``), said in
+    ``result["preflight"]``; every problem at once, before anything is launched."""
+    from sco.control.launch import Resolver
+
+    resolver = Resolver(cloud, meter, check=check)
+    params: dict[str, Any] = {}
+    problems: list[str] = []
+    for name in launching:
+        spec = specs[name]
+        lp, errs = resolver.resolve(f"pools: {name}", spec.flavor, spec.image, spec.launch, spec.cap)
+        problems += errs
+        if lp is not None:
+            params[name] = lp
+            result["preflight"][name] = {"flavor_id": lp.flavor_id, "image_id": lp.image_id,
+                                         "networks": lp.networks, "server_group_id": lp.server_group_id}  # fmt: skip
+    if problems:
+        raise ConfigError(
+            "preflight: the cloud does not have what the pools ask for: " + "; ".join(problems),
+            [Problem("preflight", "", p) for p in problems],
+        )
+    return params
+
+
+def _acquire(
+    o: AcquireOptions, cloud: Any, state: Any, meter: Any, store: Any, targets: list[EntryTarget],
+    params: Mapping[str, Any], result: dict[str, Any],
+) -> list[Any]:  # fmt: skip
+    """The acquirer on each entry in turn (its pool recorded first), each outcome folded into ``result``."""
+    from sco.contract import userdata
+    from sco.contract.signing import load_private
+    from sco.control.acquirer import ENROL_URL, Acquirer, PlanEntry
+    from sco.state.fleet import Pool as StatePool
+
+    hall = o.plan.hall.hall
+    specs = {p.name: p for p in o.plan.document.pools}
     hints: dict[str, dict[str, str]] = {}
     if o.plan.reservations_from == "blazar":  # committed pools' creates carry their lease's reservation
         from sco.provider.reservations import read_reservations, reservation_hints
 
         leases = {p.name: p.lease or p.name for p in o.plan.document.pools if p.kind == "committed"}
         hints = reservation_hints(read_reservations(cloud), leases, time.time()) if leases else {}
-    with FleetState(store.dsn, application="sco acquire") as state:
-        meter = Meter(state)
-        resolver = Resolver(cloud, meter, check=check)
-        params: dict[str, Any] = {}
-        problems: list[str] = []
-        for name in launching:
-            spec = specs[name]
-            lp, errs = resolver.resolve(f"pools: {name}", spec.flavor, spec.image, spec.launch, spec.cap)
-            problems += errs
-            if lp is not None:
-                params[name] = lp
-                result["preflight"][name] = {
-                    "flavor_id": lp.flavor_id,
-                    "image_id": lp.image_id,
-                    "networks": lp.networks,
-                    "server_group_id": lp.server_group_id,
-                }
-        if problems:
-            raise ConfigError(
-                "preflight: the cloud does not have what the pools ask for: " + "; ".join(problems),
-                [Problem("preflight", "", p) for p in problems],
-            )
-        if check:
-            result["launched"] = sum(t.launch for t in targets)  # what would be launched
-            result["deleted"] = sum(len(t.delete) for t in targets)
-            return result
-        from sco.contract import userdata
-        from sco.contract.signing import load_private
-        from sco.control.acquirer import ENROL_URL, Acquirer, PlanEntry
+    bundle = load_bundle(o.plan.hall)
+    keys = [load_private(Path(k)) for k in o.signing_keys]
+    if not keys and any(t.launch for t in targets):
+        raise ConfigError("signing_keys: give the keys that sign each new instance's contract subset")
+    outcomes = []
+    for t in targets:
+        spec, lp, known = specs[t.pool], params.get(t.pool), state.pool(hall, t.pool)
+        flavor = lp.flavor_id if lp else (known.flavor if known else spec.flavor)
+        image = lp.image_id if lp else (known.image if known else spec.image or "-")
+        az = spec.launch.availability_zone
+        state.ensure_pool(StatePool(hall, t.pool, flavor, image, kind=spec.kind, availability_zone=az))
+        store.ensure_entry(hall, t.pool, t.contracts)
 
-        bundle = load_bundle(o.plan.hall)
-        outcomes = []
-        keys = [load_private(Path(k)) for k in o.signing_keys]
-        if not keys and any(t.launch for t in targets):
-            raise ConfigError("signing_keys: give the keys that sign each new instance's contract subset")
-        for t in targets:
-            spec = specs[t.pool]
-            lp = params.get(t.pool)
-            known = state.pool(hall, t.pool)
-            flavor = lp.flavor_id if lp else (known.flavor if known else spec.flavor)
-            image = lp.image_id if lp else (known.image if known else spec.image or "-")
-            az = spec.launch.availability_zone
-            state.ensure_pool(StatePool(hall, t.pool, flavor, image, kind=spec.kind, availability_zone=az))
-            store.ensure_entry(hall, t.pool, t.contracts)
+        def render(name: str, own: Mapping[str, str] | None = None, contracts: tuple[str, ...] = t.contracts) -> str:
+            env = node_environment(o.node_env, hall, name, own)
+            return userdata.render(bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env)
 
-            def render(
-                name: str, own: Mapping[str, str] | None = None, contracts: tuple[str, ...] = t.contracts
-            ) -> str:
-                env = node_environment(o.node_env, hall, name, own)
-                return userdata.render(bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env)
+        # node_env naming the enrolment service: each instance gets a one-time token of its own (the acquirer)
+        acq = Acquirer(
+            cloud, state, render, meter=meter, concurrency=o.concurrency, scheduler_hints=hints,
+            enrol_url=o.node_env.get(ENROL_URL, ""),
+        )  # fmt: skip
+        outcome = acq.apply(PlanEntry(hall, t.pool, t.entry, t.count, t.delete), lp)
+        outcomes.append(outcome)
+        _fold(result, t, outcome)
+    return outcomes
 
-            # node_env naming the enrolment service: each instance gets a one-time token of its own (the acquirer)
-            acq = Acquirer(
-                cloud, state, render, meter=meter, concurrency=o.concurrency, scheduler_hints=hints,
-                enrol_url=o.node_env.get(ENROL_URL, ""),
-            )  # fmt: skip
-            outcome = acq.apply(PlanEntry(hall, t.pool, t.entry, t.count, t.delete), lp)
-            outcomes.append(outcome)
-            if outcome.pending:
-                result["pending"].append(f"{t.pool}/{t.entry}: {outcome.pending} of {t.count}")
-            built = [f for f in outcome.failures if f.at == "build"]
-            if built:  # named, so a run that goes on is not silent about what Nova failed
-                result["warnings"].append(
-                    f"{t.pool}/{t.entry}: {len(built)} builds in ERROR, taken back"
-                    f" ({', '.join(f.name for f in built[:10])}{', ...' if len(built) > 10 else ''}): "
-                    + said_once([f.message for f in built])
-                )
-            result["launched"] += outcome.launched
-            result["deleted"] += outcome.deleted
-            result["launch_failures"] += outcome.failed
-            result["errors"] += outcome.errors
-            result["warnings"] += outcome.warnings
-            if outcome.skipped or outcome.pool_unavailable:
-                why = outcome.skipped or outcome.pool_unavailable
-                result["unavailable"].append(f"{t.pool}/{t.entry}: {why}")
-                if outcome.skipped:
-                    result["warnings"].append(f"{t.pool}/{t.entry}: nothing launched: {why}")
-        result["api_calls"] = meter.calls
+
+def _fold(result: dict[str, Any], t: EntryTarget, outcome: Any) -> None:
+    """One entry's outcome into the step's result: counts, the cloud's words, what is pending and unavailable."""
+    where = f"{t.pool}/{t.entry}"
+    if outcome.pending:
+        result["pending"].append(f"{where}: {outcome.pending} of {t.count}")
+    built = [f for f in outcome.failures if f.at == "build"]
+    if built:  # named, so a run that goes on is not silent about what Nova failed
+        result["warnings"].append(
+            f"{where}: {len(built)} builds in ERROR, taken back"
+            f" ({', '.join(f.name for f in built[:10])}{', ...' if len(built) > 10 else ''}): "
+            + said_once([f.message for f in built])
+        )
+    result["launched"] += outcome.launched
+    result["deleted"] += outcome.deleted
+    result["launch_failures"] += outcome.failed
+    result["errors"] += outcome.errors
+    result["warnings"] += outcome.warnings
+    if outcome.skipped or outcome.pool_unavailable:
+        why = outcome.skipped or outcome.pool_unavailable
+        result["unavailable"].append(f"{where}: {why}")
+        if outcome.skipped:
+            result["warnings"].append(f"{where}: nothing launched: {why}")
+
+
+def _fail_when_nothing_launched(outcomes: list[Any]) -> None:
+    """Nothing this step launched became an instance, and not for capacity (which marks the pool unavailable for
+    the plan to route around): the run must fail, with the cloud's words, or no alert can see it."""
+    from sco.control.nova import CloudError
+
     tried = sum(x.attempts for x in outcomes)
     failures = [f for x in outcomes for f in x.failures]
     if tried and len(failures) >= tried and any(not f.capacity for f in failures):
-        # nothing this step launched became an instance, and not for capacity (which marks the pool unavailable
-        # for the plan to route around): the run must fail, with the cloud's words, or no alert can see it
         raise CloudError(
             f"acquire: the cloud refused every launch of this run ({len(failures)} of {tried}): "
             + said_once([f.message for f in failures])
         )
-    return result
 
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)
