@@ -1,4 +1,4 @@
-"""The drill's report, from a real drill: the drill script sends signed notices through a relay configured by the
+"""The drill's report, from a real drill: the drill (`sco drill`) sends signed notices through a relay configured by the
 notice_relay role's template, two real node agents drain (one pod held by a PodDisruptionBudget until its budget is
 spent, then deleted) and a third node has no agent. The report's timeline and figures are checked against the
 agents' own spools, its live progress is read while the nodes drain, and the HTML is rendered in Debian's headless
@@ -29,7 +29,7 @@ from tests.harness import AgentEnv, add_pod
 from tests.test_drill import agent_identity, start_relay
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "collections/ansible_collections/sco/orchestrator/playbooks/files/sco-drill.py"
+DRILL = ["-m", "sco.cli", "drill"]  # `sco drill`, as drill.yml runs it
 NODES = ["node-1", "node-2", "node-3"]  # node-3: nobody answers
 WINDOW_S = 12
 
@@ -55,7 +55,7 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for a in agents:
             a.start().wait_subscribed()
         report_dir = tmp / "reports"
-        cmd = [sys.executable, str(SCRIPT), "run", "--server", srv.url, "--hall", "local", "--id", "drill-test",
+        cmd = [sys.executable, *DRILL, "run", "--server", srv.url, "--hall", "local", "--id", "drill-test",
                "--report-dir", str(report_dir), "--reader-credentials", str(creds / "control.nk"),
                "--reclaimer-credentials", str(creds / "reclaimer.nk"), "--notice-seconds", str(WINDOW_S),
                "--grace-seconds", "1", *(f"--node={n}" for n in NODES),
@@ -66,7 +66,7 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         def watch() -> None:  # what drill.yml prints while the nodes drain
             while not stop.is_set():
                 out = subprocess.run(
-                    [sys.executable, str(SCRIPT), "watch", "--report-dir", str(report_dir), "--id", "drill-test",
+                    [sys.executable, *DRILL, "watch", "--report-dir", str(report_dir), "--id", "drill-test",
                      "--wait", "0.3"],
                     capture_output=True, text=True, timeout=30,
                 )  # fmt: skip

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from sco import __version__
 from sco import _logging as sco_logging
-from sco.cli import acquire, contract, db, enrol, hall, keys, node, notice, plan, reclaim, slurm
+from sco.cli import acquire, contract, db, drill, enrol, hall, keys, node, notice, plan, reclaim, slurm
 from sco.cli._common import Handler
 from sco.errors import ConfigError, ScoError
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     # One module per noun, in the order `sco --help` lists them.
-    for noun in (keys, notice, contract, node, slurm, plan, acquire, db, reclaim, enrol, hall):
+    for noun in (keys, notice, contract, node, slurm, plan, acquire, db, reclaim, drill, enrol, hall):
         noun.register(sub)
     return p
 

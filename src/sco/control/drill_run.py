@@ -1,32 +1,28 @@
-"""Reclaim drill: reclaim chosen nodes through the hall's relay and report what each node's agent did.
+"""The reclaim drill's run (``sco drill``; playbook ``sco.orchestrator.drill``): reclaim chosen nodes through the
+hall's relay and follow what each node's agent did. The report it writes is ``sco.control.drill``'s.
 
-  keys    find (or, with --make, make) the drill's notice keys and check the hall trusts them; one line when not
-  run     send the signed notices as the reclaimer (or, with --observe, follow a reclaim the provider's reclaimer
-          sends) and follow each agent's events on sco.events.<hall>.<node> until every node has its final
-          account or T + grace; progress in <dir>/<id>.progress.json, the report in <dir>/<id>.html and .json
-  watch   print the progress lines of a running drill (waits up to --wait s for news)
-  finish  add the reclaimer's account of the instances (the reclaim module's `reclaimed`) and write the report
+* ``find_keys``: find (or make) the drill's notice keys and check the hall's published bundle trusts one;
+* ``Drill.run``: send the signed notices as the reclaimer (or, observing, follow a reclaim the provider's reclaimer
+  sends) and follow each agent's events on ``sco.events.<hall>.<node>`` until every node has its final account or
+  T + grace; progress in ``<dir>/<id>.progress.json``, the report in ``<dir>/<id>.html`` and ``.json``;
+* ``watch``: the progress lines of a running drill; ``load_drill`` + ``Drill.finish``: the reclaimer's account of
+  the instances added to a finished drill's report.
 
 The notice is the real one, signed with the hall's notice key (its public half is in the hall policy's noticeKeys,
-so nodes trust it through their bundle): the agents drain for real. Exit 0 when every node drained (and, with the
-reclaimer, was deleted); 1 when one did not (the report says which and why); 2 when the drill could not run, with
-one line on stderr saying why (a key, a relay, a setting); 70 on an internal error (one line; never read as 1).
+so nodes trust it through their bundle): the agents drain for real.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
 import json
-import logging
-import sys
 import time
-import traceback
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +37,17 @@ MAX_EVENTS = 10_000  # per node; a drain of 110 pods writes about 350
 WRITE_EVERY_S = 0.25
 
 
-class DrillError(Exception):
-    """The drill cannot run: one line for the job's output."""
+class DrillError(ScoError):
+    """The drill cannot run (a key, a relay, a setting): one line for the job's output. Never exit 1, which says
+    a node did not drain."""
+
+    exit_code = 5
+
+
+class DrillRelayError(DrillError):
+    """The relay or the hall's distributor refused or did not answer."""
+
+    exit_code = 6
 
 
 # --- notice keys ---------------------------------------------------------------------------------------
@@ -58,7 +63,7 @@ def hall_notice_keys(bundle_url: str, trusted: list[str]) -> tuple[set[str], int
         with urllib.request.urlopen(bundle_url, timeout=10) as r:  # the hall's own distributor
             raw = r.read(64 * 1024 * 1024)
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise DrillError(f"the hall's bundle {bundle_url}: {getattr(e, 'reason', e)}") from None
+        raise DrillRelayError(f"the hall's bundle {bundle_url}: {getattr(e, 'reason', e)}") from None
     try:
         payload = verify(raw, Keyring.from_files(Path(p) for p in trusted), bundle_url).payload
     except ScoError as e:
@@ -110,9 +115,7 @@ async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
         secret = Path(credentials_file).read_text().strip()
     except OSError as e:
         raise DrillError(f"the credentials of relay user {user}: {credentials_file}: {e.strerror}") from None
-    auth: dict[str, Any] = (
-        {"nkeys_seed_str": secret} if secret.startswith("SU") else {"user": user, "password": secret}
-    )
+    auth: dict[str, Any] = {"nkeys_seed_str": secret} if secret.startswith("SU") else {"user": user, "password": secret}
     errors: list[str] = []
 
     async def on_error(e: Exception) -> None:  # nats-py would log a traceback per attempt: keep the reason
@@ -133,30 +136,60 @@ async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
         )
     except Exception as e:
         why = errors[-1] if errors else (str(e) or type(e).__name__)
-        raise DrillError(f"relay {', '.join(servers)} as {user}: {why}") from None
+        raise DrillRelayError(f"relay {', '.join(servers)} as {user}: {why}") from None
 
 
 def write_atomic(path: Path, text: str) -> None:
     atomic_write(path, text.encode(), 0o644, exact_mode=True)  # the product's one atomic write
 
 
+@dataclass
+class DrillSettings:
+    """One drill (``sco drill run``'s flags)."""
+
+    hall: str
+    nodes: list[str]
+    report_dir: Path
+    id: str = ""
+    server: str = ""
+    """The relay's URL(s), comma-separated."""
+    notice_seconds: float = 120.0
+    grace_seconds: float = 10.0
+    observe: bool = False
+    """Send nothing: follow the notices the provider's reclaimer sends."""
+    signing_keys: list[str] = field(default_factory=list)
+    reader: str = "control"
+    reader_credentials: str = ""
+    reclaimer: str = "reclaimer"
+    reclaimer_credentials: str = ""
+
+    def check(self) -> None:
+        if not self.observe and not (self.signing_keys and self.reclaimer_credentials):
+            raise DrillError("sending the notices needs --signing-key and --reclaimer-credentials")
+        if not (0 < self.notice_seconds <= 3600 and 0 <= self.grace_seconds <= 600):  # also refuses NaN
+            raise DrillError(
+                f"--notice-seconds must be in (0, 3600] and --grace-seconds in [0, 600], got "
+                f"{self.notice_seconds} and {self.grace_seconds}"
+            )
+
+
 class Drill:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.dir = Path(args.report_dir)
-        self.id = args.id or f"drill-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
-        self.events: dict[str, list[dict[str, Any]]] = {n: [] for n in args.node}
-        self.notice: dict[str, str | None] = dict.fromkeys(args.node)  # node -> the notice id it was sent
+    def __init__(self, settings: DrillSettings) -> None:
+        self.s = settings
+        self.dir = Path(settings.report_dir)
+        self.id = settings.id or f"drill-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+        self.events: dict[str, list[dict[str, Any]]] = {n: [] for n in settings.nodes}
+        self.notice: dict[str, str | None] = dict.fromkeys(settings.nodes)  # node -> the notice id it was sent
         self.sha: dict[str, str] = {}
         self.sent_at = time.time()
-        self.terminate_at = self.sent_at + args.notice_seconds
+        self.terminate_at = self.sent_at + settings.notice_seconds
         self.changed = asyncio.Event()
         self.listening = False
         self.dropped: dict[str, int] = {}
 
     def report(self, finished: bool = False) -> DrillReport:
         nodes = {n: fold(n, evs, self.notice[n], self.sha.get(n)) for n, evs in self.events.items()}
-        return DrillReport(self.args.hall, self.id, self.sent_at, self.terminate_at, nodes, finished, time.time())
+        return DrillReport(self.s.hall, self.id, self.sent_at, self.terminate_at, nodes, finished, time.time())
 
     def done(self) -> bool:
         return all(t.outcome not in ("no answer", "draining") for t in self.report().nodes.values())
@@ -178,9 +211,9 @@ class Drill:
         self.changed.set()
 
     async def run(self) -> DrillReport:
-        a = self.args
+        a = self.s
         servers = [s.strip() for s in a.server.split(",") if s.strip()]
-        keys = [load_private(Path(k)) for k in a.signing_key or []]  # checked by `keys` first; again, cheaply
+        keys = [load_private(Path(k)) for k in a.signing_keys]  # checked by `keys` first; again, cheaply
         reader = await connect(servers, a.reader, a.reader_credentials)
         sender = None if a.observe else await connect(servers, a.reclaimer, a.reclaimer_credentials)
         prefix = f"sco.events.{a.hall}."
@@ -205,15 +238,16 @@ class Drill:
         self.terminate_at = self.sent_at + a.notice_seconds
         if sender is not None:
             for node in self.events:
-                notice = {
-                    "id": f"{self.id}-{node}",
+                notice_id = f"{self.id}-{node}"
+                notice: dict[str, Any] = {
+                    "id": notice_id,
                     "hall": a.hall,
                     "node": node,
                     "terminateAt": self.terminate_at,
                     "issuedAt": self.sent_at,
                 }
                 data = sign_notice(notice, keys)
-                self.notice[node], self.sha[node] = notice["id"], hashlib.sha256(data).hexdigest()
+                self.notice[node], self.sha[node] = notice_id, hashlib.sha256(data).hexdigest()
                 await sender.publish(f"sco.notice.{a.hall}.{node}", data)
             await sender.flush(timeout=3)
         self.write_progress()
@@ -242,25 +276,28 @@ class Drill:
         return rep
 
 
-def load_drill(args: argparse.Namespace) -> Drill:
+def load_drill(report_dir: Path, drill_id: str) -> Drill:
     """A finished observer's drill, from its report, to add the reclaimer's account."""
-    path = Path(args.report_dir) / f"{args.id}.json"
+    path = Path(report_dir) / f"{drill_id}.json"
     try:
         body = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise DrillError(f"{path}: no report of drill {args.id} ({e})") from None
-    args.node, args.hall = list(body["events"]), body["hall"]
-    args.notice_seconds = body["terminate_at"] - body["sent_at"]
-    d = Drill(args)
+        raise DrillError(f"{path}: no report of drill {drill_id} ({e})") from None
+    settings = DrillSettings(
+        body["hall"], list(body["events"]), Path(report_dir), drill_id,
+        notice_seconds=body["terminate_at"] - body["sent_at"],
+    )  # fmt: skip
+    d = Drill(settings)
     d.events = body["events"]
     d.sent_at, d.terminate_at = body["sent_at"], body["terminate_at"]
     d.notice = {n: v.get("notice") for n, v in body["nodes"].items()}
     return d
 
 
-def watch(args: argparse.Namespace) -> int:
-    path = Path(args.report_dir) / f"{args.id}.progress.json"
-    end = time.monotonic() + args.wait
+def watch(report_dir: Path, drill_id: str, wait_s: float) -> list[str]:
+    """A running drill's progress lines, once its progress file changes (at most ``wait_s`` from now)."""
+    path = Path(report_dir) / f"{drill_id}.progress.json"
+    end = time.monotonic() + wait_s
     seen = path.stat().st_mtime_ns if path.exists() else 0
     while time.monotonic() < end:
         time.sleep(0.25)
@@ -271,96 +308,12 @@ def watch(args: argparse.Namespace) -> int:
         body = json.loads(path.read_text())
         age = time.time() - path.stat().st_mtime
     except (OSError, ValueError):
-        print(f"drill {args.id}: starting")
-        return 0
+        return [f"drill {drill_id}: starting"]
     if "error" in body:
-        print(f"drill {args.id}: stopped: {body['error']}")
-        return 0
+        return [f"drill {drill_id}: stopped: {body['error']}"]
     left = body["terminate_at"] - time.time()
     state = "finished" if body.get("finished") else f"{left:.0f} s to T"
     if not body.get("finished") and age > STALE_S:  # the drill rewrites it every second while it runs
         state = f"stopped (no progress for {age:.0f} s: the drill's process ended)"
-    print(f"drill {args.id}: {len(body['drained'])}/{len(body['nodes'])} drained, {state}")
-    for line in body.get("progress") or []:
-        print(f"  {line}")
-    return 0
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    k = sub.add_parser("keys", help="find or make the notice keys; check the hall trusts one")
-    k.add_argument("--signing-key", action="append", required=True, help="notice key file (repeatable)")
-    k.add_argument("--make", action="store_true", help="make a missing key file (and its .pub)")
-    k.add_argument("--bundle-url", default="", help="the hall's published bundle: check its noticeKeys")
-    k.add_argument("--trust", action="append", default=[], help="public key the bundle must be signed by")
-    r = sub.add_parser("run", help="send the notices (or --observe) and follow the agents")
-    r.add_argument("--server", required=True, help="relay URL(s), comma-separated")
-    r.add_argument("--hall", required=True)
-    r.add_argument("--node", action="append", required=True, help="repeatable")
-    r.add_argument("--id", default="", help="the drill's id (names its report files)")
-    r.add_argument("--report-dir", required=True)
-    r.add_argument("--observe", action="store_true", help="send nothing: follow the provider's reclaimer")
-    r.add_argument("--reclaimer", default="reclaimer")
-    # a user's nkey seed file (the notice_relay role's <user>.nk), or a password file; the old names still work
-    r.add_argument("--reclaimer-credentials", "--reclaimer-password-file", dest="reclaimer_credentials")
-    r.add_argument("--reader", default="control")
-    r.add_argument("--reader-credentials", "--reader-password-file", dest="reader_credentials", required=True)
-    r.add_argument("--signing-key", action="append", help="notice key file (repeatable)")
-    r.add_argument("--notice-seconds", type=float, default=120)
-    r.add_argument("--grace-seconds", type=float, default=10)
-    w = sub.add_parser("watch", help="print a running drill's progress")
-    w.add_argument("--report-dir", required=True)
-    w.add_argument("--id", required=True)
-    w.add_argument("--wait", type=float, default=5)
-    f = sub.add_parser("finish", help="add the reclaimer's account and write the report")
-    f.add_argument("--report-dir", required=True)
-    f.add_argument("--id", required=True)
-    f.add_argument("--from-reclaim", required=True, metavar="JSON", help="the reclaim module's `reclaimed` list")
-    args = p.parse_args()
-    logging.getLogger("nats").setLevel(logging.CRITICAL)  # failures are reported once, below
-    try:
-        if args.cmd == "keys":
-            found = find_keys(args.signing_key, args.make, args.bundle_url or None, args.trust)
-            print(json.dumps({"keys": found}, sort_keys=True))
-            return 0
-        if args.cmd == "watch":
-            return watch(args)
-        if args.cmd == "run":
-            if not args.observe and not (args.signing_key and args.reclaimer_credentials):
-                raise DrillError("sending the notices needs --signing-key and --reclaimer-credentials")
-            if not (0 < args.notice_seconds <= 3600 and 0 <= args.grace_seconds <= 600):  # also refuses NaN
-                raise DrillError(
-                    f"--notice-seconds must be in (0, 3600] and --grace-seconds in [0, 600], got "
-                    f"{args.notice_seconds} and {args.grace_seconds}"
-                )
-            Path(args.report_dir).mkdir(parents=True, exist_ok=True)
-            drill = Drill(args)
-            try:
-                rep = asyncio.run(drill.run())
-            except (DrillError, ScoError, OSError) as e:  # said where the playbook waits for the drill to listen
-                line = f"drill: {e}" if not isinstance(e, OSError) else f"drill: {e.filename or ''} {e.strerror or e}"
-                write_atomic(drill.dir / f"{drill.id}.progress.json", json.dumps({"error": line, "listening": False}))
-                raise
-        else:
-            try:
-                reclaimed = json.loads(args.from_reclaim)
-            except ValueError as e:
-                raise DrillError(f"--from-reclaim: not JSON ({e})") from None
-            rep = load_drill(args).finish(reclaimed if isinstance(reclaimed, list) else [])
-    except (DrillError, ScoError) as e:
-        print(f"drill: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"drill: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # one line for the job; the traceback below it for whoever debugs the script
-        traceback.print_exc()
-        print(f"drill: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 70
-    print(json.dumps({**rep.as_json(), "html": str(Path(args.report_dir) / f"{rep.drill}.html")}, sort_keys=True))
-    return 0 if not rep.not_drained and not rep.not_deleted else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    lines = [f"drill {drill_id}: {len(body['drained'])}/{len(body['nodes'])} drained, {state}"]
+    return lines + [f"  {line}" for line in body.get("progress") or []]
