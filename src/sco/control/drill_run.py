@@ -108,32 +108,25 @@ def find_keys(paths: list[str], make: bool, bundle_url: str | None, trusted: lis
 
 
 async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
-    """Connect as relay user ``user``: its nkey seed file (the notice_relay role's, SU...) or a password file."""
-    import nats
+    """Connect as relay user ``user`` (``sco._nats``): its nkey seed file (the notice_relay role's, SU...) or a
+    password file; 10 s at most."""
+    from sco import _nats
 
     try:
         secret = Path(credentials_file).read_text().strip()
     except OSError as e:
         raise DrillError(f"the credentials of relay user {user}: {credentials_file}: {e.strerror}") from None
-    auth: dict[str, Any] = {"nkeys_seed_str": secret} if secret.startswith("SU") else {"user": user, "password": secret}
+    if secret.startswith("SU"):
+        auth = _nats.auth_options(nkey_seed_file=credentials_file)
+    else:
+        auth = _nats.auth_options(user=user, password=secret)
     errors: list[str] = []
 
-    async def on_error(e: Exception) -> None:  # nats-py would log a traceback per attempt: keep the reason
+    async def on_error(e: Exception) -> None:  # the last attempt's reason is the drill's line
         errors.append(str(e) or type(e).__name__)
 
     try:
-        # nats-py keeps retrying a refused first connection whatever its options say: bound it
-        return await asyncio.wait_for(
-            nats.connect(
-                servers=servers,
-                connect_timeout=3,
-                max_reconnect_attempts=0,
-                allow_reconnect=False,
-                error_cb=on_error,
-                **auth,
-            ),
-            10,
-        )
+        return await _nats.connect(servers, auth=auth, deadline_s=10, connect_timeout=3, error_cb=on_error)
     except Exception as e:
         why = errors[-1] if errors else (str(e) or type(e).__name__)
         raise DrillRelayError(f"relay {', '.join(servers)} as {user}: {why}") from None
