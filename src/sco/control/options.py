@@ -14,6 +14,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from sco._nats import auth_options
 from sco.control.inputs import PlanDocument, parse
 from sco.errors import ConfigError
 
@@ -286,16 +287,17 @@ class ReclaimOptions:
 def nats_auth(p: Params) -> dict[str, Any]:
     """The relay identity of the reclaim module (nats_creds, nats_nkey_seed, or nats_user and nats_password) for
     nats.connect."""
-    if p.get("nats_creds"):
-        return {"user_credentials": str(p["nats_creds"])}
-    if p.get("nats_nkey_seed"):
-        seed = Path(str(p["nats_nkey_seed"]))
-        if not os.access(seed, os.R_OK) or not seed.is_file():  # nats-py would only say the relay is unreachable
-            raise ConfigError(f"nats_nkey_seed: {seed}: no readable nkey seed file there")
-        return {"nkeys_seed": str(seed)}
-    if p.get("nats_user"):
-        return {"user": str(p["nats_user"]), "password": str(p.get("nats_password") or "")}
-    return {}
+    seed = p.get("nats_nkey_seed")
+    if seed and not p.get("nats_creds"):
+        path = Path(str(seed))
+        if not os.access(path, os.R_OK) or not path.is_file():  # nats-py would only say the relay is unreachable
+            raise ConfigError(f"nats_nkey_seed: {path}: no readable nkey seed file there")
+    return auth_options(
+        creds_file=str(p["nats_creds"]) if p.get("nats_creds") else None,
+        nkey_seed_file=str(seed) if seed else None,
+        user=str(p["nats_user"]) if p.get("nats_user") else None,
+        password=str(p.get("nats_password") or ""),
+    )
 
 
 def _non_negative(params: Params, key: str, default: float) -> float:

@@ -107,23 +107,17 @@ _LAST_SPEND: dict[str, dict[int, tuple[float, float]]] = {}
 
 def _relay_up(o: ReclaimOptions) -> bool:
     """One connection to the relay with the reclaimer's credentials, 3 s at most."""
-    import nats
+    from sco._nats import connect
 
     async def probe() -> bool:
         try:
-            nc = await nats.connect(
-                servers=o.nats_servers,
-                connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False, **o.nats_auth,
-            )  # fmt: skip
+            nc = await connect(o.nats_servers, auth=dict(o.nats_auth), deadline_s=3)
         except Exception:
             return False
         await nc.close()
         return True
 
-    try:
-        return asyncio.run(asyncio.wait_for(probe(), 3))
-    except TimeoutError:
-        return False
+    return asyncio.run(probe())
 
 
 def load_bundle(params: Params | HallOptions) -> Any:
