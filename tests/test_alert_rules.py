@@ -21,6 +21,7 @@ ALERTS = {
     "ScoSpoolBacklogGrowing",
     "ScoBundleStale",
     "ScoCredentialExpiring",
+    "ScoCertificateExpiring",
     "ScoControlLoopFailed",
     "ScoControlLoopStale",
     "ScoReclaimDeletePendingPastDeadline",

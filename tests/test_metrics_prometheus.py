@@ -329,6 +329,8 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
             "sco_agent_credential_renewal_failures",
             # by kind, once one is seen: a refusal here would fire ScoNoticesRefused (test_metrics_agent has one)
             "sco_agent_notice_refusals_total",
+            # role fleet_state's certificates: the local hall's fleet state is the demo's embedded server, no TLS
+            "sco_certificate_expiry_timestamp_seconds",
             # the enrolment service's (sco enrol serve): this hall's nodes are in the inventory, none enrols
             # (tests/test_enrolment.py scrapes them)
             "sco_enrol_issued_total", "sco_enrol_refused_total", "sco_enrol_refused_connections_total",

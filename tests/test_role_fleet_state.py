@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -292,19 +293,40 @@ def _listeners(port: int) -> set[str]:
     return out
 
 
+def _tls_context(ca: Path, member: Path | None = None) -> ssl.SSLContext:
+    """A client's TLS: the server's certificate checked against ``ca`` (and its name: check_hostname); with
+    ``member`` (a member's certificate directory) that member's certificate presented as the client's."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if member is not None:
+        ctx.load_cert_chain(str(member / "member.crt"), str(member / "member.key"))
+    return ctx
+
+
 def _http(
-    method: str, url: str, body: object = None, *, source: str = "", auth: tuple[str, str] | None = None
+    method: str,
+    url: str,
+    body: object = None,
+    *,
+    source: str = "",
+    auth: tuple[str, str] | None = None,
+    tls: ssl.SSLContext | None = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, str]:
     """One request from address ``source`` (any of 127/8 is this machine's): a stranger on the hall's network, or
-    an allowed host."""
+    an allowed host; https with ``tls``."""
     import base64
     import http.client
     import json
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
-    c = http.client.HTTPConnection(u.hostname or "", u.port, timeout=10, source_address=(source, 0) if source else None)
-    headers = {"Content-Type": "application/json"}
+    src = (source, 0) if source else None
+    c = (
+        http.client.HTTPSConnection(u.hostname or "", u.port, timeout=10, source_address=src, context=tls)
+        if u.scheme == "https"
+        else http.client.HTTPConnection(u.hostname or "", u.port, timeout=10, source_address=src)
+    )
+    headers = {"Content-Type": "application/json", **(headers or {})}
     if auth:
         headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
     try:
@@ -324,9 +346,10 @@ def _b64(s: str) -> str:
 def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str]) -> None:
     """Three members on 127.0.0.1-3 (the same ports, as production's hosts): check mode changes nothing; the role
     renders etcd's and Patroni's settings and installs and enables their units without starting them (no systemd
-    here); the units' command lines start a working cluster; the control host's run then creates the database on
-    the primary, migrates it once and writes a DSN listing every member, and the members' part changes nothing the
-    second time."""
+    here); the units' command lines start a working cluster, in the role's order (etcd, its authentication, Patroni);
+    the control host's run then creates the database on the primary, migrates it once and writes a DSN listing every
+    member, and the members' part changes nothing the second time. TLS is on as by default (issue 29, defect 3): the
+    hall's CA made on the controller, every link over TLS, plaintext refused, a certificate near expiry renewed."""
     import shutil
     import tempfile
     import urllib.request
@@ -338,6 +361,7 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
     # not pytest's 0700 tmp_path: etcd and postgres must reach their directories
     root = Path(tempfile.mkdtemp(prefix="sco-role-patroni-"))
     os.chmod(root, 0o755)
+    ca = root / "state" / "tls" / "ca.crt"
     members = {
         f"m{i}": {
             **LOCAL,
@@ -347,6 +371,7 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
             "fleet_state_patroni_socket_dir": str(root / f"m{i}" / "pg"),
             "fleet_state_etcd_config": str(root / f"m{i}" / "etcd" / "etcd.yml"),
             "fleet_state_etcd_data_dir": str(root / f"m{i}" / "etcd" / "data"),
+            "fleet_state_tls_member_dir": str(root / f"m{i}" / "tls"),
         }
         for i, a in enumerate(addrs)
     }
@@ -376,7 +401,14 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
         "fleet_state_patroni_restapi_password": RESTAPI_PASSWORD,
         "fleet_state_etcd_root_password": "etcd-root-secret-" + os.urandom(4).hex(),
         "fleet_state_etcd_password": ETCD_PASSWORD,
-        "fleet_state_ssl_mode": "disable",
+        # TLS as by default (role hall: verify-full, the hall's CA made on the controller)
+        "fleet_state_ssl_mode": "verify-full",
+        "fleet_state_tls_ca_cert": str(ca),
+        "fleet_state_tls_ca_key": str(root / "state" / "tls" / "ca.key"),
+        "fleet_state_tls_generate_ca": True,
+        "fleet_state_tls_dir": str(root / "state" / "tls" / "fleet-state"),
+        "fleet_state_ssl_root_cert": str(root / "control" / "ca.crt"),
+        "fleet_state_tls_textfile_dir": str(root / "control" / "textfile"),
         "fleet_state_db_name": names["db"],
         "fleet_state_db_user": names["user"],
         "fleet_state_db_password": "correct-horse-battery",
@@ -410,17 +442,43 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
         assert conf["bootstrap"]["dcs"]["synchronous_mode"] is True
         assert conf["postgresql"]["bin_dir"] == "/usr/lib/postgresql/15/bin"
         etcd = yaml.safe_load((root / "m1" / "etcd" / "etcd.yml").read_text())
-        assert etcd["initial-cluster"] == ",".join(f"m{i}=http://{a}:{peer}" for i, a in enumerate(addrs))
+        assert etcd["initial-cluster"] == ",".join(f"m{i}=https://{a}:{peer}" for i, a in enumerate(addrs))
+        assert etcd["client-transport-security"]["cert-file"] == str(root / "m1" / "tls" / "etcd" / "member.crt")
+        assert etcd["peer-transport-security"]["client-cert-auth"] is True
+        # the CA's key and the members' keys stay on the controller's state directory (0600) and the members
+        assert oct((root / "state" / "tls" / "ca.key").stat().st_mode & 0o777) == "0o600"
+        assert not (root / "m0" / "tls" / "etcd" / "ca.key").exists()
+        assert oct((root / "m0" / "tls" / "patroni" / "member.key").stat().st_mode & 0o777) == "0o600"
 
-        # what the units would run: etcd first (each waits for a quorum), then Patroni
+        # what the units would run, in the role's order: etcd (each waits for a quorum), its authentication turned
+        # on by the role's next run, then Patroni (which logs in to etcd when it starts)
         for m in members:
             procs.append(_run_unit(root / m / "systemd" / "sco-etcd.service", root / m / "etcd.log"))
+        etcd_tls = _tls_context(ca)
+
+        def etcd_up(a: str) -> bool:
+            try:
+                return _http("GET", f"https://{a}:{client}/health", tls=etcd_tls)[0] == 200
+            except OSError:
+                return False
+
+        end = time.monotonic() + 60
+        while not all(etcd_up(a) for a in addrs):
+            assert all(p.poll() is None for p in procs), f"a daemon exited:\n{_log_tails(root)}"
+            assert time.monotonic() < end, f"no etcd quorum within 60 s:\n{_log_tails(root)}"
+            time.sleep(0.3)
+        r = play(tmp, ev, inventory=inventory, limit="sco_fleet_state")
+        assert r.rc == 0, output(r)
+        # etcd answers now: the first member turned its authentication on (root, and Patroni's user and role)
+        assert changed(r, "m0") > 0 and [changed(r, m) for m in ("m1", "m2")] == [0, 0], output(r)
         for m in members:
             procs.append(_run_unit(root / m / "systemd" / "sco-patroni.service", root / m / "patroni.log"))
 
+        tls = _tls_context(ca)
+
         def status(a: str, path: str) -> int:
             try:
-                with urllib.request.urlopen(f"http://{a}:{api}{path}", timeout=2) as resp:
+                with urllib.request.urlopen(f"https://{a}:{api}{path}", timeout=2, context=tls) as resp:
                     return int(resp.status)
             except OSError as e:
                 return int(getattr(e, "code", 0) or 0)
@@ -436,16 +494,13 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
 
         r = play(tmp, ev, inventory=inventory)
         assert r.rc == 0, output(r)
-        # etcd answers now: the first member turned its authentication on (root, and Patroni's user and role)
-        assert changed(r, "m0") > 0 and [changed(r, m) for m in ("m1", "m2")] == [0, 0], output(r)
-        r = play(tmp, ev, inventory=inventory)
-        assert r.rc == 0, output(r)
         assert [changed(r, m) for m in members] == [0, 0, 0], output(r)  # the members' part is idempotent
         for secret in (RESTAPI_PASSWORD, ETCD_PASSWORD, ev["fleet_state_etcd_root_password"]):
             assert secret not in output(r)
         env = (root / "control" / "fleet-state.env").read_text()
         dsn = next(x for x in env.splitlines() if x.startswith("SCO_DB_DSN=")).split("=", 1)[1].strip('"')
         assert f"host={','.join(addrs)} port={pg} " in dsn and "target_session_attrs=read-write" in dsn
+        assert f"sslmode=verify-full sslrootcert={root / 'control' / 'ca.crt'} " in dsn
         with connect(dsn) as c:
             assert c.execute("SELECT pg_is_in_recovery(), current_user").fetchone() == (False, names["user"])
             assert sorted(c.execute("SELECT version FROM schema_migration").fetchall()) == [
@@ -454,10 +509,17 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
             primary = c.info.host
         # synchronous replication is in force on the primary the role's settings made
         admin = f"host={primary} port={pg} user=postgres password=patroni-superuser-secret dbname=postgres"
+        admin += f" sslmode=verify-full sslrootcert={ca}"
         with connect(admin) as c:
             assert "sync" in [row[0] for row in c.execute("SELECT sync_state FROM pg_stat_replication")]
+            # the standbys stream from the primary over TLS (Patroni's replication connection, verify-full)
+            assert {row[0] for row in c.execute(
+                "SELECT s.ssl FROM pg_stat_replication r JOIN pg_stat_ssl s USING (pid)")} == {True}  # fmt: skip
 
         _strangers_are_refused(root, addrs, api, client, peer, pg)
+        _plaintext_is_refused(root, addrs, api, client, peer, pg, dsn)
+        _expiry_textfile(root, ca)
+        _renewed_near_expiry(tmp, ev, inventory, root, addrs, client, pg)
 
     finally:
         for p in procs:
@@ -503,31 +565,33 @@ STRANGER = "127.0.0.9"  # on the members' network (this machine's 127/8), in no 
 def _strangers_are_refused(root: Path, addrs: list[str], api: int, client: int, peer: int, pg: int) -> None:
     """Issue 29, defects 1 and 2, against the cluster the role's settings made: every listener on the members' own
     addresses; Patroni's unsafe endpoints refuse a request without the role's credentials (401) and one from an
-    address not allowed (403); etcd refuses a write without a user; Patroni, on etcd with authentication, still
-    elects a leader (an authenticated switchover from an allowed host)."""
+    address not allowed (403); etcd refuses a write without a user, even over a member's certificate; Patroni, on
+    etcd with authentication, still elects a leader (an authenticated switchover from an allowed host)."""
     import json
 
     for port in (api, client, peer, pg):
         assert _listeners(port) == set(addrs), (port, _listeners(port))  # never 0.0.0.0, each on its own
 
+    ca = root / "state" / "tls" / "ca.crt"
+    tls = _tls_context(ca)
+
     def leader() -> str:
-        members = json.loads(_http("GET", f"http://{addrs[0]}:{api}/cluster")[1])["members"]
+        members = json.loads(_http("GET", f"https://{addrs[0]}:{api}/cluster", tls=tls)[1])["members"]
         return str(next(m["name"] for m in members if m["role"] == "leader"))
 
     old = leader()
     creds = ("patroni", RESTAPI_PASSWORD)
     switch = {"leader": old}
+    a0, a1 = (f"https://{a}:{api}" for a in addrs[:2])
     attempts = {
-        "unauthenticated switchover, allowed host": _http("POST", f"http://{addrs[1]}:{api}/switchover", switch),
+        "unauthenticated switchover, allowed host": _http("POST", f"{a1}/switchover", switch, tls=tls),
         "unauthenticated config patch, allowed host": _http(
-            "PATCH", f"http://{addrs[1]}:{api}/config", {"postgresql": {"parameters": {"archive_command": "id"}}}
+            "PATCH", f"{a1}/config", {"postgresql": {"parameters": {"archive_command": "id"}}}, tls=tls
         ),
-        "unauthenticated restart, allowed host": _http("POST", f"http://{addrs[1]}:{api}/restart", {}),
-        "wrong password": _http("POST", f"http://{addrs[1]}:{api}/switchover", switch, auth=("patroni", "guess")),
-        "stranger, unauthenticated": _http("POST", f"http://{addrs[0]}:{api}/switchover", switch, source=STRANGER),
-        "stranger, authenticated": _http(
-            "PATCH", f"http://{addrs[0]}:{api}/config", {"ttl": 5}, source=STRANGER, auth=creds
-        ),
+        "unauthenticated restart, allowed host": _http("POST", f"{a1}/restart", {}, tls=tls),
+        "wrong password": _http("POST", f"{a1}/switchover", switch, auth=("patroni", "guess"), tls=tls),
+        "stranger, unauthenticated": _http("POST", f"{a0}/switchover", switch, source=STRANGER, tls=tls),
+        "stranger, authenticated": _http("PATCH", f"{a0}/config", {"ttl": 5}, source=STRANGER, auth=creds, tls=tls),
     }
     codes = {k: v[0] for k, v in attempts.items()}
     assert codes == {
@@ -538,31 +602,30 @@ def _strangers_are_refused(root: Path, addrs: list[str], api: int, client: int, 
         "stranger, unauthenticated": 403,
         "stranger, authenticated": 403,
     }, attempts
-    config = json.loads(_http("GET", f"http://{addrs[0]}:{api}/config")[1])
+    config = json.loads(_http("GET", f"{a0}/config", tls=tls)[1])
     assert "archive_command" not in json.dumps(config) and config["ttl"] == 10, config
 
-    # etcd: a write without a user is refused, a read too; Patroni's user only under its own prefix
+    # etcd (over TLS; its client port takes no plain HTTP): a write without a user is refused, a read too; Patroni's
+    # user only under its own prefix
+    member = tls
     put = {"key": _b64("/service/sco-fleet/leader"), "value": _b64("stranger")}
     for a in addrs:
-        status, body = _http("POST", f"http://{a}:{client}/v3/kv/put", put, source=STRANGER)
+        status, body = _http("POST", f"https://{a}:{client}/v3/kv/put", put, source=STRANGER, tls=member)
         assert status in (400, 401, 403) and "user name is empty" in body, (a, status, body)
-        status, body = _http("POST", f"http://{a}:{client}/v3/kv/range", {"key": put["key"]}, source=STRANGER)
+        status, body = _http("POST", f"https://{a}:{client}/v3/kv/range", {"key": put["key"]}, source=STRANGER,
+                             tls=member)  # fmt: skip
         assert status in (400, 401, 403), (a, status, body)
-    status, body = _http("POST", f"http://{addrs[0]}:{client}/v3/auth/authenticate",
-                         {"name": "patroni", "password": ETCD_PASSWORD})  # fmt: skip
+    status, body = _http("POST", f"https://{addrs[0]}:{client}/v3/auth/authenticate",
+                         {"name": "patroni", "password": ETCD_PASSWORD}, tls=member)  # fmt: skip
     token = json.loads(body)["token"]
-    import http.client
-
-    c = http.client.HTTPConnection(addrs[0], client, timeout=10)
-    c.request("POST", "/v3/kv/put", json.dumps({"key": _b64("/elsewhere"), "value": _b64("x")}),
-              {"Authorization": token})  # fmt: skip
-    r = c.getresponse()
-    assert r.status == 403 and "permission denied" in r.read().decode()
-    c.close()
+    status, body = _http("POST", f"https://{addrs[0]}:{client}/v3/kv/put",
+                         {"key": _b64("/elsewhere"), "value": _b64("x")}, tls=member,
+                         headers={"Authorization": token})  # fmt: skip
+    assert status == 403 and "permission denied" in body, (status, body)
     assert leader() == old  # nothing moved it
 
     # the operator's way, from an allowed host with the role's credentials: Patroni (its etcd user) moves the leader
-    status, body = _http("POST", f"http://{addrs[1]}:{api}/switchover", switch, auth=creds)
+    status, body = _http("POST", f"{a1}/switchover", switch, auth=creds, tls=tls)
     assert status == 200, (status, body)
     end = time.monotonic() + 60
     while time.monotonic() < end:
@@ -577,6 +640,168 @@ def _strangers_are_refused(root: Path, addrs: list[str], api: int, client: int, 
         raise AssertionError(f"no new leader within 60 s:\n{_log_tails(root)}")
     patroni_logs = "".join(f.read_text(errors="replace") for f in root.glob("*/patroni.log"))
     assert RESTAPI_PASSWORD not in patroni_logs and ETCD_PASSWORD not in patroni_logs
+
+
+def _plain_http_refused(addr: str, port: int) -> str:
+    """What refused a plain HTTP request (a closed connection, a reset), or "" when it was answered."""
+    import http.client
+
+    c = http.client.HTTPConnection(addr, port, timeout=5)
+    try:
+        c.request("GET", "/health")
+        c.getresponse().read()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        c.close()
+    return ""
+
+
+def _tls_refused(url: str, tls: ssl.SSLContext) -> str:
+    """What refused an https request (a TLS alert: no client certificate), or "" when it was answered."""
+    try:
+        _http("GET", url, tls=tls)
+    except OSError as e:  # ssl.SSLError is one
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _other_ca(path: Path) -> Path:
+    """A CA of someone else's (self-signed), which signed nothing of the hall's."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "another CA")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def _plaintext_is_refused(root: Path, addrs: list[str], api: int, client: int, peer: int, pg: int, dsn: str) -> None:
+    """Issue 29, defect 3 (fleet state): no link to a member works without TLS, etcd's peer port not without a
+    certificate the CA signed; a client with verify-full against the CA works, against another CA it does not."""
+    import psycopg
+
+    ca = root / "state" / "tls" / "ca.crt"
+    other = _other_ca(root / "other-ca.crt")
+
+    def healthy(a: str) -> bool:  # running PostgreSQL again (the old primary rejoins after the switchover)
+        try:
+            return _http("GET", f"https://{a}:{api}/health", tls=_tls_context(ca))[0] == 200
+        except OSError:
+            return False
+
+    end = time.monotonic() + 60
+    while not all(healthy(a) for a in addrs):
+        assert time.monotonic() < end, f"a member not running again within 60 s:\n{_log_tails(root)}"
+        time.sleep(0.3)
+    for a in addrs:
+        # PostgreSQL: a connection without TLS is refused by pg_hba before any password is asked for
+        with pytest.raises(psycopg.OperationalError) as no_tls:
+            psycopg.connect(f"host={a} port={pg} dbname=postgres user=postgres password=x sslmode=disable",
+                            connect_timeout=5)  # fmt: skip
+        assert "no encryption" in str(no_tls.value), str(no_tls.value)
+        # verify-full against another CA (a server it cannot tell from an impostor) fails before any login
+        with pytest.raises(psycopg.OperationalError) as unknown:
+            psycopg.connect(f"host={a} port={pg} dbname=postgres user=x sslmode=verify-full sslrootcert={other}",
+                            connect_timeout=5)  # fmt: skip
+        assert "certificate verify failed" in str(unknown.value), str(unknown.value)
+        # etcd: plain HTTP gets no answer on either port; the peer port refuses TLS without a certificate the CA
+        # signed (joining as a member), and answers a member's
+        for port in (client, peer):
+            assert _plain_http_refused(a, port), (a, port, "plain HTTP answered")
+        assert _tls_refused(f"https://{a}:{peer}/version", _tls_context(ca)), (a, "peer port took no certificate")
+        assert _http("GET", f"https://{a}:{peer}/version", tls=_tls_context(ca, root / "m0" / "tls" / "etcd"))[0] == 200
+        assert _http("GET", f"https://{a}:{client}/version", tls=_tls_context(ca))[0] == 200
+        # Patroni's REST API: https only
+        assert _plain_http_refused(a, api), (a, "Patroni answered plain HTTP")
+        assert _http("GET", f"https://{a}:{api}/health", tls=_tls_context(ca))[0] in (200, 503)
+    # the control loop's DSN: verify-full against the CA, over TLS
+    with connect(dsn) as c:
+        assert c.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone()[0] is True
+        assert c.info.get_parameters()["sslmode"] == "verify-full"
+
+
+def _cert_info(pem: str) -> Any:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(pem.encode())
+
+
+def _served(addr: str, port: int, ca: Path, member: Path | None = None, starttls: str = "") -> Any:
+    """The certificate a member's listener presents (openssl s_client; PostgreSQL's TLS begins after its own
+    request)."""
+    argv = ["openssl", "s_client", "-connect", f"{addr}:{port}", "-CAfile", str(ca), "-showcerts"]
+    if starttls:
+        argv += ["-starttls", starttls]
+    if member is not None:
+        argv += ["-cert", str(member / "member.crt"), "-key", str(member / "member.key")]
+    out = subprocess.run(argv, input="", capture_output=True, text=True, timeout=15).stdout
+    begin = out.index("-----BEGIN CERTIFICATE-----")
+    end = out.index("-----END CERTIFICATE-----") + len("-----END CERTIFICATE-----")
+    return _cert_info(out[begin:end])
+
+
+def _expiry_textfile(root: Path, ca: Path) -> None:
+    """Alert ScoCertificateExpiring's input: the control host's textfile holds the CA's and every member's expiry."""
+    text = (root / "control" / "textfile" / "sco_certificates.prom").read_text()
+    series = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sco_")
+    }
+    want = {
+        'sco_certificate_expiry_timestamp_seconds{certificate="fleet_state_ca",host=""}': _cert_info(ca.read_text())
+    }
+    for m in ("m0", "m1", "m2"):
+        key = f'sco_certificate_expiry_timestamp_seconds{{certificate="fleet_state_member",host="{m}"}}'
+        want[key] = _cert_info((root / "state" / "tls" / "fleet-state" / f"{m}.crt").read_text())
+    assert set(series) == set(want), text
+    for k, cert in want.items():
+        assert series[k] == cert.not_valid_after_utc.timestamp(), (k, series[k])
+
+
+def _renewed_near_expiry(
+    tmp: Path, ev: dict[str, Any], inventory: dict[str, Any], root: Path, addrs: list[str], client: int, pg: int
+) -> None:
+    """A member's certificate within the renewal margin of its expiry (a margin longer than its whole life stands in
+    for a year gone by) is renewed by the next run: signed anew on the controller, copied, and served by etcd and
+    PostgreSQL without a restart; the run after that changes nothing."""
+    ca = root / "state" / "tls" / "ca.crt"
+    etcd_dir = root / "m0" / "tls" / "etcd"
+    before = {
+        m: _cert_info((root / "state" / "tls" / "fleet-state" / f"{m}.crt").read_text()) for m in ("m0", "m1", "m2")
+    }
+    assert _served(addrs[0], pg, ca, starttls="postgres").serial_number == before["m0"].serial_number
+    r = play(tmp, {**ev, "fleet_state_tls_renew_days": 400}, inventory=inventory, limit="sco_fleet_state")
+    assert r.rc == 0, output(r)
+    assert all(changed(r, m) > 0 for m in ("m0", "m1", "m2")), output(r)
+    for i, m in enumerate(("m0", "m1", "m2")):
+        after = _cert_info((root / "state" / "tls" / "fleet-state" / f"{m}.crt").read_text())
+        assert (
+            after.serial_number != before[m].serial_number and after.not_valid_after_utc > before[m].not_valid_after_utc
+        )
+        assert (root / m / "tls" / "patroni" / "member.crt").read_text() == (
+            root / "state" / "tls" / "fleet-state" / f"{m}.crt"
+        ).read_text()
+        # served: etcd reads its files on every handshake, PostgreSQL after the role's SIGHUP
+        assert _served(addrs[i], client, ca, etcd_dir).serial_number == after.serial_number
+        end = time.monotonic() + 10
+        while _served(addrs[i], pg, ca, starttls="postgres").serial_number != after.serial_number:
+            assert time.monotonic() < end, f"{m}'s PostgreSQL still serves the old certificate"
+            time.sleep(0.2)
+    r = play(tmp, ev, inventory=inventory, limit="sco_fleet_state")
+    assert r.rc == 0, output(r)
+    assert [changed(r, m) for m in ("m0", "m1", "m2")] == [0, 0, 0], output(r)
 
 
 def test_cli_migrate_check_applies_nothing(postgres: Any, names: dict[str, str]) -> None:

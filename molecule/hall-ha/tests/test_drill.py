@@ -49,6 +49,8 @@ NODES = ["ha-node1", "ha-node2"]
 ADDRESS = {h: v["ansible_host"] for h, v in yaml.safe_load(SC.inventory.read_text())["all"]["hosts"].items()}
 RELAYS = ",".join(f"nats://{ADDRESS[h]}:4222" for h in INFRA)
 CREDS = SC.work / "credentials" / "nats"
+# the hall's CA, which role fleet_state made in the hall's state directory on the controller (sco_state_dir)
+CA = SC.work / "tls" / "ca.crt"
 # seconds from the notice to T: long enough for the three faults to land before it (stream failover ~6 s,
 # Patroni's ttl 10 s: 00-hall-ha.yml) on a loaded 2-core machine
 WINDOW = 45.0
@@ -299,11 +301,14 @@ def cloud() -> Iterator[Any]:
 
 
 def _dsn() -> str:
-    """The fleet state's DSN as fleet_state wrote it on ha-ctl1, its member names as addresses (a process of the
-    controller's inside a host's namespace reads the controller's /etc/hosts, not the host's)."""
+    """The fleet state's DSN as fleet_state wrote it on ha-ctl1, its member names as addresses and its CA the
+    controller's copy (a process of the controller's inside a host's namespace reads the controller's files, not
+    the host's)."""
     env = SC.host("ha-ctl1").file("/etc/sco/fleet-state.env").content_string
     dsn = next(ln.split("=", 1)[1] for ln in env.splitlines() if ln.startswith("SCO_DB_DSN="))
-    return re.sub(r"\bha-infra[0-9]\b", lambda m: ADDRESS[m.group(0)], dsn.strip().strip("'\""))
+    dsn = re.sub(r"\bsslrootcert=\S+", f"sslrootcert={CA}", dsn.strip().strip("'\""))
+    assert "sslmode=verify-full" in dsn, dsn  # TLS on by default, the server checked against the hall's CA
+    return re.sub(r"\bha-infra[0-9]\b", lambda m: ADDRESS[m.group(0)], dsn)
 
 
 # What the drill asks the fleet state, from inside a control host: record the nodes' instances as the acquirer
@@ -351,9 +356,14 @@ def _fleet(what: str, args: dict[str, Any], timeout: float = 60, host: str = "ha
 
 def _patroni_primary() -> str:
     """The infra host whose Patroni says it leads (GET /primary: 200 on the leader only)."""
-    probe = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)"
+    # Patroni's REST API is https only, its certificate the hall's CA's
+    probe = (
+        "import ssl, sys, urllib.request;"
+        " urllib.request.urlopen(sys.argv[1], timeout=2, context=ssl.create_default_context(cafile=sys.argv[2]))"
+    )
     for h in INFRA:
-        if SC.in_netns("ha-ctl2", sys.executable, "-c", probe, f"http://{ADDRESS[h]}:8008/primary").returncode == 0:
+        url = f"https://{ADDRESS[h]}:8008/primary"
+        if SC.in_netns("ha-ctl2", sys.executable, "-c", probe, url, str(CA)).returncode == 0:
             return h
     raise AssertionError("no Patroni member says it is the primary")
 
