@@ -92,6 +92,10 @@ def settings(postgres: Any, tmp: Path, names: dict[str, str], **over: Any) -> di
         "fleet_state_patroni_restapi_password": "restapi-password",
         "fleet_state_etcd_root_password": "etcd-root-password",
         "fleet_state_etcd_password": "etcd-patroni-password",
+        # the hall's CA: role hall's places are under the hall's state directory (which needs sco_hall too)
+        "fleet_state_tls_ca_cert": str(tmp / "state" / "tls" / "ca.crt"),
+        "fleet_state_tls_ca_key": str(tmp / "state" / "tls" / "ca.key"),
+        "fleet_state_tls_dir": str(tmp / "state" / "tls" / "fleet-state"),
         # The product is this checkout's venv (installing it from a wheelhouse is node_agent's test).
         "fleet_state_install": False,
         "fleet_state_venv": str(VENV),
