@@ -117,8 +117,14 @@ def test_runs_as_the_roles_own_system_user(rendered: dict[str, Path], role: str,
     assert s["CapabilityBoundingSet"] == "" and s["NoNewPrivileges"] == "yes"
     # the roles make the user and group: system accounts without a login shell
     tasks = [t for f in sorted((ROLES / role / "tasks").glob("*.yml")) for t in yaml.safe_load(f.read_text()) or []]
-    user = next(t["ansible.builtin.user"] for t in tasks if "ansible.builtin.user" in t)
-    group = next(t["ansible.builtin.group"] for t in tasks if "ansible.builtin.group" in t)
+    # the tasks that make them (uninstall's, which remove them with a purge, come first by file name)
+    made = [
+        t
+        for t in tasks
+        if (t.get("ansible.builtin.user") or t.get("ansible.builtin.group") or {}).get("state") != "absent"
+    ]
+    user = next(t["ansible.builtin.user"] for t in made if "ansible.builtin.user" in t)
+    group = next(t["ansible.builtin.group"] for t in made if "ansible.builtin.group" in t)
     assert user["system"] is True and user["shell"] == "/usr/sbin/nologin" and group["system"] is True
     assert user["name"] == f"{{{{ {role}_user }}}}" and group["name"] == f"{{{{ {role}_group }}}}"
 
