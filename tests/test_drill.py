@@ -89,7 +89,9 @@ class RoleRelay(NatsServer):
             except OSError:
                 return False
 
-        wait_for(up, 10, "nats-server")
+        # a relay with JetStream starting beside two others under CI's four workers took past 10 s once (its store
+        # recovery on a loaded disk): the test's own start, not a bound of the product
+        wait_for(up, 30, "nats-server")
         return self
 
 
