@@ -1,4 +1,4 @@
-"""Issue 31 defect 4: a control-loop step whose every create the cloud refused ends red, with the cloud's words.
+"""A control-loop step whose every create the cloud refused ends red, with the cloud's words.
 
 Against the real Nova: a project whose user holds a role that the cloud's policy forbids to create servers
 (``os_compute_api:servers:create``: ``not role:sco-refused``, loaded into the running Nova beside its defaults, so

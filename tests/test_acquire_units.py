@@ -163,7 +163,7 @@ def test_waiting_for_deletes_polls_at_a_short_fixed_interval() -> None:
 
 
 def test_the_clouds_messages_are_said_once_on_one_bounded_line() -> None:
-    """Review of issue 31, defect 4: 25 builds in ERROR, each fault naming its instance's id, made an 11 KB error, and
+    """25 builds in ERROR, each fault naming its instance's id, made an 11 KB error, and
     a message holding a newline made two lines."""
     from sco.control.steps import said_once
 

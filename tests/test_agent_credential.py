@@ -1,4 +1,4 @@
-"""Issue 18 item 5, the credential: the node's bound token renewed through TokenRequest with no manual step,
+"""The credential: the node's bound token renewed through TokenRequest with no manual step,
 never another node's; the preflight repeated when the credential changes; both shown in status and metrics.
 
 Against the Kubernetes API stand-in, which issues TokenRequest tokens as JWTs and refuses them (401) once
@@ -255,7 +255,7 @@ def test_token_info_refuses_what_it_cannot_renew() -> None:
 
 def test_failed_renewals_retry_jittered_not_in_step(tmp_path: Path) -> None:
     """A hall's tokens are issued together, so after an API outage their renewals all fail at once: each retry
-    wait is drawn from [w/2, w] (sco._retry.jitter), not w for every node (issue 20: one retry pacing with
+    wait is drawn from [w/2, w] (sco._retry.jitter), not w for every node (one retry pacing with
     jitter for the agent's loops; the renewal's waited exactly max(5 s, time left / 10) everywhere)."""
     from sco.agent.kube.credential import TokenRenewer
     from sco.agent.spool import Spool, read_events

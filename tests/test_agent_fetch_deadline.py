@@ -1,6 +1,6 @@
 """The bundle fetch on the agent's one HTTP client (``sco._http``), one deadline for the whole exchange.
 
-Issue 20, defect 4: a distributor answering 1 byte/s with ``Connection: close`` kept ``sco node fetch-bundle
+A distributor answering 1 byte/s with ``Connection: close`` kept ``sco node fetch-bundle
 --deadline 5`` running past 40 s (its timer closed ``conn.sock``, which ``http.client`` had already set to None),
 and the fetch dropped the URL's query string."""
 

@@ -1,4 +1,4 @@
-"""Issue 8: the node agent under hostile input and faults (defects 1-6, 8, 9 of the issue).
+"""The node agent under hostile input and faults (defects 1-6, 8, 9 of the issue).
 
 Real parts: nats-server (with accounts and permissions where identity matters), the agent as its own process,
 tmpfs mounts for a full and a read-only state directory (the tests run as root, as the README says). The

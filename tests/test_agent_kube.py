@@ -283,7 +283,7 @@ def test_spool_full_keeps_outcomes_and_records_the_drop(
         meta.shutdown()
 
 
-# --- issue 7: a real cluster is less kind than the old stand-in (each test failed before its fix) -----------
+# --- A real cluster is less kind than the old stand-in (each test failed before its fix) -----------
 
 
 def _terminate_at(agent: AgentEnv) -> float:
@@ -430,7 +430,7 @@ def test_defect5_a_rotated_token_is_read_again(tmp_path: Path, nats_server: Nats
 def test_a_rotation_revoking_the_old_token_mid_drain_costs_no_failed_call(
     tmp_path: Path, nats_server: NatsServer
 ) -> None:
-    """Issue 18 item 5: the token file rewritten and the old token revoked at the same moment, while a drain
+    """The token file rewritten and the old token revoked at the same moment, while a drain
     retries an eviction a PDB blocks: the next request carries the new token (the file is stat'ed before each
     request), a request already in flight is answered 401 at most once and sent again, and the drain finishes."""
     import os

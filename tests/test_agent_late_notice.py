@@ -1,4 +1,4 @@
-"""A notice already past its time (issue 20, defect 3): ``terminateAt`` in the past, with an ``issuedAt``. The
+"""A notice already past its time: ``terminateAt`` in the past, with an ``issuedAt``. The
 instance may still be there (clock skew, a late delete, an agent restarted past T): the node is tainted and its
 pods evicted with the floor grace, and the outcome says what was seen and done and how late the notice was.
 Before: accepted and reported "overrun" at once, no taint, no eviction, ``pods: 0`` with 10 pods running."""

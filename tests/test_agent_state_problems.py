@@ -1,4 +1,4 @@
-"""Config, state and key problems (issue 20, defect 6): one line and the same exit code at ``check-config`` as
+"""Config, state and key problems: one line and the same exit code at ``check-config`` as
 at ``run`` (5 configuration or state, 4 a key file), never a traceback; a serial past the bound refused; a
 refused cached bundle named with its reason at start."""
 

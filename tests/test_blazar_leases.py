@@ -1,4 +1,4 @@
-"""Blazar as the seed means it (issue 17, item 5), against the tests' real Blazar (API and manager on MariaDB,
+"""Blazar as the seed means it, against the tests' real Blazar (API and manager on MariaDB,
 physical host plugin, the cloud's one compute host enrolled): a host lease about to start has the reclaimable
 instances on its hosts noticed, drained and deleted before it starts, so Blazar's own preemption (it deletes every
 server on a host it takes, with no notice) never meets a running workload; only the ACTIVE lease counts as

@@ -332,7 +332,7 @@ def test_demo_runs() -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     assert "node.tainted" in p.stdout and "drain.drained" in p.stdout
     assert "node: refused" in p.stdout and p.stdout.rstrip().endswith("before the deadline: ok")
-    # issue 8: the demo creates the events stream and the events reach it; an unsigned notice is refused
+    # The demo creates the events stream and the events reach it; an unsigned notice is refused
     assert "spooled events in JetStream stream SCO_EVENTS" in p.stdout
     assert "an unsigned notice from anyone on the relay: refused (unsigned)" in p.stdout
 

@@ -1,4 +1,4 @@
-"""Day one with the collection as a platform team installs it (issue 19, defects 2-6): the playbooks and the
+"""Day one with the collection as a platform team installs it: the playbooks and the
 hall-wide defaults are in the artifact; an inventory overrides those defaults as Ansible users expect; generated
 files go to one state directory, not the inventory; galaxy.yml declares every collection the roles use and
 `make collection`'s output installs offline; argument specs require what is required; check mode fails where the

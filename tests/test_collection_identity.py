@@ -1,4 +1,4 @@
-"""Package identity and day one (issue 12, defects 1, 3 and 4): the distribution has a name of its own, the roles
+"""Package identity and day one: the distribution has a name of its own, the roles
 install the version that matches the collection, the modules say what is missing and where, and a plain
 `ansible-playbook` from the repository root finds the collection, the inventory and hosts in its groups."""
 
@@ -203,7 +203,7 @@ def test_execution_environment_definition_builds_a_context(tmp_path: Path) -> No
         tmp_path / "ee" / "sco-orchestrator.tar.gz"
     )
     # the file named as scripts/ee.sh's podman reads it: left to itself ansible-builder writes a Dockerfile unless
-    # podman is on PATH (issue 19: podman is there only where `make ee` once ran)
+    # podman is on PATH (podman is there only where `make ee` once ran)
     ctx = ansible(
         "ansible-builder", "create", "-f", str(tmp_path / "ee" / "execution-environment.yml"), "--context",
         str(tmp_path / "ctx"), "--output-filename", "Containerfile",
@@ -228,7 +228,7 @@ def test_execution_environment_definition_builds_a_context(tmp_path: Path) -> No
         body = containerfile.split(stage, 1)[1].split("\nFROM ", 1)[0]
         assert "COPY _build/wheels /build/wheels" in body and "ARG PIP_FIND_LINKS=/build/wheels" in body, stage
     assert "ENV PIP_FIND_LINKS" not in containerfile
-    # every pip of the build at constraints/control.txt's pins (issue 30), ansible-core's in the base stage included
+    # every pip of the build at constraints/control.txt's pins, ansible-core's in the base stage included
     assert (tmp_path / "ctx" / "_build" / "constraints" / "control.txt").read_bytes() == (
         REPO / "constraints" / "control.txt"
     ).read_bytes()

@@ -1,4 +1,4 @@
-"""Issue 28 defect 6: the ConfigMap the Kyverno policies read is published by the hall itself. Role control_loop
+"""The ConfigMap the Kyverno policies read is published by the hall itself. Role control_loop
 installs sco-contracts-configmap.service on the control host of a hall whose loop reads Kubernetes; this renders
 the role's unit from its template with the role's own defaults (the Kubernetes API and the distributor's URL from
 the hall's settings) and runs exactly its ExecStart (systemd's ${STATE_DIRECTORY} and ${CREDENTIALS_DIRECTORY}

@@ -1,4 +1,4 @@
-"""Reproducible builds (issue 30, found 3; build 4): the control plane and the execution environment install exact
+"""Reproducible builds: the control plane and the execution environment install exact
 pins (constraints/control.txt), the demo's PostgreSQL binaries are no production dependency, what is imported is
 declared, and the PostgreSQL collection admits only releases that run on psycopg 3."""
 

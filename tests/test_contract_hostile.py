@@ -1,4 +1,4 @@
-"""Issue 8 on the contract side: absurd signed bundles (7), compiler hardening (7), notice keys in the hall
+"""The contract side under hostile input: absurd signed bundles (7), compiler hardening (7), notice keys in the hall
 policy and the operator's commands (1), keygen and symlinks, the distributor's idle connections (8), and
 ``sco node bundle-status`` counting refused bundles (9)."""
 

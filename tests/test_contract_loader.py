@@ -54,7 +54,7 @@ def test_unhashable_keys_get_pyyamls_error() -> None:
 
 @given(st.text(alphabet="0123456789+-._:eExXoObByYnNtTfFrRuUlLsS~\u0663 ", min_size=1, max_size=8))
 def test_any_short_scalar_is_what_safeloader_makes_of_it(value: str) -> None:
-    """Issue 20: the resolver tells decimal integers and booleans apart without PyYAML's regular expressions;
+    """The resolver tells decimal integers and booleans apart without PyYAML's regular expressions;
     whatever a plain scalar spells, the value (or the error) is SafeLoader's."""
     doc = f"k: {value}\n"
     try:

@@ -1,4 +1,4 @@
-"""Issue 28: the control loop in a hall whose relay runs in operator mode. Role control_loop laid out (as site.yml
+"""The control loop in a hall whose relay runs in operator mode. Role control_loop laid out (as site.yml
 would, role hall's mapping given as its variables) with the reader's and the reclaimer's creds: the unit's
 EnvironmentFile names the reader's creds file (SCO_NATS_CREDS, not a seed), both creds files are the unit user's
 0600, the loop's extravars hand the before-leases reclaim the creds file; and the reader the loop builds from that

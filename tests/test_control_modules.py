@@ -352,7 +352,7 @@ def test_the_reclaim_steps_options_are_parsed_once_and_bad_ones_named() -> None:
 
 def test_the_reclaim_step_and_sco_reclaim_read_one_rule_for_retry_for() -> None:
     """retry_for 0 (one attempt, no retries) is what ``sco reclaim --retry-for 0`` takes (ReclaimSettings); the
-    step refused it (issue 32: two option types for one reclaim that disagreed). Both read
+    step refused it (two option types for one reclaim that disagreed). Both read
     sco.provider.reclaim_job.limit_problems now."""
     from sco.control.options import ReclaimOptions, parse_options
     from sco.errors import ConfigError
@@ -401,7 +401,7 @@ SECRET_PLAY = """
 
 
 def test_acquire_never_shows_its_cloud_dict_or_node_env(tmp_path: Path, hall: dict[str, Any]) -> None:
-    """Issue 29, defect 4: node_env (it becomes user-data: enrolment tokens, relay passwords) and a cloud given as a
+    """node_env (it becomes user-data: enrolment tokens, relay passwords) and a cloud given as a
     dict (its auth) were not no_log, so -vvv's result and ansible-runner's events carried them verbatim."""
     import ansible_runner
 

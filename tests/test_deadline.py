@@ -92,7 +92,7 @@ def test_grace_is_the_smaller_of_budget_and_time_left_and_at_least_one(
     assert g >= min(budget, room) - 1
 
 
-# --- the agent's one retry pacing and the best-effort deadline (issue 20) ---------------------------------------
+# --- the agent's one retry pacing and the best-effort deadline ---------------------------------------
 
 
 def test_backoff_is_capped_exponential_with_jitter() -> None:

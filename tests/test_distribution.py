@@ -266,7 +266,7 @@ def _node_get(port: int, timeout: float = 5.0) -> tuple[bytes, float]:
 def test_a_slowloris_of_300_connections_leaves_a_node_answered(
     tmp_path: Path, key: PrivateKey, keyring: Keyring
 ) -> None:
-    """Issue 20: 256 connections trickling a byte every 5 s shut the distributor to everyone (revocations stopped
+    """256 connections trickling a byte every 5 s shut the distributor to everyone (revocations stopped
     reaching nodes). Now one address holds at most 16 connections, and a request's headers must be in within
     ``header_timeout`` however slowly they trickle: 300 slow connections from one address and from ten others
     leave a GET from another node answered within 1 s, and are cut off at the deadline while still sending."""
@@ -313,7 +313,7 @@ def test_a_slowloris_of_300_connections_leaves_a_node_answered(
 def test_a_slowloris_from_300_addresses_leaves_a_node_answered(
     tmp_path: Path, key: PrivateKey, keyring: Keyring
 ) -> None:
-    """Issue 20, from many addresses (a botnet, or one IPv6 /64): the per-address limit does not apply, 256 slow
+    """From many addresses (a botnet, or one IPv6 /64): the per-address limit does not apply, 256 slow
     connections took every slot and a node's GET was closed unanswered until the header deadline reaped them
     (10 s, then the attacker reconnects). Now a new connection takes the slot of the one waiting longest for
     its headers: with the header deadline far off (30 s), the node is answered within 1 s, twice."""
@@ -341,7 +341,7 @@ def test_a_slowloris_from_300_addresses_leaves_a_node_answered(
 def test_clients_that_send_whole_requests_and_never_read_leave_a_node_answered(
     tmp_path: Path, key: PrivateKey, keyring: Keyring
 ) -> None:
-    """Review of issue 20: 300 connections from 300 addresses, each sending 2,000 complete GETs at once and reading
+    """300 connections from 300 addresses, each sending 2,000 complete GETs at once and reading
     nothing. Their headers are complete, so no header deadline applied and none could be shed: every thread blocked
     writing for up to idle_timeout, and a node's GET came back empty (9 of 18 answered within 1 s, sustained). The
     answer is now under a deadline that can be shed too: the node is answered, three times, long before the 30 s

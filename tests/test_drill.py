@@ -563,7 +563,7 @@ def _one_line(out: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_a_missing_notice_key_stops_the_drill_with_one_line_and_sends_nothing(tmp_path: Path, relay: Any) -> None:
-    """The crash of issue 19: a missing key file raised in the script, whose exit 1 was read as "not drained" and
+    """A crash: a missing key file raised in the script, whose exit 1 was read as "not drained" and
     whose empty output failed in from_json. Now: one line naming the file and what to do; no notice sent."""
     srv, creds = relay
     (tmp_path / "nats").symlink_to(creds)

@@ -1,4 +1,4 @@
-"""Issue 28: site.yml deploys the enrolment service. Role control_loop installs sco-enrol.service on the control hosts
+"""site.yml deploys the enrolment service. Role control_loop installs sco-enrol.service on the control hosts
 of a hall whose relay is in operator mode (role hall maps control_loop_enrolment_enabled and the controller's
 operator keys), and the loop's node_env names it (SCO_AGENT_ENROL_URL). This renders the role's unit from its
 template with the role's defaults and vars and role hall's mapping, hands it exactly the files its LoadCredential=

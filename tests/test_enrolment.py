@@ -1,4 +1,4 @@
-"""Issue 28, enrolment: a launched instance exchanges its one-time token (made by the acquirer, only its hash in the
+"""A launched instance exchanges its one-time token (made by the acquirer, only its hash in the
 fleet state) for its own relay identity and a Kubernetes token bound to its Node, once. Real parts: PostgreSQL (the
 fleet state), an operator-mode nats-server (tests/test_relay_jwt.py's), the Kubernetes API stand-in, and the real
 sco-agent for the node's side."""

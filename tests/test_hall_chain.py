@@ -1,4 +1,4 @@
-"""Issue 28: the main job's chain in one test, on real parts, in the order a hall lives it.
+"""The main job's chain in one test, on real parts, in the order a hall lives it.
 
 A pending pod on the Kubernetes API stand-in -> the control loop's demand, plan, arbitrate and acquire (the
 collection's modules through ansible-runner, as the timer runs them) launch one instance on the real Nova, its

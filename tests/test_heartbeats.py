@@ -1,4 +1,4 @@
-"""Agent heartbeats (issue 18): a real agent beats onto a relay started with the notice_relay role's own
+"""Agent heartbeats: a real agent beats onto a relay started with the notice_relay role's own
 configuration, the control loop's reader (role user `control`) reads the last beat per node into a real fleet
 state, and `sco hall status` lists the agents not heard; the relay lets a node beat only for itself."""
 

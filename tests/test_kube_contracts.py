@@ -106,7 +106,7 @@ def test_cli_refuses_a_watch_interval_out_of_bounds(
     kube: KubeApiStandIn, key: PrivateKey, tmp_path: Path, capsys: pytest.CaptureFixture[str], interval: str
 ) -> None:
     """--watch --interval 0 published to the API server in a busy loop (and nan or inf slept for ever): exit 5
-    naming the flag, nothing sent (issue 20: bad input is one clear line)."""
+    naming the flag, nothing sent (bad input is one clear line)."""
     write_keypair(key, tmp_path / "k.key", tmp_path / "k.pub")
     bundle = tmp_path / "bundle.json"
     bundle.write_bytes(_bundle(key))

@@ -1,4 +1,4 @@
-"""The ConfigMap publisher on the Kubernetes credentials code the agent uses (issue 20): a rotated bound token
+"""The ConfigMap publisher on the Kubernetes credentials code the agent uses: a rotated bound token
 is read again after a 401 (it read the file once, then failed every write with 401 until restarted), and https
 needs a CA that vouches for the server (else the system store, as before)."""
 

@@ -1,4 +1,4 @@
-"""Kubernetes Events about a drain (issue 18, item 3): on the Node (drain started, tainted, drained / overrun
+"""Kubernetes Events about a drain: on the Node (drain started, tainted, drained / overrun
 with the reasons) and on each evicted pod, as ``kubectl describe`` lists them; never delaying the drain.
 Before: no event at all, and the stand-in had no events endpoint (404)."""
 

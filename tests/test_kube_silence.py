@@ -103,7 +103,7 @@ def test_a_refused_connection_for_300ms_is_not_silence(env: AgentEnv, kube: Kube
 
 
 def test_answers_later_than_800ms_are_silence(env: AgentEnv, kube: KubeApiStandIn) -> None:
-    """The rule's other side (issue 20's loaded control plane): every request answered 1.2 s late. Nothing is
+    """The rule's other side: every request answered 1.2 s late. Nothing is
     received for 800 ms while the probe is outstanding: silent, whatever happens 0.6 s later (the node is
     going anyway: seed view 19)."""
     _draining(env, kube, "late-2")

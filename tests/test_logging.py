@@ -1,4 +1,4 @@
-"""Logging and sd_notify STATUS (issue 18, item 4).
+"""Logging and sd_notify STATUS.
 
 Before: overruns were logged at INFO; ``sco`` and ``sco-control-loop`` configured no logging (the reclaimer's INFO
 lines were dropped: Python's last-resort handler shows WARNING and above only); no JSON format; STATUS was sent

@@ -1,4 +1,4 @@
-"""Issue 28 defect 4: the control loop's alerts in a hall as the collection deploys it. Role monitoring renders
+"""The control loop's alerts in a hall as the collection deploys it. Role monitoring renders
 node_exporter's and Prometheus's command lines (Debian's units run ``$ARGS`` from them), Prometheus's configuration
 and the rules; role control_loop's unit gives the loop the textfile directory (Environment=, ReadWritePaths=). A
 real node_exporter and a real Prometheus run from exactly those files, and real ``sco-control-loop`` runs

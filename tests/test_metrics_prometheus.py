@@ -1,4 +1,4 @@
-"""Issue 18's done-when: a real Prometheus (Debian's) scrapes two agents (one drains, one overruns, against the
+"""A real Prometheus (Debian's) scrapes two agents (one drains, one overruns, against the
 Kubernetes API stand-in and a real nats-server), a real control-loop run (``sco-control-loop``'s run_loop: the
 fleet-state lock, ansible-runner, the collection's plan, arbitrate and reclaim modules on a real PostgreSQL, then
 the agents' heartbeats read from the relay) through its textfiles, served by a real node_exporter (Debian's, its

@@ -102,7 +102,7 @@ def test_the_relay_identity_is_the_nodes_nkey_seed_in_a_file(tmp_path: Path) -> 
 
 
 def test_in_operator_mode_the_relay_identity_is_the_nodes_creds_file(tmp_path: Path) -> None:
-    # issue 28: a relay in operator mode. Role hall maps both the node's seed and its creds (the user JWT notice_relay
+    # A relay in operator mode. Role hall maps both the node's seed and its creds (the user JWT notice_relay
     # minted, with that seed); agent.toml names the creds file alone, and the agent's identity connects to a real
     # operator-mode relay and hears its own notices on it
     import asyncio
@@ -146,7 +146,7 @@ CONFIGURE = """
 
 
 def test_the_relay_password_is_not_in_the_diff_of_agent_toml(tmp_path: Path) -> None:
-    """Issue 29, defect 4: `--diff` printed agent.toml's nats_password, when the file was made and when it changed
+    """`--diff` printed agent.toml's nats_password, when the file was made and when it changed
     (and ansible-runner kept it in its artifacts). The role's own task runs here, -vvv --diff, twice."""
     (tmp_path / "trusted").mkdir()
     write_keypair(generate(), tmp_path / "hall.key", tmp_path / "trusted/hall.pub")

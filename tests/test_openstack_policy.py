@@ -1,4 +1,4 @@
-"""Issue 28 defect 5: the before-leases reclaim with the credential docs/OPENSTACK-POLICY.md describes, against the
+"""The before-leases reclaim with the credential docs/OPENSTACK-POLICY.md describes, against the
 tests' real Blazar and Nova. A project member alone is refused with one line naming the call and the rule (Blazar's
 own words); with the role sco-control and docs/policy/blazar-policy.yaml loaded into the running Blazar (nothing
 else: no admin role, no Nova rule), the step sees another project's host lease and reclaims the hall's instance on

@@ -1,4 +1,4 @@
-"""What each install gets (issue 19): the runtime wheel carries the product only (the test support is the
+"""What each install gets: the runtime wheel carries the product only (the test support is the
 repository's own distribution, devkit/), a node installs it without extras and so without pydantic and PyYAML,
 agent/constraints.txt pins exactly what the node's wheelhouse holds, and a command that needs an extra says which."""
 

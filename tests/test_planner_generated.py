@@ -1,4 +1,4 @@
-"""The plan is what it says it is (issue 31): its cost and its solver's objective and gap are those of the plan
+"""The plan is what it says it is: its cost and its solver's objective and gap are those of the plan
 returned, free capacity is not deleted while work it could hold goes short, and committed pools say what they hold
 now and what only once their outgoing instances are gone. Each defect on the example that showed it, then 300
 generated halls (``benchmarks.planner_halls``: its own seeded generator and the checks)."""
@@ -230,7 +230,7 @@ def test_300_generated_halls_plan_what_they_say() -> None:
     """Every plan of 300 generated halls: the reported cost is the sum of the launched instances' prices, the
     reported objective and gap are those of the plan returned, no idle instance is deleted while short work fits
     it, committed launches stay within the lease, floors are said held only as far as instances hold them, and the
-    applied plan is a fixed point. (Before issue 31, on these halls: 16 plans of the 178 that launch opened
+    applied plan is a fixed point. (Before these checks, on these halls: 16 plans of the 178 that launch opened
     instances the solver did not count, 15 deleted an idle instance short work fitted, 3 said committed floors
     held beyond what they held.)"""
     wrong: dict[int, list[str]] = {}

@@ -1,4 +1,4 @@
-"""The planner's objective (issue 17): idempotent, whole requests, shares of placed units, only usable instances
+"""The planner's objective: idempotent, whole requests, shares of placed units, only usable instances
 are room, the least hourly cost (against a brute-force optimum), and each phase on its own."""
 
 from __future__ import annotations

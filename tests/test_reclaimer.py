@@ -1,4 +1,4 @@
-"""Reclaims that finish (issue 17, defects 13-15): deadlines on every OpenStack call and on the hall's lock, deletes
+"""Reclaims that finish: deadlines on every OpenStack call and on the hall's lock, deletes
 retried until Nova confirms them gone, a fleet state lost mid-run, accounts of other notices, windows that cannot
 drain. Against a real PostgreSQL; the tests marked slow against the tests' real OpenStack too."""
 
@@ -497,7 +497,7 @@ def test_the_reclaim_step_fails_with_the_clouds_words_while_an_instance_is_not_g
         assert st.instance(inst.id).state == "notified"
 
 
-# --- issue 21: two control hosts; a reclaim whose host dies before T is finished by the other ---------------
+# --- Two control hosts; a reclaim whose host dies before T is finished by the other ---------------
 
 
 @pytest.mark.slow

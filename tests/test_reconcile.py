@@ -1,4 +1,4 @@
-"""The control loop converges on a real cloud (issue 17, acquirer and fleet state): the loop's steps in the order
+"""The control loop converges on a real cloud: the loop's steps in the order
 of ``control_loop.yml``, run in-process as its modules run them (``sco.control.steps.run``), against real Nova
 (fake virt driver), Keystone, Placement and Glance on loopback, a real PostgreSQL fleet state and the Kubernetes
 API **stand-in** holding a fixed demand. Faults between runs: kill -9 mid-launch, a server deleted behind the
@@ -588,7 +588,7 @@ def _preflight_out(hall: Hall) -> dict[str, dict[str, Any]]:
 def test_auto_with_no_network_in_sight_fails_the_preflight_before_any_create(  # type: ignore[no-untyped-def]
     openstack_cloud, cloud, fleet_dsn, kube, tmp_path, monkeypatch
 ) -> None:
-    """Issue 31, defect 5: ``launch.networks: auto`` while the project sees no network, and Neutron cannot allocate
+    """``launch.networks: auto`` while the project sees no network, and Neutron cannot allocate
     one (the loopback cloud's network endpoint answers the auto-allocated-topology dry run with a 404, as a Neutron
     without the extension does). The preflight passed it; every create then failed in Nova (a 500 here). Now the
     preflight says so, naming the pool and the setting, and no create is sent."""

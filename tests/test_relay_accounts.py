@@ -1,4 +1,4 @@
-"""Issue 20 defect 7: notices on an account of their own in the relay. A real nats-server configured by the
+"""Notices on an account of their own in the relay. A real nats-server configured by the
 notice_relay role's own template, a real agent holding only its node's credentials, and the two ways other
 clients landed messages on a node's notice subject: a control-plane reader's JetStream request whose reply subject
 is that subject, and another node routing the acks of its own events there. Neither reaches the agent (it counts
@@ -88,7 +88,7 @@ def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
 
 
 def test_the_relays_config_holds_no_secret_and_renders_the_same_twice(tmp_path: Path) -> None:
-    """Issue 18 item 5: relay users are nkeys. The config has each user's public key, never a seed or a password;
+    """Relay users are nkeys. The config has each user's public key, never a seed or a password;
     a second render (the role's next run) changes nothing; each user's seed on the controller gets it in."""
     import nkeys
 

@@ -1,4 +1,4 @@
-"""Issue 21: the notice relay as a NATS cluster. Three real nats-servers, each configured by the notice_relay role's
+"""The notice relay as a NATS cluster. Three real nats-servers, each configured by the notice_relay role's
 own template for a three-relay hall, routed to each other with the hall's route password; the role's stream tool run
 on every relay at once; an agent-like client given every relay's URL keeps publishing its events while the stream's
 leader is killed with SIGKILL, and the stream holds each event exactly once, in order."""
@@ -423,7 +423,7 @@ def test_agents_and_the_control_loop_are_given_every_relay(tmp_path: Path) -> No
 
 def test_the_stream_tool_gives_up_at_its_wait_when_no_relay_listens(tmp_path: Path) -> None:
     """nats-py retries a refused first connection whatever its options say: the tool ran on (a traceback every 2 s)
-    until something killed it (review of issue 21). --wait now bounds it: one line, non-zero."""
+    until something killed it. --wait now bounds it: one line, non-zero."""
     import nkeys
 
     seed = tmp_path / "relay-admin.nk"
@@ -439,7 +439,7 @@ def test_the_stream_tool_gives_up_at_its_wait_when_no_relay_listens(tmp_path: Pa
 def test_the_reclaimer_reaches_a_live_relay_behind_several_silent_ones(tmp_path: Path) -> None:
     """Each relay that accepts and never answers (or drops packets) costs nats-py its 2 s connect_timeout, in an
     order of its own choosing: with a fixed 5 s bound on the first connect, three silent relays before the live one
-    left the notices to the metadata alone (review of issue 21: 2 of 8). The bound now grows with the relay list."""
+    left the notices to the metadata alone (2 of 8). The bound now grows with the relay list."""
     import socket
 
     from sco.contract.signing import generate

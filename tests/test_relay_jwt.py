@@ -1,4 +1,4 @@
-"""Issue 28, relay: node identities issued at run time (sco.provider.relay_identity) on a real nats-server in
+"""Node identities issued at run time (sco.provider.relay_identity) on a real nats-server in
 operator mode with a full resolver. A node enrolled while the relay runs (no reload) connects with its creds under
 its own account, hears only its own notices and puts only its own events into the stream; the two routes of
 tests/test_relay_accounts.py (a reader's JetStream request and another node's event naming a node's notice

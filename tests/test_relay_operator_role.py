@@ -1,4 +1,4 @@
-"""Issue 28: role notice_relay in operator mode (notice_relay_auth_mode: operator). The role applied to this machine
+"""Role notice_relay in operator mode (notice_relay_auth_mode: operator). The role applied to this machine
 as a relay host without systemd (its paths in the test's directory); nats-server started exactly as the unit it
 installed says (ExecStart), the stream tool run as its ExecStartPost runs it (on the relay-admin creds the role
 copied). An inventory node connects with the creds the role minted on the controller and hears the reclaimer's

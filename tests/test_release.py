@@ -1,4 +1,4 @@
-"""Versions and releases (issue 30, found 4; build 5): the version has one place (pyproject.toml) and the literals
+"""Versions and releases: the version has one place (pyproject.toml) and the literals
 the collection needs agree with it, galaxy.yml names no made-up URL, every entry point says its version, a contract
 error's exit code is not argparse's usage error, and `make release` writes CHANGELOG.rst for the next version (on a
 copy of the tree: the fragments here stay unreleased)."""
@@ -52,7 +52,7 @@ def test_the_version_has_one_place_and_its_copies_agree() -> None:
     # the package reads it from the installed distribution's metadata, not from a literal of its own
     assert sco.__version__ == metadata.version("spot-capacity-orchestrator") == version
     assert not re.search(r'^__version__ = "', (REPO / "src" / "sco" / "__init__.py").read_text(), re.M)
-    # nowhere else (the 26 copies issue 30 counted): history (version_added, the released changelog, a relay note
+    # nowhere else (there were 26 copies): history (version_added, the released changelog, a relay note
     # about agents before a change) and another project's pin that happens to match are the only other mentions
     allowed = {
         "pyproject.toml",

@@ -352,7 +352,7 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
     renders etcd's and Patroni's settings and installs and enables their units without starting them (no systemd
     here); the units' command lines start a working cluster, in the role's order (etcd, its authentication, Patroni);
     the control host's run then creates the database on the primary, migrates it once and writes a DSN listing every
-    member, and the members' part changes nothing the second time. TLS is on as by default (issue 29, defect 3): the
+    member, and the members' part changes nothing the second time. TLS is on as by default: the
     hall's CA made on the controller, every link over TLS, plaintext refused, a certificate near expiry renewed."""
     import shutil
     import tempfile
@@ -539,7 +539,7 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
 def test_the_database_password_is_on_no_command_line_environment_or_output(
     postgres: Any, tmp_path: Path, names: dict[str, str]
 ) -> None:
-    """Issue 29, defect 4: the migrations got the password in PGPASSWORD through the environment keyword, which
+    """The migrations got the password in PGPASSWORD through the environment keyword, which
     Ansible puts on the target's `/bin/sh -c 'PGPASSWORD=... python ...'` line (every local user's `ps`, and -vvv's
     EXEC line) and into `sco db migrate`'s environment. A ps sampler runs through a -vvv --diff converge."""
     secret = "pw-" + os.urandom(12).hex()  # of this test alone: no other process on the machine has it
@@ -567,7 +567,7 @@ STRANGER = "127.0.0.9"  # on the members' network (this machine's 127/8), in no 
 
 
 def _strangers_are_refused(root: Path, addrs: list[str], api: int, client: int, peer: int, pg: int) -> None:
-    """Issue 29, defects 1 and 2, against the cluster the role's settings made: every listener on the members' own
+    """Against the cluster the role's settings made: every listener on the members' own
     addresses; Patroni's unsafe endpoints refuse a request without the role's credentials (401) and one from an
     address not allowed (403); etcd refuses a write without a user, even over a member's certificate; Patroni, on
     etcd with authentication, still elects a leader (an authenticated switchover from an allowed host)."""
@@ -693,7 +693,7 @@ def _other_ca(path: Path) -> Path:
 
 
 def _plaintext_is_refused(root: Path, addrs: list[str], api: int, client: int, peer: int, pg: int, dsn: str) -> None:
-    """Issue 29, defect 3 (fleet state): no link to a member works without TLS, etcd's peer port not without a
+    """Fleet state: no link to a member works without TLS, etcd's peer port not without a
     certificate the CA signed; a client with verify-full against the CA works, against another CA it does not."""
     import psycopg
 

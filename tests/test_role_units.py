@@ -1,4 +1,4 @@
-"""The control loop's and the Slurm contract refresh's systemd units (issue 18 item 5), rendered from the roles'
+"""The control loop's and the Slurm contract refresh's systemd units, rendered from the roles'
 templates with the roles' defaults: their own system users, sandboxed to an exposure of at most 3.0 by
 ``systemd-analyze security --offline=true`` (8.9 as root before), and a failure reported by an installed unit."""
 

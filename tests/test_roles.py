@@ -94,12 +94,12 @@ def test_node_agent_role_check_real_again(tmp_path: Path, host: TestHost, wheelh
     events = host.ssh("/opt/sco/bin/sco-agent", "events", "--state-dir", "/var/lib/sco").stdout
     assert '"type": "agent.started"' in events
     pkgs = host.ssh("/opt/sco/bin/python", "-m", "pip", "list", "--format=freeze").stdout.lower()
-    # the pinned release of the collection, under the distribution's own name (issue 12, defect 1)
+    # the pinned release of the collection, under the distribution's own name
     assert f"spot-capacity-orchestrator=={__version__}" in pkgs and "aiohttp" not in pkgs  # the agent's env stays lean
 
 
 def _revocation(tmp_path: Path, host: TestHost, role: str, playbook: str, trust_dir: str, ev: dict[str, Any]) -> None:
-    """A key taken off the list stops verifying on the next run (issue 12, defect 2); a key file someone put in
+    """A key taken off the list stops verifying on the next run; a key file someone put in
     the trust directory by hand is not trusted either: the role owns the directory."""
     from tests.harness import hall_bundle
 
@@ -182,7 +182,7 @@ def test_slurm_admission_role(tmp_path: Path, host: TestHost, wheelhouse: Path) 
 
 
 def test_slurm_admission_role_wants_the_lua_plugin_loaded(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
-    """Without JobSubmitPlugins=lua job_submit.lua never runs: the role stops and says what to add (issue 12)."""
+    """Without JobSubmitPlugins=lua job_submit.lua never runs: the role stops and says what to add."""
     from tests.harness import hall_bundle
 
     key = generate()

@@ -158,7 +158,7 @@ def test_key_files(tmp_path: Path) -> None:
     ],
 )
 def test_bundles_and_notices_share_one_signature_check(change: Any, kind: str, why: str) -> None:
-    """Issue 20: the check was written twice and the copies differed (only bundles required lowercase hex and
+    """The check was written twice and the copies differed (only bundles required lowercase hex and
     exactly {keyid, sig}); now one function, the same refusal for both."""
     import json
 
@@ -204,7 +204,7 @@ def _has_float(v: object) -> bool:
 
 @given(_JSON)
 def test_canonical_json_refuses_a_float_wherever_it_is(value: object) -> None:
-    """Issue 20 (the compile's hot path): canonical JSON is parsed again only where a float may be (a value
+    """The compile's hot path: canonical JSON is parsed again only where a float may be (a value
     after ':', ',' or '[' with a '.' or an exponent); a float anywhere is still refused, and strings that look
     like one are not."""
     from sco.contract import canonical

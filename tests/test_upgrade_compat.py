@@ -1,5 +1,5 @@
 """What release N+1 reads of what release N writes, and the rules each wire format and the fleet state's schema keep
-within a major release (docs/UPGRADE.md, issue 30): tested on the real readers. A field N+1 adds must be one N ignores;
+within a major release (docs/UPGRADE.md): tested on the real readers. A field N+1 adds must be one N ignores;
 a field N+1 needs must have a default for what N sent without it.
 
 Not tested here (said in docs/UPGRADE.md): the heartbeat reader (it keeps the body's object as it is) and the

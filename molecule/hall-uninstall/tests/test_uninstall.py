@@ -1,4 +1,4 @@
-"""Uninstall (issue 30): the converged local hall removed by sco.orchestrator.uninstall over real SSH, run again
+"""Uninstall: the converged local hall removed by sco.orchestrator.uninstall over real SSH, run again
 (nothing changes), data kept; then removed with sco_purge_data and run again. The tests run in file order, each on
 what the one before left.
 
