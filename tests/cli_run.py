@@ -35,3 +35,7 @@ def run_module(name: str, args: dict[str, Any], tmp_path: Path, env: dict[str, s
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(COLLECTION)}
     p = subprocess.run([sys.executable, str(module), str(argf)], capture_output=True, text=True, env=env, timeout=60)
     return dict(json.loads(p.stdout))
+
+
+def no_traceback(p: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in p.stderr, p.stderr

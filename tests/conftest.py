@@ -4,13 +4,20 @@ import contextlib
 import os
 import shutil
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from sco.contract.bundle import Bundle
 from sco.contract.signing import Keyring, PrivateKey, generate
+from sco.schedulers import slurm_admission
 from sco_devkit.demo import sample_repo
+from sco_devkit.devcluster.slurm import SlurmCluster
+from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+from sco_devkit.standins.logind import LogindStandIn, PrivateBus
+from tests.harness import NatsServer, hall_bundle, wait_for
+from tests.slurm_hall import JOB, ROOT
 
 # torch's dynamo registers a substitute for sys.intern when first imported; ansible-core's module_utils replace
 # sys.intern with a patch object, after which that import fails (the DCP tests ran after Ansible tests in one
@@ -127,7 +134,7 @@ def contract_yaml(name: str, **spec_overrides: str) -> str:
 def nats_server(tmp_path: Path):  # type: ignore[no-untyped-def]
     import asyncio
 
-    from tests.harness import NatsServer, ensure_stream
+    from tests.harness import ensure_stream
 
     srv = NatsServer(tmp_path / "nats").start()
     asyncio.run(ensure_stream(srv.url))
@@ -137,7 +144,6 @@ def nats_server(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def kube():  # type: ignore[no-untyped-def]
-    from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 
     srv = KubeApiStandIn().start()
     yield srv
@@ -252,3 +258,53 @@ def node_venv(node_wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -
     from tests.node_install import install_venv
 
     return install_venv(node_wheelhouse, tmp_path_factory.mktemp("node-venv") / "venv")
+
+
+# --- a real Slurm cluster (slurmctld with the product's Lua plugins, slurmd n1..n3), one per module ---------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    root = tmp_path_factory.mktemp("slurm")
+    key = generate()
+    bundle = Bundle.from_bytes(hall_bundle(root, key), Keyring([key.public]))
+    c = SlurmCluster(
+        root,
+        job_submit_lua=ROOT / "slurm_plugins" / "job_submit.lua",
+        cli_filter_lua=ROOT / "slurm_plugins" / "cli_filter.lua",
+        extra_conf="PartitionName=onprem Nodes=n3 MaxTime=INFINITE State=UP\n",
+    )
+    c.write_conf()
+    admission = slurm_admission.render_lua(bundle.hall, bundle.serial, bundle.contracts, ["spot"])
+    slurm_admission.write(root, admission, bundle.serial)
+    c.start()
+    (root / "jobs").mkdir(exist_ok=True)
+    (root / "jobs" / "job.sh").write_text(JOB.format(jobs=root / "jobs"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def clean(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    yield cluster
+    cluster.run("scancel", "--user=root", check=False)
+    for n in cluster.nodes:
+        cluster.run("scontrol", "update", f"nodename={n}", "state=RESUME", check=False)
+    if cluster.ctld is None:
+        cluster.restart_ctld()
+    cluster.thaw_ctld()
+    wait_for(lambda: all(s == "idle" for s in cluster.node_states().values()), 30, "idle nodes", 0.2)
+
+
+@pytest.fixture
+def bus() -> Iterator[PrivateBus]:
+    b = PrivateBus().start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def logind(bus: PrivateBus) -> Iterator[LogindStandIn]:
+    s = LogindStandIn(bus.address, inhibit_delay_max_s=8).start()
+    yield s
+    s.stop()

@@ -18,6 +18,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from jeepney import MatchRule
+from jeepney.bus_messages import message_bus
+from jeepney.io.threading import DBusRouter, open_dbus_connection
+
+from sco.agent.inhibit import Logind
 from sco.contract.compiler import compile_repo
 from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey, generate, sign, write_keypair
@@ -467,3 +472,63 @@ def make_tls(d: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Path]:
         str(ext),
     )
     return ca, crt, key
+
+
+class KubeletDouble:
+    """What kubelet's graceful node shutdown does, reduced to what the agent can observe: a delay lock named
+    ``kubelet`` taken at start; on PrepareForShutdown(true) the node's pods are terminated, highest priority
+    last, each with its grace; then the lock is released."""
+
+    def __init__(self, bus: str, kube: KubeApiStandIn, node: str) -> None:
+        self.kube, self.node = kube, node
+        self.lock = Logind(bus).inhibit_sync("kubelet", "Kubelet needs time for critical node shutdown")
+        self.router = DBusRouter(open_dbus_connection(bus))
+        rule = MatchRule(type="signal", interface="org.freedesktop.login1.Manager", member="PrepareForShutdown")
+        self.router.send_and_get_reply(message_bus.AddMatch(rule), timeout=2)
+        self._q = self.router.filter(rule, bufsize=4)
+        self.prepare_at: float | None = None
+        self.terminated: list[tuple[str, float]] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        msg = self._q.queue.get()
+        assert msg.body == (True,)
+        self.prepare_at = time.time()
+        c = self.kube.cluster
+        with c.lock:
+            pods = [p for p in c.pods.values() if p["spec"].get("nodeName") == self.node]
+        pods.sort(key=lambda p: p["spec"].get("priority", 0))
+        for p in pods:
+            ns, name = p["metadata"]["namespace"], p["metadata"]["name"]
+            # kubelet ignores PodDisruptionBudgets: it is shutting the node down
+            c.delete_pod(ns, name, 1)
+            self.terminated.append((f"{ns}/{name}", time.time()))
+        wait_for(lambda: not [k for k in c.pods if k[1] in {n.split("/")[1] for n, _ in self.terminated}], 10, "pods")
+        self.lock.release()
+
+    def close(self) -> None:
+        self.lock.release()
+        self.router.close()
+        self.router.conn.close()
+
+
+def minimal_agent_config(tmp_path: Path) -> Path:
+    (tmp_path / "trusted").mkdir(exist_ok=True)
+    from sco.contract.signing import generate, write_keypair
+
+    if not (tmp_path / "trusted" / "k.pub").exists():
+        write_keypair(generate(), tmp_path / "k.key", tmp_path / "trusted" / "k.pub")
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(
+        f'[agent]\nhall = "local"\nnode = "n1"\nkube_url = "http://127.0.0.1:1"\n'
+        f'trust_dir = "{tmp_path / "trusted"}"\nstate_dir = "{tmp_path / "state"}"\n'
+    )
+    return cfg
+
+
+def run_sco_agent(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SCO_AGENT_")}
+    return subprocess.run(
+        [str(BIN / "sco-agent"), *args], capture_output=True, text=True, timeout=30, env={**clean, **env}
+    )

@@ -4,46 +4,24 @@ cached bundle yet; each said once, plainly."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
-from tests.harness import BIN, AgentEnv, NatsServer
-
-
-def _agent_config(tmp_path: Path) -> Path:
-    (tmp_path / "trusted").mkdir(exist_ok=True)
-    from sco.contract.signing import generate, write_keypair
-
-    if not (tmp_path / "trusted" / "k.pub").exists():
-        write_keypair(generate(), tmp_path / "k.key", tmp_path / "trusted" / "k.pub")
-    cfg = tmp_path / "agent.toml"
-    cfg.write_text(
-        f'[agent]\nhall = "local"\nnode = "n1"\nkube_url = "http://127.0.0.1:1"\n'
-        f'trust_dir = "{tmp_path / "trusted"}"\nstate_dir = "{tmp_path / "state"}"\n'
-    )
-    return cfg
-
-
-def _agent(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SCO_AGENT_")}
-    return subprocess.run(
-        [str(BIN / "sco-agent"), *args], capture_output=True, text=True, timeout=30, env={**clean, **env}
-    )
+from tests.harness import AgentEnv, NatsServer, minimal_agent_config, run_sco_agent
 
 
 def test_agent_refuses_an_explicitly_empty_node(tmp_path: Path) -> None:
-    cfg = _agent_config(tmp_path)
-    p = _agent("check-config", "--config", str(cfg), env={"SCO_AGENT_NODE": ""})
+    cfg = minimal_agent_config(tmp_path)
+    p = run_sco_agent("check-config", "--config", str(cfg), env={"SCO_AGENT_NODE": ""})
     assert p.returncode == 5 and "Traceback" not in p.stderr, p.stdout + p.stderr
     assert "SCO_AGENT_NODE" in p.stderr and "empty" in p.stderr, p.stderr
-    p = _agent("check-config", "--config", str(cfg), env={})
+    p = run_sco_agent("check-config", "--config", str(cfg), env={})
     assert p.returncode == 0 and "node n1" in p.stdout, p.stdout + p.stderr
 
 
 def test_agent_warns_about_unknown_sco_agent_variables(tmp_path: Path) -> None:
-    cfg = _agent_config(tmp_path)
+    cfg = minimal_agent_config(tmp_path)
     env = {"SCO_AGENT_NATSURL": "nats://relay:4222", "SCO_AGENT_CONFIG": str(cfg), "SCO_AGENT_HALL": "local"}
-    p = _agent("check-config", env=env)
+    p = run_sco_agent("check-config", env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     warn = [x for x in p.stderr.splitlines() if "SCO_AGENT_NATSURL" in x]
     assert len(warn) == 1 and "warning" in warn[0] and "unknown" in warn[0], p.stderr

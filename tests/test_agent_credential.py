@@ -22,7 +22,7 @@ from sco.schedulers.kube import KubeClient, KubeCredentialError, KubeError
 from sco_devkit.standins.kube_apiserver import Identity, KubeApiStandIn, _token_id
 from tests.harness import BIN, AgentEnv, NatsServer, add_pod, wait_for
 from tests.kyverno_engine import agent_request, apply_rule, load_policies, rule
-from tests.test_metrics_agent import samples, scrape
+from tests.prom import samples, scrape
 
 NS, SA = "sco-system", "sco-agent"
 

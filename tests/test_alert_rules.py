@@ -9,9 +9,10 @@ from pathlib import Path
 
 import yaml
 
+from tests.prom import RULES
+
 ROOT = Path(__file__).resolve().parents[1]
 ROLE = ROOT / "collections/ansible_collections/sco/orchestrator/roles/monitoring"
-RULES = ROLE / "files/sco.rules.yml"
 CASES = ROLE / "files/sco.rules.test.yml"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 ALERTS = {

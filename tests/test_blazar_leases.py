@@ -11,7 +11,6 @@ import json
 import math
 import os
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -27,10 +26,8 @@ from sco.provider.reservations import (
     reservation_hints,
 )
 from sco.state.fleet import FleetState, Pool
+from tests.blazar_leases import EP, blazar_lease
 from tests.harness import wait_for
-
-EP = {"service_type": "reservation"}
-FMT = "%Y-%m-%d %H:%M"  # Blazar takes minutes
 
 
 def test_only_an_active_lease_is_committed_and_hints_name_its_reservation() -> None:
@@ -50,20 +47,6 @@ def test_only_an_active_lease_is_committed_and_hints_name_its_reservation() -> N
     allocs = {f"r-{x}": ("h1",) for x in ("pending", "starting", "error", "active")}
     assert [c.reservation_id for c in hosts_to_clear(rs, allocs, rs[0].start - 30, 60)] == ["r-pending", "r-starting"]
     assert hosts_to_clear(rs, allocs, rs[0].start - 300, 60) == []
-
-
-def _lease(cloud: Any, name: str, start: float, minutes: int) -> dict[str, Any]:
-    body = {
-        "name": name,
-        "start_date": datetime.fromtimestamp(start, UTC).strftime(FMT),
-        "end_date": datetime.fromtimestamp(start + minutes * 60, UTC).strftime(FMT),
-        "reservations": [{"resource_type": "physical:host", "min": 1, "max": 1, "hypervisor_properties": "",
-                          "resource_properties": ""}],
-        "events": [],
-    }  # fmt: skip
-    resp = cloud.session.post("/leases", json=body, endpoint_filter=EP, raise_exc=False)
-    assert resp.status_code in (200, 201, 202), resp.text
-    return dict(resp.json()["lease"])
 
 
 def _status(cloud: Any, lid: str) -> str:
@@ -91,7 +74,7 @@ def test_a_host_lease_starting_soon_finds_its_host_cleared_and_committed_creates
             host = cloud.compute.get_server(inst.server_id).compute_host
             # the next minute boundary that leaves a window and the look-ahead to spare
             start = math.ceil((time.time() + window + ahead + 20) / 60) * 60
-            lease = _lease(cloud, f"floor-{os.urandom(2).hex()}", start, 5)
+            lease = blazar_lease(cloud, f"floor-{os.urandom(2).hex()}", start, 5)
             mine = [r for r in read_reservations(cloud) if r.lease_id == lease["id"]]
             assert [r.status for r in mine] == ["PENDING"]
             assert committed_at(mine, start + 60) == {}  # not started: no committed capacity

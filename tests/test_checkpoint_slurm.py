@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sco_devkit.devcluster.slurm import SlurmCluster
 from tests.harness import NatsServer, wait_for
-from tests.test_slurm import WINDOW, agent_for, clean, cluster  # noqa: F401  (fixtures)
+from tests.slurm_hall import WINDOW, agent_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ sleep 300 & wait $!
 def test_done_on_the_socket_requeues_before_the_budget(
     tmp_path: Path,
     nats_server: NatsServer,
-    clean: SlurmCluster,  # noqa: F811
+    clean: SlurmCluster,
 ) -> None:
     c = clean
     with tempfile.TemporaryDirectory(prefix="sco-ck-") as d:

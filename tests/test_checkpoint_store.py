@@ -16,7 +16,7 @@ from sco.provider.checkpoint_store import StoreAdmin
 from sco_devkit.devcluster.ceph import CephCluster
 from tests.cli_run import sco
 from tests.conftest import WriteFn, contract_yaml
-from tests.test_workload_dcp import SMALL
+from tests.dcp_runs import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

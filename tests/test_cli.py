@@ -15,7 +15,7 @@ import pytest
 
 from sco.contract.compiler import compile_repo
 from sco.errors import ConfigError
-from tests.cli_run import SCO, one_line_error, sco
+from tests.cli_run import SCO, no_traceback, one_line_error, sco
 from tests.conftest import SAMPLE, contract_yaml
 from tests.harness import free_port
 
@@ -26,10 +26,6 @@ def keys(tmp_path: Path) -> Path:
     assert sco("keygen", "--out-dir", d, "--name", "old").returncode == 0
     assert sco("keygen", "--out-dir", d, "--name", "new").returncode == 0
     return d
-
-
-def no_traceback(p: subprocess.CompletedProcess[str]) -> None:
-    assert "Traceback" not in p.stderr, p.stderr
 
 
 def test_compile_verify_show(tmp_path: Path, keys: Path) -> None:

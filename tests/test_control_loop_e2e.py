@@ -12,11 +12,8 @@ from __future__ import annotations
 import base64
 import getpass
 import grp
-import json
 import os
-import shlex
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,70 +32,12 @@ from sco.state.fleet import FleetState
 from sco_devkit.demo import sample_repo
 from sco_devkit.devcluster.slurm import SlurmCluster
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+from tests.control_loop_run import BIN, CONTRACTS, ROOT, lay_out, run_loop
 from tests.harness import TEST_POLICY, wait_for
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 HALL = "local"
-
-CONTRACTS = """apiVersion: sco.dev/v1
-kind: WorkloadContract
-metadata: {name: web}
-spec:
-  scheduler: kubernetes
-  selector: {namespace: web}
-  tier: 3
-  drainBudgetSeconds: 6
-  finalWriteSeconds: 2
-  checkpoint: {mode: none}
-  requeue: {policy: always}
-  fallback: {onDemand: true, spendCapPerHour: "4.00"}
----
-apiVersion: sco.dev/v1
-kind: WorkloadContract
-metadata: {name: guarded}
-spec:
-  scheduler: kubernetes
-  selector: {namespace: guarded}
-  tier: 2
-  drainBudgetSeconds: 3
-  checkpoint: {mode: none}
-  requeue: {policy: always}
----
-apiVersion: sco.dev/v1
-kind: WorkloadContract
-metadata: {name: genomics-ckpt}
-spec:
-  scheduler: slurm
-  selector: {account: genomics, partitions: [spot]}
-  tier: 3
-  drainBudgetSeconds: 6
-  finalWriteSeconds: 2
-  checkpoint: {mode: signal, signal: USR1, ackSocket: false}
-  requeue: {policy: always}
----
-apiVersion: sco.dev/v1
-kind: WorkloadContract
-metadata: {name: climate-sims}
-spec:
-  scheduler: slurm
-  selector: {account: climate}
-  tier: 2
-  drainBudgetSeconds: 4
-  checkpoint: {mode: signal, signal: USR1}
-  requeue: {policy: on-checkpoint}
-"""
-
-ROLE_PLAY = """
-- name: Lay out the control loop
-  hosts: localhost
-  connection: local
-  gather_facts: false
-  roles:
-    - role: sco.orchestrator.control_loop
-"""
 
 
 @pytest.fixture
@@ -114,50 +53,6 @@ def slurm(tmp_path: Path) -> Iterator[SlurmCluster]:
 def cleanup(conn: Any) -> None:
     for s in conn.compute.servers(tags=f"sco-hall={HALL}"):
         conn.compute.delete_server(s.id, ignore_missing=True)
-
-
-def lay_out(tmp: Path, extravars: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
-    """Apply the role (as a deployment would) and return the unit's ExecStart argv and its environment."""
-    import ansible_runner
-
-    pdd = tmp / "deploy"
-    (pdd / "project").mkdir(parents=True)
-    (tmp / "units").mkdir()  # /etc/systemd/system on a real host
-    (pdd / "project" / "play.yml").write_text(ROLE_PLAY)
-    r = ansible_runner.run(
-        private_data_dir=str(pdd),
-        playbook="play.yml",
-        # the ConfigMap publisher is tested on its own (test_configmap_unit)
-        extravars={"control_loop_configmap_enabled": False, **extravars, "ansible_python_interpreter": sys.executable},
-        envvars={"ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"},
-        quiet=True,
-    )
-    assert r.rc == 0, r.stdout.read()
-    unit = (tmp / "units" / "sco-control-loop.service").read_text()
-    exec_start = next(line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("ExecStart="))
-    env_file = next(line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("EnvironmentFile="))
-    env = dict(line.split("=", 1) for line in Path(env_file).read_text().splitlines() if "=" in line)
-    timer = (tmp / "units" / "sco-control-loop.timer").read_text()
-    assert "OnUnitInactiveSec=2min" in timer
-    # systemd-analyze verify exits 0 even for a bad unit: what it says is the verdict
-    v = subprocess.run(
-        ["systemd-analyze", "verify", "./sco-control-loop.service", "./sco-control-loop.timer"],
-        cwd=tmp / "units",
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert v.stderr.strip() == "", v.stderr
-    return shlex.split(exec_start), env
-
-
-def run_loop(argv: list[str], env: dict[str, str]) -> tuple[int, dict[str, Any], str]:
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
-    summary: dict[str, Any] = {}
-    for line in p.stdout.splitlines():
-        if line.startswith('{"control_loop_summary"'):
-            summary = json.loads(line)["control_loop_summary"]
-    return p.returncode, summary, p.stdout + p.stderr
 
 
 def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -18,7 +18,7 @@ import yaml
 
 from sco.contract.signing import generate, write_keypair
 from sco.provider import heartbeats
-from tests.test_control_loop_e2e import lay_out
+from tests.control_loop_run import lay_out
 from tests.test_relay_jwt import start_jwt_relay
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,37 +11,19 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from jeepney import MatchRule
-from jeepney.bus_messages import message_bus
-from jeepney.io.threading import DBusRouter, open_dbus_connection
 
 from sco.agent.inhibit import InhibitError, Logind
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from sco_devkit.standins.logind import LogindStandIn, PrivateBus
-from tests.harness import AgentEnv, NatsServer, add_pod, wait_for
+from tests.harness import AgentEnv, KubeletDouble, NatsServer, add_pod, wait_for
 
 WINDOW = 20.0
-
-
-@pytest.fixture
-def bus() -> Iterator[PrivateBus]:
-    b = PrivateBus().start()
-    yield b
-    b.stop()
-
-
-@pytest.fixture
-def logind(bus: PrivateBus) -> Iterator[LogindStandIn]:
-    s = LogindStandIn(bus.address, inhibit_delay_max_s=8).start()
-    yield s
-    s.stop()
 
 
 def _link(fd: str) -> str:
@@ -130,45 +112,6 @@ def test_no_bus_is_a_clear_error(tmp_path: Path) -> None:
 
 
 # --- the switch -------------------------------------------------------------------------------------
-
-
-class KubeletDouble:
-    """What kubelet's graceful node shutdown does, reduced to what the agent can observe: a delay lock named
-    ``kubelet`` taken at start; on PrepareForShutdown(true) the node's pods are terminated, highest priority
-    last, each with its grace; then the lock is released."""
-
-    def __init__(self, bus: str, kube: KubeApiStandIn, node: str) -> None:
-        self.kube, self.node = kube, node
-        self.lock = Logind(bus).inhibit_sync("kubelet", "Kubelet needs time for critical node shutdown")
-        self.router = DBusRouter(open_dbus_connection(bus))
-        rule = MatchRule(type="signal", interface="org.freedesktop.login1.Manager", member="PrepareForShutdown")
-        self.router.send_and_get_reply(message_bus.AddMatch(rule), timeout=2)
-        self._q = self.router.filter(rule, bufsize=4)
-        self.prepare_at: float | None = None
-        self.terminated: list[tuple[str, float]] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        msg = self._q.queue.get()
-        assert msg.body == (True,)
-        self.prepare_at = time.time()
-        c = self.kube.cluster
-        with c.lock:
-            pods = [p for p in c.pods.values() if p["spec"].get("nodeName") == self.node]
-        pods.sort(key=lambda p: p["spec"].get("priority", 0))
-        for p in pods:
-            ns, name = p["metadata"]["namespace"], p["metadata"]["name"]
-            # kubelet ignores PodDisruptionBudgets: it is shutting the node down
-            c.delete_pod(ns, name, 1)
-            self.terminated.append((f"{ns}/{name}", time.time()))
-        wait_for(lambda: not [k for k in c.pods if k[1] in {n.split("/")[1] for n, _ in self.terminated}], 10, "pods")
-        self.lock.release()
-
-    def close(self) -> None:
-        self.lock.release()
-        self.router.close()
-        self.router.conn.close()
 
 
 @pytest.fixture

@@ -3,9 +3,6 @@ nats-server, then the exposition read back, checked by `promtool check metrics`,
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,32 +12,8 @@ import pytest
 from sco.agent.metrics import AgentMetrics, parse_listen, token_expiry
 from sco.errors import ConfigError
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
-from tests.harness import AgentEnv, NatsServer, add_pod, wait_for
-from tests.test_agent_config import _agent, _agent_config
-
-PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        return str(r.read().decode())
-
-
-def samples(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            m = SAMPLE.match(line)
-            assert m, f"not an exposition line: {line!r}"
-            out[(m.group(1) + (m.group(2) or ""))] = float(m.group(3))
-    return out
-
-
-def promtool_check(text: str) -> None:
-    p = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
-    assert p.returncode == 0 and not p.stdout.strip() and not p.stderr.strip(), p.stdout + p.stderr
+from tests.harness import AgentEnv, NatsServer, add_pod, minimal_agent_config, run_sco_agent, wait_for
+from tests.prom import promtool_check, samples, scrape
 
 
 @pytest.fixture
@@ -103,7 +76,7 @@ def test_the_endpoint_answers_only_get_metrics(agent: AgentEnv) -> None:
 def test_check_config_names_a_bad_metrics_listen(tmp_path: Path) -> None:
     from sco.agent import config
 
-    cfg = _agent_config(tmp_path)
+    cfg = minimal_agent_config(tmp_path)
     for bad in ("9469", "127.0.0.1:0", "127.0.0.1:http", ":9469"):
         with pytest.raises(ConfigError) as e:
             config.load(cfg, env={"SCO_AGENT_METRICS_LISTEN": bad})
@@ -111,9 +84,9 @@ def test_check_config_names_a_bad_metrics_listen(tmp_path: Path) -> None:
     for ok in ("", "127.0.0.1:9469", "[::1]:9469"):
         assert config.load(cfg, env={"SCO_AGENT_METRICS_LISTEN": ok}).metrics_listen == ok
     # and the CLI says it, naming the key, with a non-zero exit
-    p = _agent("check-config", "--config", str(cfg), env={"SCO_AGENT_METRICS_LISTEN": "127.0.0.1:99999"})
+    p = run_sco_agent("check-config", "--config", str(cfg), env={"SCO_AGENT_METRICS_LISTEN": "127.0.0.1:99999"})
     assert p.returncode != 0 and "agent.metrics_listen" in p.stderr and "65535" in p.stderr, p.stdout + p.stderr
-    p = _agent("check-config", "--config", str(cfg), env={"SCO_AGENT_METRICS_LISTEN": "[::1]:9469"})
+    p = run_sco_agent("check-config", "--config", str(cfg), env={"SCO_AGENT_METRICS_LISTEN": "[::1]:9469"})
     assert p.returncode == 0, p.stdout + p.stderr
 
 

@@ -15,8 +15,7 @@ from sco.control import metrics, steps
 from sco.control.record import PgFleetStore
 from sco.errors import ConfigError
 from sco.state.db import connect as connect_db
-from tests.test_metrics_agent import promtool_check, samples, scrape
-from tests.test_metrics_prometheus import NodeExporter
+from tests.prom import NodeExporter, promtool_check, samples, scrape
 
 
 def seed_fleet(dsn: str) -> None:

@@ -23,7 +23,7 @@ import pytest
 from sco.control.runner import run_loop
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import free_port, wait_for
-from tests.test_metrics_prometheus import NODE_EXPORTER, PROMETHEUS
+from tests.prom import NODE_EXPORTER, PROMETHEUS
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ROOT / "collections/ansible_collections/sco/orchestrator/roles"

@@ -29,66 +29,9 @@ from sco.control.runner import run_loop
 from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, add_pod, free_port, wait_for
-from tests.test_alert_rules import RULES
-from tests.test_metrics_agent import promtool_check, samples, scrape
+from tests.prom import PROMETHEUS, RULES, NodeExporter, promtool_check, samples, scrape
 
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 ROOT = Path(__file__).resolve().parents[1]
-
-NODE_EXPORTER = shutil.which("prometheus-node-exporter") or "/usr/bin/prometheus-node-exporter"
-
-
-class NodeExporter:
-    """Debian's node_exporter (1.5), its textfile collector only, serving ``directory``'s *.prom files on loopback.
-
-    A series two files both carry is not a failed scrape there: the first file's (by name) is served, the later
-    copy dropped, the error logged ("was collected before with the same name and label values") and counted in
-    ``promhttp_metric_handler_errors_total{cause="gathering"}`` (seen from the next scrape on: the counter is
-    gathered before the failing gather increments it); ``node_textfile_scrape_error`` stays 0."""
-
-    def __init__(self, directory: Path, root: Path) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/metrics"
-        self.log = open(root / "node_exporter.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                NODE_EXPORTER,
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                f"--collector.textfile.directory={directory}",
-                "--collector.disable-defaults",  # the host's own collectors: nothing the tests read
-                "--collector.textfile",
-                "--web.disable-exporter-metrics",
-            ],
-            stdout=self.log,
-            stderr=self.log,
-        )
-        try:
-            wait_for(self._listening, 15, "node_exporter listening", interval=0.1)
-        except BaseException:
-            self.stop()
-            raise
-
-    def logtext(self) -> str:
-        return Path(self.log.name).read_text()
-
-    def _listening(self) -> bool:
-        assert self.proc.poll() is None, self.logtext()[-3000:]
-        try:
-            with urllib.request.urlopen(self.url, timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from sco.provider.reclaim_job import ReclaimSettings, reclaim
 from sco.provider.relay_identity import NKey
 from sco.provider.reservations import ReservationError
 from sco.state.fleet import FleetState, Pool
-from tests.test_blazar_leases import EP, _lease
+from tests.blazar_leases import EP, blazar_lease
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTED = (ROOT / "docs/policy/blazar-policy.yaml").read_text()
@@ -81,7 +81,7 @@ def test_the_documented_rules_are_enough_to_clear_another_projects_host_lease(  
             assert not srv.compute_host  # a member is not shown the host: the step matches Nova's hostId
             # another project's (the admin's) host lease, starting at a minute boundary within the look-ahead
             start = math.ceil((time.time() + 40) / 60) * 60
-            lease = _lease(admin, f"other-{os.urandom(2).hex()}", start, 5)
+            lease = blazar_lease(admin, f"other-{os.urandom(2).hex()}", start, 5)
             # the granted credential does not see that lease in /leases: its allocations say it all
             mine = conn.session.get("/leases", endpoint_filter=EP).json()["leases"]
             assert lease["id"] not in {x["id"] for x in mine}
@@ -112,8 +112,8 @@ def lay_out_blazar_hall(tmp: Path, blazar: Any, cfg: dict[str, Any], fleet_dsn: 
     from sco.contract.compiler import compile_repo
     from sco.contract.signing import sign, write_keypair
     from sco_devkit.demo import sample_repo
+    from tests.control_loop_run import CONTRACTS, lay_out
     from tests.harness import TEST_POLICY
-    from tests.test_control_loop_e2e import CONTRACTS, lay_out
 
     key, notice = generate(), generate()
     trust = tmp / "trusted"
@@ -171,7 +171,7 @@ def test_the_timers_loop_clears_a_host_lease_and_fails_naming_the_rule_without_i
     blazar, fleet_dsn, nats_server, documented_rules, tmp_path
 ) -> None:
     from sco_devkit.standins.kube_apiserver import KubeApiStandIn
-    from tests.test_control_loop_e2e import run_loop
+    from tests.control_loop_run import run_loop
 
     kube = KubeApiStandIn().start()
     admin = blazar.connect()
@@ -200,7 +200,7 @@ def test_the_timers_loop_clears_a_host_lease_and_fails_naming_the_rule_without_i
             Acquirer(conn, st, lambda n: "#cloud-config\n").apply(PlanEntry(hall, "spot", "e1", 1))
             (inst,) = st.instances(hall)
             start = math.ceil((time.time() + 40) / 60) * 60
-            lease = _lease(admin, f"other-{os.urandom(2).hex()}", start, 5)
+            lease = blazar_lease(admin, f"other-{os.urandom(2).hex()}", start, 5)
             rc, summary, out = run_loop(argv, env)
             assert rc == 0, out
             assert summary["reclaimed_before_leases"] == [inst.name], out

@@ -11,9 +11,8 @@ import pytest
 import yaml
 
 from sco.errors import ConfigError
-from tests.cli_run import sco
+from tests.cli_run import no_traceback, sco
 from tests.conftest import SAMPLE
-from tests.test_cli import no_traceback
 
 INPUT = {
     "now": 1_764_400_000,

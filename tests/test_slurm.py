@@ -5,61 +5,14 @@ Jobs trap USR1 and write a checkpoint marker; requeued jobs find the marker and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from sco.contract.bundle import Bundle
-from sco.contract.signing import Keyring, generate
-from sco.schedulers.slurm_admission import render_lua, write
+from sco.contract.signing import generate
 from sco_devkit.devcluster.slurm import SlurmCluster
-from tests.harness import AgentEnv, NatsServer, hall_bundle, wait_for
+from tests.harness import NatsServer, hall_bundle, wait_for
+from tests.slurm_hall import WINDOW, agent_for
 
 ROOT = Path(__file__).resolve().parents[1]
-WINDOW = 20.0
-
-JOB = """#!/bin/bash
-#SBATCH --output={jobs}/out.%j
-env | grep ^SLURM_JOB > {jobs}/env.$SLURM_JOB_ID
-marker={jobs}/marker.$SLURM_JOB_ID
-trap 'echo "$(date +%s.%N) $SLURMD_NODENAME" >> $marker.usr1; exit 0' USR1
-if [ -f $marker.usr1 ]; then echo "$SLURMD_NODENAME" >> $marker.resumed; exit 0; fi
-echo "$SLURMD_NODENAME" >> $marker.start
-sleep 300 & wait $!
-"""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    root = tmp_path_factory.mktemp("slurm")
-    key = generate()
-    bundle = Bundle.from_bytes(hall_bundle(root, key), Keyring([key.public]))
-    c = SlurmCluster(
-        root,
-        job_submit_lua=ROOT / "slurm_plugins" / "job_submit.lua",
-        cli_filter_lua=ROOT / "slurm_plugins" / "cli_filter.lua",
-        extra_conf="PartitionName=onprem Nodes=n3 MaxTime=INFINITE State=UP\n",
-    )
-    c.write_conf()
-    write(root, render_lua(bundle.hall, bundle.serial, bundle.contracts, ["spot"]), bundle.serial)
-    c.start()
-    (root / "jobs").mkdir(exist_ok=True)
-    (root / "jobs" / "job.sh").write_text(JOB.format(jobs=root / "jobs"))
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def clean(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    yield cluster
-    cluster.run("scancel", "--user=root", check=False)
-    for n in cluster.nodes:
-        cluster.run("scontrol", "update", f"nodename={n}", "state=RESUME", check=False)
-    if cluster.ctld is None:
-        cluster.restart_ctld()
-    cluster.thaw_ctld()
-    wait_for(lambda: all(s == "idle" for s in cluster.node_states().values()), 30, "idle nodes", 0.2)
 
 
 def submit(c: SlurmCluster, *args: str) -> int:
@@ -76,17 +29,6 @@ def running_on(c: SlurmCluster, jid: int) -> str:
         )
 
     return str(wait_for(node, 30, f"job {jid} running", 0.1))
-
-
-def agent_for(tmp_path: Path, nats: NatsServer, c: SlurmCluster, node: str) -> AgentEnv:
-    return AgentEnv(
-        tmp_path / f"agent-{node}",
-        None,
-        nats,
-        node=node,
-        slurm_conf=str(c.conf),
-        slurmd_spool_dir=str(c.root / "spool" / "%n"),
-    )
 
 
 def test_drain_signal_requeue_through_slurmctld(tmp_path: Path, nats_server: NatsServer, clean: SlurmCluster) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,44 +22,7 @@ from sco.errors import ContractError
 from sco.provider.checkpoint_store import ContractStore, StoreAdmin, stores_of
 from sco_devkit.devcluster.ceph import CephCluster
 from tests.conftest import WriteFn, contract_yaml
-
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--inputs", "32", "--hidden", "64", "--batch", "16", "--threads", "1"]
-
-
-def provision(ceph: CephCluster, contract: str, prefix: str = "runs/", keep: int = 2) -> dict[str, Any]:
-    return StoreAdmin(ceph.endpoint, ceph.access_key, ceph.secret_key).ensure(
-        ContractStore(contract, f"sco-ckpt-{contract}", prefix, keep)
-    )
-
-
-def workload_env(ceph: CephCluster, creds: dict[str, Any]) -> dict[str, str]:
-    return {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": creds["access_key"],
-        "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
-        "AWS_ENDPOINT_URL": ceph.endpoint,
-        "PYTHONPATH": str(ROOT / "src"),
-    }
-
-
-def reference(steps: int, *extra: str) -> dict[str, Any]:
-    from sco_workloads.dcp_train import parse, uninterrupted
-
-    return uninterrupted(parse(["--run", "ref", "--store", "/nonexistent", "--steps", str(steps), *extra]))
-
-
-def assert_bitwise(out: Path, ref: dict[str, Any]) -> None:
-    import torch
-
-    got = torch.load(out)
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert torch.equal(got[k], v), f"{k}: max abs diff {(got[k] - v).abs().max().item()}"
-
-
-def lines(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+from tests.dcp_runs import ROOT, SMALL, assert_bitwise, lines, provision, reference, workload_env
 
 
 def test_store_user_is_scoped_to_its_contract_prefix(ceph: CephCluster) -> None:

@@ -21,9 +21,14 @@ from sco.control.drill import fold
 from sco_devkit.devcluster.ceph import CephCluster
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from sco_devkit.standins.logind import LogindStandIn, PrivateBus
-from tests.harness import AgentEnv, NatsServer, add_pod, wait_for
-from tests.test_kube_fallback import KubeletDouble, bus, logind  # noqa: F401  (fixtures)
-from tests.test_workload_dcp import SMALL, assert_bitwise, provision, reference, workload_env
+from tests.dcp_runs import SMALL, assert_bitwise, provision, reference, workload_env
+from tests.harness import (
+    AgentEnv,
+    KubeletDouble,
+    NatsServer,
+    add_pod,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 20.0
@@ -173,8 +178,8 @@ def test_checkpoints_before_kubelet_shutdown_when_the_api_is_silent(
     kube: KubeApiStandIn,
     nats_server: NatsServer,
     ceph: CephCluster,
-    bus: PrivateBus,  # noqa: F811
-    logind: LogindStandIn,  # noqa: F811
+    bus: PrivateBus,
+    logind: LogindStandIn,
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="sco-ck-") as d:
         sock = Path(d) / "ck.sock"

@@ -24,9 +24,9 @@ from typing import Any
 from sco.control.drill import fold
 from sco_devkit.devcluster.ceph import CephCluster
 from sco_devkit.devcluster.slurm import SlurmCluster
+from tests.dcp_runs import SMALL, assert_bitwise, lines, provision, reference
 from tests.harness import NatsServer, wait_for
-from tests.test_slurm import WINDOW, agent_for, clean, cluster  # noqa: F401  (fixtures)
-from tests.test_workload_dcp import SMALL, assert_bitwise, lines, provision, reference
+from tests.slurm_hall import WINDOW, agent_for
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 24, 8
@@ -80,7 +80,7 @@ def _finished(c: SlurmCluster, jid: int) -> bool:
 def test_notice_saves_requeues_and_resumes_bitwise_elsewhere(
     tmp_path: Path,
     nats_server: NatsServer,
-    clean: SlurmCluster,  # noqa: F811
+    clean: SlurmCluster,
     ceph: CephCluster,
 ) -> None:
     c = clean
@@ -125,7 +125,7 @@ def test_notice_saves_requeues_and_resumes_bitwise_elsewhere(
 
 
 def test_node_killed_without_notice_resumes_from_the_last_periodic_checkpoint(
-    clean: SlurmCluster,  # noqa: F811
+    clean: SlurmCluster,
     ceph: CephCluster,
 ) -> None:
     c = clean
