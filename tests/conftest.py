@@ -16,7 +16,7 @@ from sco_devkit.demo import sample_repo
 from sco_devkit.devcluster.slurm import SlurmCluster
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from sco_devkit.standins.logind import LogindStandIn, PrivateBus
-from tests.harness import NatsServer, hall_bundle, wait_for
+from tests.harness import AGENT_USER, NatsServer, hall_bundle, outside_pytest_tmp, wait_for
 from tests.slurm_hall import JOB, ROOT
 
 # torch's dynamo registers a substitute for sys.intern when first imported; ansible-core's module_utils replace
@@ -265,7 +265,7 @@ def node_venv(node_wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    root = tmp_path_factory.mktemp("slurm")
+    root = outside_pytest_tmp(tmp_path_factory.mktemp("slurm-parent") / "slurm")
     key = generate()
     bundle = Bundle.from_bytes(hall_bundle(root, key), Keyring([key.public]))
     c = SlurmCluster(
@@ -273,6 +273,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         job_submit_lua=ROOT / "slurm_plugins" / "job_submit.lua",
         cli_filter_lua=ROOT / "slurm_plugins" / "cli_filter.lua",
         extra_conf="PartitionName=onprem Nodes=n3 MaxTime=INFINITE State=UP\n",
+        # an agent running as its own user (SCO_TEST_AGENT_USER) is Slurm's privileged user, as a hall without
+        # slurmdbd configures it (role node_agent's README)
+        slurm_user=AGENT_USER or "root",
     )
     c.write_conf()
     admission = slurm_admission.render_lua(bundle.hall, bundle.serial, bundle.contracts, ["spot"])
@@ -308,3 +311,26 @@ def logind(bus: PrivateBus) -> Iterator[LogindStandIn]:
     s = LogindStandIn(bus.address, inhibit_delay_max_s=8).start()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def own_user_agent_bin(node_wheelhouse: Path) -> Iterator[Path]:
+    """sco-agent in a venv of the system Python, built from this checkout's node wheelhouse, where another user can
+    run it (the test machine's own Python may sit under root's 0700 home): the agent as its own user."""
+    import tempfile
+
+    from tests.node_install import install_venv
+
+    d = Path(tempfile.mkdtemp(prefix="sco-agent-user-venv-"))
+    d.chmod(0o755)
+    yield install_venv(node_wheelhouse, d / "venv", python="/usr/bin/python3") / "bin" / "sco-agent"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def agent_as_its_own_user(request: pytest.FixtureRequest) -> None:
+    """SCO_TEST_AGENT_USER set: every agent the tests start runs as that user (tests/harness.py), from that venv."""
+    from tests import harness
+
+    if harness.AGENT_USER:
+        harness.AgentEnv.agent_bin = request.getfixturevalue("own_user_agent_bin")

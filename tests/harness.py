@@ -30,6 +30,69 @@ from sco_devkit.demo import sample_repo
 from sco_devkit.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNOTATION, KubeApiStandIn
 
 BIN = Path(sys.executable).parent
+# SCO_TEST_AGENT_USER=nobody: every agent these tests start runs as that user, as role node_agent's unit runs it
+# (its own user; CAP_KILL only on the Slurm path, no capability on Kubernetes), from a venv of the system Python
+# (tests/conftest.py builds it). Unset: as the test runner (root).
+AGENT_USER = os.environ.get("SCO_TEST_AGENT_USER", "")
+
+
+def agent_uid(user: str | None = None) -> tuple[int, int] | None:
+    import pwd
+
+    user = AGENT_USER if user is None else user
+    if not user:
+        return None
+    pw = pwd.getpwnam(user)
+    return pw.pw_uid, pw.pw_gid
+
+
+def as_agent_user(argv: list[str], caps: tuple[str, ...] = (), user: str | None = None) -> list[str]:
+    """``argv`` under setpriv as ``user`` (default AGENT_USER) with exactly ``caps`` (bounding, inheritable and
+    ambient, as the unit's CapabilityBoundingSet= and AmbientCapabilities= give them), no new privileges; ``argv``
+    itself without a user."""
+    ids = agent_uid(user)
+    if ids is None:
+        return argv
+    c = "".join(f",+{x}" for x in caps)
+    return [
+        "setpriv", f"--reuid={ids[0]}", f"--regid={ids[1]}", "--clear-groups", f"--inh-caps=-all{c}",
+        f"--ambient-caps=-all{c}", f"--bounding-set=-all{c}", "--no-new-privs", *argv,
+    ]  # fmt: skip
+
+
+def outside_pytest_tmp(path: Path, user: str | None = None) -> Path:
+    """``path`` itself, or with an agent user a fresh 0755 directory under /tmp that ``path`` links to: pytest sets
+    its ``pytest-of-<user>`` directory back to 0700 whenever a session starts (another run on the machine), so the
+    agent's user could lose its way to anything below it mid-test."""
+    if not (AGENT_USER if user is None else user):
+        return path
+    import atexit
+    import tempfile
+
+    real = Path(tempfile.mkdtemp(prefix=f"sco-{Path(path).name}-"))
+    real.chmod(0o755)
+    atexit.register(shutil.rmtree, real, ignore_errors=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).symlink_to(real)
+    return real
+
+
+def reachable(path: Path, owner: bool = True, user: str | None = None) -> None:
+    """Let ``user`` (default AGENT_USER) reach ``path`` (search on its ancestors: pytest's temporary directories are
+    0700) and, with ``owner``, own it and what is in it, as role node_agent gives the agent its state directory."""
+    ids = agent_uid(user)
+    if ids is None:
+        return
+    path = Path(path).resolve()
+    for d in [path, *path.parents]:
+        if d == Path("/"):
+            break
+        mode = d.stat().st_mode
+        if not mode & 0o001:
+            d.chmod((mode & 0o7777) | 0o001)
+    if owner:
+        for p in [path, *path.rglob("*")]:
+            os.chown(p, *ids, follow_symlinks=False)
 
 
 def render_with_roles(out: Path, book: str, **extravars: object) -> None:
@@ -276,8 +339,13 @@ class AgentEnv:
         node: str = "node-1",
         metadata: MetadataServer | None = None,
         nats_url: str | None = None,
+        user: str | None = None,
         **settings: Any,
     ) -> None:
+        """``user``: the agent runs as that user (setpriv), from ``agent_bin`` (a venv that user can reach: the
+        ``own_user_agent`` fixture); default SCO_TEST_AGENT_USER, "" as the test runner."""
+        self.user = AGENT_USER if user is None else user
+        root = outside_pytest_tmp(root, self.user)
         self.root, self.kube, self.nats, self.node = root, kube, nats, node
         self.metadata = metadata
         self.key = generate()
@@ -308,13 +376,28 @@ class AgentEnv:
         self.config = root / "agent.toml"
         self.config.write_text("[agent]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
         self.proc: subprocess.Popen[bytes] | None = None
+        # the agent's own user (SCO_TEST_AGENT_USER): reads the config and trust directory, owns its state
+        reachable(root, owner=False, user=self.user)
+        reachable(self.state, user=self.user)
+        if lines["checkpoint_socket"]:  # its directory is the agent's, as /run/sco is (RuntimeDirectory=)
+            reachable(Path(str(lines["checkpoint_socket"])).parent, user=self.user)
+        if str(lines.get("kube_token_file", "")).startswith("/"):  # its own, as role node_agent makes it
+            reachable(Path(str(lines["kube_token_file"])), user=self.user)
+        for k in ("kube_ca_file", "kube_kubeconfig", "logind_bus"):
+            where = str(lines.get(k, "")).removeprefix("unix:path=")
+            if where.startswith("/"):
+                reachable(Path(where).parent, owner=False, user=self.user)
+        # the capabilities role node_agent's unit gives: CAP_KILL on a Slurm node, none on Kubernetes
+        self.caps: tuple[str, ...] = ("kill",) if lines["scheduler"] == "slurm" else ()
         if kube is not None and node not in kube.cluster.nodes:
             kube.cluster.add_node(node)
 
     def start(self) -> AgentEnv:
         self.log = open(self.root / "agent.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [str(self.agent_bin), "run", "--config", str(self.config)], stdout=self.log, stderr=self.log
+            as_agent_user([str(self.agent_bin), "run", "--config", str(self.config)], self.caps, self.user),
+            stdout=self.log,
+            stderr=self.log,
         )
         wait_for(lambda: any(e["type"] == "agent.started" for e in self.events()) or self._dead(), 15, "agent start")
         assert self.proc.poll() is None, self.logtext()

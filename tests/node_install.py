@@ -3,6 +3,7 @@ installed offline into a fresh venv. Used by the packaging tests, the role tests
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -27,16 +28,19 @@ def build_wheelhouse(dest: Path) -> Path:
     return dest
 
 
-def install_venv(wheelhouse: Path, dest: Path) -> Path:
-    """A fresh venv holding only what the wheelhouse gives a node (``--no-index``: nothing from elsewhere)."""
+def install_venv(wheelhouse: Path, dest: Path, python: str = sys.executable) -> Path:
+    """A fresh venv holding only what the wheelhouse gives a node (``--no-index``: nothing from elsewhere), on
+    ``python`` (the system's for an agent another user runs: a test machine's own may sit under a 0700 home)."""
     shutil.rmtree(dest, ignore_errors=True)
     # no pip inside (ensurepip alone takes ~40 s on a loaded machine): this venv's pip installs into it, and the venv
     # then holds exactly the product's closure
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True, timeout=120)
+    subprocess.run([python, "-m", "venv", "--without-pip", str(dest)], check=True, timeout=120)
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(dest / "bin" / "python"), "install", "--quiet", "--no-index",
          "--find-links", str(wheelhouse), "--disable-pip-version-check", "spot-capacity-orchestrator"],
         check=True, timeout=300, capture_output=True,
+        # a PYTHONPATH naming a checkout's src/ (a worktree's tests) shows pip its egg-info: "already installed"
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )  # fmt: skip
     return dest
 

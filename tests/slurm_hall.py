@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sco_devkit.devcluster.slurm import SlurmCluster
-from tests.harness import AgentEnv, NatsServer
+from tests.harness import AgentEnv, NatsServer, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 20.0
@@ -32,3 +32,17 @@ def agent_for(tmp_path: Path, nats: NatsServer, c: SlurmCluster, node: str) -> A
         slurm_conf=str(c.conf),
         slurmd_spool_dir=str(c.root / "spool" / "%n"),
     )
+
+
+def running_on(c: SlurmCluster, jid: int) -> str:
+    """The node job ``jid`` runs on, once its script has started there."""
+
+    def node() -> str | None:
+        j = c.job(jid)
+        return (
+            j.get("NodeList")
+            if j.get("JobState") == "RUNNING" and (c.root / "jobs" / f"marker.{jid}.start").exists()
+            else None
+        )
+
+    return str(wait_for(node, 30, f"job {jid} running", 0.1))

@@ -17,7 +17,17 @@ import pytest
 from sco.contract.notice import sign_notice
 from sco.errors import ConfigError
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
-from tests.harness import BIN, AgentEnv, MetadataServer, NatsServer, add_pod, free_port, stream_events, wait_for
+from tests.harness import (
+    BIN,
+    AgentEnv,
+    MetadataServer,
+    NatsServer,
+    add_pod,
+    free_port,
+    reachable,
+    stream_events,
+    wait_for,
+)
 
 WINDOW = 20.0
 
@@ -263,6 +273,7 @@ def test_spool_full_keeps_outcomes_and_records_the_drop(
         for i in range(300):  # routine history fills most of the spool before the notice
             spool.append("notice.refused", ROUTINE, source="nats", kind="malformed", reason="x" * 80, n=i)
         spool.close()
+        reachable(env.state)  # the agent's own (SCO_TEST_AGENT_USER), as role node_agent gives it
         for i in range(30):
             add_pod(kube, "web", f"w-{i:02d}", "node-1", prestop=0.3)
         env.start()

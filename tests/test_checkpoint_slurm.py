@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from sco_devkit.devcluster.slurm import SlurmCluster
-from tests.harness import NatsServer, wait_for
+from tests.harness import NatsServer, reachable, wait_for
 from tests.slurm_hall import WINDOW, agent_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +32,7 @@ def test_done_on_the_socket_requeues_before_the_budget(
     c = clean
     with tempfile.TemporaryDirectory(prefix="sco-ck-") as d:
         sock = Path(d) / "ck.sock"
+        reachable(Path(d))  # /run/sco: the agent's own (the unit's RuntimeDirectory=)
         script = c.root / "jobs" / "ck-job.sh"
         script.write_text(JOB.format(jobs=c.root / "jobs", root=ROOT, python=sys.executable, sock=sock))
         env = agent_for(tmp_path, nats_server, c, "n1")

@@ -74,12 +74,33 @@ def test_node_agent_role_check_real_again(tmp_path: Path, host: TestHost, wheelh
     assert r.stats["changed"].get(host.name, 0) > 0
     assert host.ssh("test", "-e", "/opt/sco", check=False).returncode != 0  # check mode did nothing
 
+    # what an agent of an older release, running as root, left: a spool with an event not yet published
+    from sco.agent.spool import CRITICAL, Spool
+
+    old = Spool(host.root / "var/lib/sco/spool")
+    old.append("drain.drained", CRITICAL, notice="from-the-root-days")
+    old.close()
+
     r = play(tmp_path, host, ev)
     assert r.rc == 0, r.stdout.read()
     assert r.stats["changed"].get(host.name, 0) > 0
 
     r = play(tmp_path, host, ev)
     assert r.rc == 0 and r.stats["changed"].get(host.name, 0) == 0  # idempotent
+
+    # the agent's own system user, which owns its state (the old spool given over, kept) and reads
+    # its config through its group; the unit runs as it, with no capability on a Kubernetes node
+    assert host.ssh("getent", "passwd", "sco-agent").stdout.split(":")[6].strip() == "/usr/sbin/nologin"
+    # (ssh joins the arguments into one command line: a format without spaces)
+    st = host.ssh("stat", "-c", "%U:%G:%a:%n", "/var/lib/sco", "/var/lib/sco/spool",
+                  "/var/lib/sco/spool/events.spool", "/etc/sco/agent.toml", check=False)  # fmt: skip
+    assert st.returncode == 0, st.stderr
+    owners = [line.rsplit(":", 2) for line in st.stdout.split()]
+    assert [o[0] for o in owners] == ["sco-agent:sco-agent"] * 3 + ["root:sco-agent"], owners
+    assert owners[0][1] == "750" and owners[3][1] == "640", owners
+    unit = host.ssh("cat", "/etc/systemd/system/sco-agent.service.d/10-ansible.conf").stdout
+    assert "User=sco-agent" in unit and "Group=sco-agent" in unit and "CAP_KILL" not in unit
+    assert "polkit.Result.YES" in host.ssh("cat", "/etc/polkit-1/rules.d/60-sco-agent.rules").stdout
 
     # what the role left behaves: the config passes the agent's own check, the unit is enabled and points
     # at the virtual environment, and the agent starts and spools from it
@@ -89,10 +110,14 @@ def test_node_agent_role_check_real_again(tmp_path: Path, host: TestHost, wheelh
     dropin = host.ssh("cat", "/etc/systemd/system/sco-agent.service.d/10-ansible.conf").stdout
     assert "ExecStart=/opt/sco/bin/sco-agent run --config /etc/sco/agent.toml" in dropin
     assert host.ssh("stat", "-c", "%a", "/etc/sco/trusted/hall.pub").stdout.strip() == "644"
-    run = host.ssh("timeout", "4", "/opt/sco/bin/sco-agent", "run", "--config", "/etc/sco/agent.toml", check=False)
+    # as the unit runs it: its user, no capability (systemd does not run in a test host)
+    as_agent = ["setpriv", "--reuid=sco-agent", "--regid=sco-agent", "--init-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--no-new-privs"]  # fmt: skip
+    run = host.ssh("timeout", "4", *as_agent, "/opt/sco/bin/sco-agent", "run", "--config", "/etc/sco/agent.toml",
+                   check=False)  # fmt: skip
     assert run.returncode == 124, run.stderr  # still running when the timeout stopped it
     events = host.ssh("/opt/sco/bin/sco-agent", "events", "--state-dir", "/var/lib/sco").stdout
-    assert '"type": "agent.started"' in events
+    assert '"type": "agent.started"' in events and "from-the-root-days" in events
     pkgs = host.ssh("/opt/sco/bin/python", "-m", "pip", "list", "--format=freeze").stdout.lower()
     # the pinned release of the collection, under the distribution's own name
     assert f"spot-capacity-orchestrator=={__version__}" in pkgs and "aiohttp" not in pkgs  # the agent's env stays lean
@@ -243,6 +268,8 @@ def test_bake_image_installs_and_enables_without_host_state(tmp_path: Path, host
     finally:
         host.ssh("rmdir", "/run/systemd/system")
     assert host.ssh("systemctl", "is-enabled", "sco-agent.service").stdout.strip() == "enabled"
+    # the unit names the agent's user: the image holds it
+    assert host.ssh("id", "-u", "sco-agent").stdout.strip().isdigit()
     cfg = host.ssh("cat", "/etc/sco/agent.toml").stdout
     assert "node =" not in cfg and "must-not-be-baked" not in cfg and "node-spot-a" not in cfg
     assert host.ssh("ls", "-A", "/var/lib/sco").stdout == ""

@@ -9,26 +9,14 @@ from pathlib import Path
 
 from sco.contract.signing import generate
 from sco_devkit.devcluster.slurm import SlurmCluster
-from tests.harness import NatsServer, hall_bundle, wait_for
-from tests.slurm_hall import WINDOW, agent_for
+from tests.harness import AGENT_USER, NatsServer, hall_bundle, wait_for
+from tests.slurm_hall import WINDOW, agent_for, running_on
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def submit(c: SlurmCluster, *args: str) -> int:
     return c.sbatch(c.root / "jobs" / "job.sh", "--account=genomics", "--comment=sco-contract=genomics-ckpt", *args)
-
-
-def running_on(c: SlurmCluster, jid: int) -> str:
-    def node() -> str | None:
-        j = c.job(jid)
-        return (
-            j.get("NodeList")
-            if j.get("JobState") == "RUNNING" and (c.root / "jobs" / f"marker.{jid}.start").exists()
-            else None
-        )
-
-    return str(wait_for(node, 30, f"job {jid} running", 0.1))
 
 
 def test_drain_signal_requeue_through_slurmctld(tmp_path: Path, nats_server: NatsServer, clean: SlurmCluster) -> None:
@@ -88,7 +76,9 @@ def test_around_an_unreachable_slurmctld(tmp_path: Path, nats_server: NatsServer
         assert unreachable["at"] - t0 < 1.5  # gave up on slurmctld after the 800 ms timeout
         sig = env.of("job.signalled")[0]
         assert sig["path"] == "around" and sig["job"] == jid and sig["pids"]
-        assert sig["contract"] == "climate-sims"  # budget found from the job's own environment
+        # budget found from the job's own environment; the agent as its own user may not read another user's (ptrace
+        # access), so the job gets what the deadline leaves (jobprocs.py), signalled at once all the same
+        assert sig["contract"] == (None if AGENT_USER else "climate-sims")
         usr1 = (c.root / "jobs" / f"marker.{jid}.usr1").read_text().split()
         assert float(usr1[0]) - t0 < 4  # inside the climate-sims budget of 4 s
         assert not env.of("scheduler.told")

@@ -23,8 +23,18 @@ def test_unit_settings() -> None:
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "RestrictSUIDSGID", "LockPersonality"):
         assert s[key] == "yes", key
     assert s["ProtectSystem"] == "strict" and s["ReadWritePaths"] == "/var/lib/sco"
-    assert s["CapabilityBoundingSet"] == "CAP_KILL"
     assert "kubelet.service" in unit()["Unit"]["Before"]
+
+
+def test_runs_as_its_own_user_without_capabilities() -> None:
+    """Not root, no capability (role node_agent's drop-in gives a Slurm node CAP_KILL), cgroups
+    read-only, and no StateDirectory= (with User= systemd would chown the whole of /var/lib/sco, which holds the
+    distributor's and the control loop's data on a small hall)."""
+    s = unit()["Service"]
+    assert s["User"] == "sco-agent" and s["Group"] == "sco-agent"
+    assert s["CapabilityBoundingSet"] == "" and s["AmbientCapabilities"] == ""
+    assert s["ProtectControlGroups"] == "yes"
+    assert "StateDirectory" not in s and s["RuntimeDirectory"] == "sco"
 
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ class SlurmCluster:
         cli_filter_lua: Path | None = None,
         extra_conf: str = "",
         cpus: int = 2,
+        slurm_user: str = "root",
     ) -> None:
         self.root = Path(root)
         self.nodes = nodes
@@ -47,6 +48,9 @@ class SlurmCluster:
         self.cli_filter_lua = cli_filter_lua
         self.extra_conf = extra_conf
         self.cpus = cpus
+        # SlurmUser: Slurm's privileged user besides root (DRAIN, signal and requeue any job). Another user than root
+        # for a node agent that runs as its own user and is that (without slurmdbd there is no operator grant).
+        self.slurm_user = slurm_user
         self.ctld_port = _free_port()
         self.node_ports = {n: _free_port() for n in nodes}
         self.conf = self.root / "slurm.conf"
@@ -66,6 +70,16 @@ class SlurmCluster:
         r = self.root
         for d in ("state", "spool", "log", "jobs"):
             (r / d).mkdir(parents=True, exist_ok=True)
+        if self.slurm_user != "root":  # slurmctld runs as SlurmUser: its state, logs and pid file are that user's
+            import pwd
+
+            pw = pwd.getpwnam(self.slurm_user)
+            for owned in (r / "state", r / "log"):
+                os.chown(owned, pw.pw_uid, pw.pw_gid)
+            for up in [r, *r.parents]:  # its way to them
+                if up != Path("/") and not up.stat().st_mode & 0o001:
+                    up.chmod((up.stat().st_mode & 0o7777) | 0o001)
+            r.chmod(0o1777)
         plugins = ""
         if self.job_submit_lua:
             shutil.copy(self.job_submit_lua, r / "job_submit.lua")
@@ -87,7 +101,7 @@ SlurmctldPort={self.ctld_port}
 AuthType=auth/none
 CredType=cred/none
 AuthInfo=cred_expire=5
-SlurmUser=root
+SlurmUser={self.slurm_user}
 SlurmdUser=root
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n

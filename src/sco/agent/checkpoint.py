@@ -128,18 +128,43 @@ def _peercred(sock: socket.socket | None) -> tuple[int, int]:
 
 
 def slurm_job_of(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """The Slurm job a process runs in: its cgroup (``.../job_<id>/...``), else its environment (SLURM_JOB_ID)."""
+    """The Slurm job a process runs in: its cgroup (``.../job_<id>/...``), else its environment (SLURM_JOB_ID), else
+    the ``slurmstepd: [<job>.<step>]`` it descends from (the agent, as its own user, may not read another user's
+    environment; any user may read a process's stat and cmdline)."""
     if pid <= 0:
         return None
     try:
         m = _JOB_CGROUP.search((proc / str(pid) / "cgroup").read_text())
         if m:
             return int(m.group(1))
+    except (OSError, ValueError):
+        return None
+    try:
         for item in (proc / str(pid) / "environ").read_bytes().split(b"\0"):
             if item.startswith(b"SLURM_JOB_ID="):
                 return int(item.split(b"=", 1)[1])
+    except PermissionError:
+        return _stepd_ancestor_job(pid, proc)
     except (OSError, ValueError):
         return None
+    return None
+
+
+_STEPD_CMD = re.compile(rb"^slurmstepd: \[(\d+)\.")
+
+
+def _stepd_ancestor_job(pid: int, proc: Path) -> int | None:
+    for _ in range(64):  # a job's process tree is shallow; a loop guard, not a limit anyone meets
+        try:
+            ppid = int((proc / str(pid) / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+            m = _STEPD_CMD.match((proc / str(ppid) / "cmdline").read_bytes())
+        except (OSError, ValueError, IndexError):
+            return None
+        if m:
+            return int(m.group(1))
+        if ppid <= 1:
+            return None
+        pid = ppid
     return None
 
 

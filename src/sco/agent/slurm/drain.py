@@ -325,6 +325,8 @@ class SlurmDrain:
                 sent.append(p)
             except ProcessLookupError:
                 continue
+            except PermissionError:  # the agent's unit lacks CAP_KILL (role node_agent gives it on Slurm nodes)
+                log.error("may not signal pid %d (%s): signalling another user's job needs CAP_KILL", p, sig.name)
         return sent
 
     def _finish(self, outcome: str, **fields: Any) -> dict[str, Any]:
