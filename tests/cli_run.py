@@ -32,7 +32,9 @@ def run_module(name: str, args: dict[str, Any], tmp_path: Path, env: dict[str, s
     module = COLLECTION / f"ansible_collections/sco/orchestrator/plugins/modules/{name}.py"
     argf = tmp_path / f"{name}-args.json"
     argf.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
-    env = {**os.environ, **(env or {}), "PYTHONPATH": str(COLLECTION)}
+    # the collection first, then whatever the run gives (a worktree's src)
+    path = os.pathsep.join(x for x in (str(COLLECTION), os.environ.get("PYTHONPATH", "")) if x)
+    env = {**os.environ, **(env or {}), "PYTHONPATH": path}
     p = subprocess.run([sys.executable, str(module), str(argf)], capture_output=True, text=True, env=env, timeout=60)
     return dict(json.loads(p.stdout))
 

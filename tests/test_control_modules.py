@@ -372,6 +372,44 @@ def test_the_reclaim_step_and_sco_reclaim_read_one_rule_for_retry_for() -> None:
             settings(retry_for_s=retry_for)
 
 
+def test_sco_reclaim_and_the_reclaim_module_refuse_the_same_values_with_the_same_lines(tmp_path: Path) -> None:
+    """``sco reclaim`` and the collection's reclaim module parse into one options type: every bad value is refused
+    by both, at once, with the same line; only the option's spelling follows the interface (the CLI's flag, the
+    module's key). Both run as their users run them (a process each, the module as Ansible runs it)."""
+    from tests.cli_run import run_module, sco
+
+    spelled = {
+        "hall": "--hall", "nodes": "node", "window": "--window", "lock_wait": "--lock-wait",
+        "retry_for": "--retry-for", "call_timeout": "--call-timeout", "reconnect_for": "--reconnect-for",
+        "nats_nkey_seed": "--nkey-seed",
+    }  # fmt: skip
+    cases: list[tuple[list[str], dict[str, Any]]] = [
+        (
+            ["--hall", "Bad_Hall", "--window", "0.001", "--lock-wait=-1", "--retry-for", "86401", "--call-timeout",
+             "0", "--reconnect-for", "3601", "n 0"],
+            {"hall": "Bad_Hall", "nodes": ["n 0"], "window": 0.001, "lock_wait": -1, "retry_for": 86401,
+             "call_timeout": 0, "reconnect_for": 3601},
+        ),
+        (["--hall", "h", "--nkey-seed", "/nonexistent/seed.nk", "n-0"],
+         {"hall": "h", "nodes": ["n-0"], "nats_nkey_seed": "/nonexistent/seed.nk"}),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCO_", "OS_"))}
+    for cli_args, module_args in cases:
+        cli = sco("reclaim", *cli_args, env=env)
+        assert cli.returncode == 5 and "Traceback" not in cli.stderr, cli.stderr
+        cli_lines = [x.removeprefix("sco: error: ") for x in cli.stderr.splitlines() if x.strip()]
+        mod = run_module("reclaim", module_args, tmp_path, env={"SCO_DB_DSN": ""})
+        assert mod.get("failed"), mod
+        mod_lines = list(mod["problems"])
+        assert len(mod_lines) == len(cli_lines) and len(cli_lines) >= (7 if len(module_args) > 3 else 1), (
+            cli_lines,
+            mod_lines,
+        )
+        for c, m in zip(cli_lines, mod_lines, strict=True):
+            key = m.split(" ", 1)[0].split(":", 1)[0]
+            assert c == spelled[key] + m[len(key) :], (c, m)
+
+
 SECRET_PLAY = """
 - name: Acquire with a cloud given as a dict and a node environment, both holding secrets
   hosts: localhost

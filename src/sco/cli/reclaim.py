@@ -3,74 +3,62 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 from typing import Any
 
-from sco.cli._common import _add_trust, _env, _keyring, _read
-from sco.cli._nats import _add_nats_auth, _nats_auth
+from sco.cli._common import _add_trust, _env
+from sco.cli._nats import _add_nats_auth
 from sco.errors import ConfigError
 
+# How this command spells the reclaim options (sco.control.options.ReclaimOptions, which the collection's module
+# parses into too): its lines name the flag a user gave, with the module's words otherwise.
+FLAGS = {
+    "hall": "--hall", "nodes": "node", "window": "--window", "nats_url": "--nats", "notice_keys": "--notice-key",
+    "lock_wait": "--lock-wait", "retry_for": "--retry-for", "call_timeout": "--call-timeout",
+    "reconnect_for": "--reconnect-for", "nats_nkey_seed": "--nkey-seed", "bundle": "--bundle", "trust": "--trust",
+    "trust_dir": "--trust-dir",
+}  # fmt: skip
 
-def _cloud(name: str | None, api_timeout: float | None = None) -> Any:
-    from sco.provider.cloud import connect
 
-    return connect(cloud=name, api_timeout=api_timeout) if name else connect(api_timeout=api_timeout)
+def options(args: argparse.Namespace) -> Any:
+    """The command's flags as the reclaim step's one options type (its checks and its lines)."""
+    from sco.control.options import ReclaimOptions
+
+    params = {
+        "hall": args.hall, "nodes": args.nodes, "before_leases": args.before_leases, "window": args.window,
+        "nats_url": args.nats, "nats_user": args.user, "nats_password": args.password, "nats_token": args.token,
+        "nats_nkey_seed": args.nkey_seed, "nats_creds": args.creds, "notice_keys": args.notice_key or [],
+        "cloud": args.os_cloud, "api_timeout": args.call_timeout, "call_timeout": args.call_timeout,
+        "lock_wait": args.lock_wait, "reconnect_for": args.reconnect_for, "retry_for": args.retry_for,
+        "wait": not args.no_wait, "finish": args.finish, "bundle": args.bundle, "trust": args.trust,
+        "trust_dir": args.trust_dir,
+    }  # fmt: skip
+    return ReclaimOptions.from_params(params, names=FLAGS)
 
 
 def cmd_reclaim(args: argparse.Namespace) -> int:
     import asyncio
 
-    from sco.provider.reclaim_job import ReclaimSettings, reclaim
-    from sco.provider.reclaimer import drain_floor, window_problem
+    from sco.control.steps import reclaim_floor
+    from sco.provider.reclaim_job import reclaim
     from sco.state.db import dsn_from_env
 
-    noticing = bool(args.nodes or args.before_leases)  # --finish alone sends no notice
-    if not args.nats and noticing:
-        raise ConfigError("no notice relay: give --nats URL or set $SCO_NATS_URL")
-    floor = None
-    if args.bundle:  # the hall's contracts: the window must fit the largest drain budget plus the margin
-        from sco.contract.bundle import Bundle
-
-        b = Bundle.from_bytes(_read(args.bundle), _keyring(args), args.bundle)
-        floor = drain_floor(b.policy, b.contracts)
-    if (problem := window_problem("--window", args.window, floor)) is not None:
-        raise ConfigError(problem)
-    from sco.contract.notice import subject_name_problem
-    from sco.contract.signing import load_private
-
-    bad = [
-        m
-        for m in (subject_name_problem("--hall", args.hall), *(subject_name_problem("node", n) for n in args.nodes))
-        if m
-    ]
-    if bad:
-        raise ConfigError("; ".join(bad))
-
-    key_files = args.notice_key or ([os.environ["SCO_NOTICE_KEY"]] if os.environ.get("SCO_NOTICE_KEY") else [])
-    if not key_files and noticing:
-        raise ConfigError(
-            "no notice key: give --notice-key KEY or set $SCO_NOTICE_KEY (agents refuse unsigned notices)"
-        )
-    settings = ReclaimSettings(
-        hall=args.hall, nodes=tuple(args.nodes), window_s=args.window, nats_url=args.nats or "",
-        signing_keys=[load_private(Path(k)) for k in key_files], dsn=dsn_from_env(args.dsn),
-        nats_auth=_nats_auth(args), lock_wait_s=args.lock_wait, wait=not args.no_wait, floor=floor,
-        retry_for_s=args.retry_for, call_timeout_s=args.call_timeout, before_leases=args.before_leases,
-        reconnect_for_s=args.reconnect_for,
-    )  # fmt: skip
-    if not settings.nodes and not settings.before_leases and not args.finish:
+    o = options(args)
+    noticing = bool(o.nodes or o.before_leases)  # --finish alone sends no notice
+    if noticing:
+        o.check_noticing()
+    floor = reclaim_floor(o)
+    if not noticing and not o.finish:
         raise ConfigError("name the instances (NODE...) to reclaim, or give --before-leases or --finish")
-    if not settings.wait and not settings.nodes and not settings.before_leases:
+    if not o.wait and not noticing:
         raise ConfigError("--finish deletes at T: it cannot be given with --no-wait alone")
+    settings = o.settings(nodes=o.nodes, dsn=dsn_from_env(args.dsn), floor=floor, wait=o.wait)
 
     def said(rc: Any) -> None:
         sent = "published" if rc.published_at else "NOT published (relay down; metadata only)"
         print(f"{rc.instance.name}: notice {rc.notice['id']} {sent}, deleted at {rc.terminate_at:.3f}", flush=True)
 
-    cloud = _cloud(args.os_cloud, args.call_timeout)
     rc = 0
-    for r in asyncio.run(reclaim(settings, cloud, on_notice=said)):
+    for r in asyncio.run(reclaim(settings, o.cloud.connect(), on_notice=said)):
         if r.get("unnoticed"):  # its notice was never sent, and no key here to send it
             print(f"{r['name']}: NOT deleted: {r['unnoticed']}")
             rc = 9  # left under reclaim: not finished

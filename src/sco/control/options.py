@@ -16,7 +16,7 @@ from typing import Any
 
 from sco._nats import auth_options
 from sco.control.inputs import PlanDocument, parse
-from sco.errors import ConfigError
+from sco.errors import ConfigError, Problem
 
 Params = Mapping[str, Any]
 
@@ -31,16 +31,21 @@ def _result(value: Any, key: str, option: str) -> dict[str, Any]:
     return dict(inner) if isinstance(inner, Mapping) else dict(value)
 
 
-def _positive(params: Params, key: str, default: float) -> float:
+def _number(params: Params, key: str, default: float, said: str | None = None) -> float:
+    """``params[key]`` as a float (``default`` when absent), named ``said`` (how the caller spells the option)."""
     v = params.get(key)
     if v is None:
         return default
     try:
-        f = float(v)
+        return float(v)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key}: {v!r} is not a number") from None
+        raise ConfigError(f"{said or key}: {v!r} is not a number") from None
+
+
+def _positive(params: Params, key: str, default: float) -> float:
+    f = _number(params, key, default)
     if not f > 0 or f != f or f == float("inf"):
-        raise ConfigError(f"{key}: must be a finite number above 0, not {v!r}")
+        raise ConfigError(f"{key}: must be a finite number above 0, not {params.get(key)!r}")
     return f
 
 
@@ -229,7 +234,12 @@ class AcquireOptions:
 
 @dataclass(frozen=True)
 class ReclaimOptions:
-    """The reclaim step: which nodes, the notice window, the relay and its identity, the notice keys."""
+    """The reclaim step's options, one type for ``sco reclaim`` and the collection's reclaim module: which nodes,
+    the notice window, the relay and its identity, the notice keys, the run's limits.
+
+    Both parse into it (``from_params``) and so refuse the same values with the same line; each line names the
+    option as its caller spells it (``said``: the module's key, or the CLI's flag), nothing else differs. What the
+    provider's run reads (``sco.provider.reclaim_job.ReclaimSettings``) is made from it by ``settings`` alone."""
 
     hall: HallOptions
     cloud: CloudOptions
@@ -247,70 +257,141 @@ class ReclaimOptions:
     retry_for: float = 120.0
     finish: bool = False
     """Also finish the hall's reclaims under way (noticed by a run that stopped before T): delete each at its T."""
+    call_timeout: float = 30.0
+    """Each OpenStack call's deadline around its thread (the connection's own is ``cloud.api_timeout``)."""
+    reconnect_for: float = 90.0
+    """A fleet state lost mid-run (a Patroni failover) is connected to again, its lock retaken, for this long."""
+    names: Mapping[str, str] = field(default_factory=dict, compare=False)
+    """How the caller spells each option in its lines (the CLI's flags); the module's key where absent."""
+
+    def said(self, key: str) -> str:
+        return self.names.get(key, key)
 
     @classmethod
-    def from_params(cls, p: Params) -> ReclaimOptions:
+    def from_params(cls, p: Params, names: Mapping[str, str] | None = None) -> ReclaimOptions:
+        from sco.contract.notice import subject_name_problem
         from sco.provider.reclaim_job import limit_problems  # (psycopg behind it: only for this step)
+        from sco.provider.reclaimer import window_problem
+
+        names = dict(names or {})
+
+        def said(key: str) -> str:
+            return names.get(key, key)
 
         window = p.get("window", 120)
         try:
             window_s = float(window)
         except (TypeError, ValueError):
-            raise ConfigError(f"window: {window!r} is not a number of seconds") from None
-        lock_wait, retry_for = _non_negative(p, "lock_wait", 0.0), _non_negative(p, "retry_for", 120.0)
-        if bad := limit_problems(lock_wait=lock_wait, retry_for=retry_for):  # the run's own rule, in check mode too
-            raise ConfigError("; ".join(bad))
+            raise ConfigError(f"{said('window')}: {window!r} is not a number of seconds") from None
+        limits = {
+            key: _number(p, key, default, said(key))
+            for key, default in (
+                ("retry_for", 120.0),
+                ("call_timeout", 30.0),
+                ("lock_wait", 0.0),
+                ("reconnect_for", 90.0),
+            )
+        }
+        hall, nodes = str(p.get("hall") or ""), tuple(str(n) for n in p.get("nodes") or ())
+        bad = limit_problems(names, **limits)  # the run's own rule, in check mode too
+        bad += [
+            m
+            for m in (
+                subject_name_problem(said("hall"), hall),
+                *(subject_name_problem(said("nodes"), n) for n in nodes),
+            )
+            if m
+        ]
+        # a run that notices; finishing alone keeps each instance's recorded T
+        noticing = bool(nodes or p.get("before_leases"))
+        if noticing and (problem := window_problem(said("window"), window_s)) is not None:
+            bad.append(problem)
+        lookahead = _number(p, "lease_lookahead", 60.0, said("lease_lookahead"))
+        if not 0 <= lookahead < float("inf"):
+            bad.append(
+                f"{said('lease_lookahead')}: must be a finite number of 0 or more, not {p.get('lease_lookahead')!r}"
+            )
+        if bad:
+            raise refused(bad)
         keys = tuple(str(k) for k in p.get("notice_keys") or ()) or (
             (os.environ["SCO_NOTICE_KEY"],) if os.environ.get("SCO_NOTICE_KEY") else ()
         )
         return cls(
             hall=HallOptions.from_params(p),
             cloud=CloudOptions.from_params(p),
-            nodes=tuple(str(n) for n in p.get("nodes") or ()),
+            nodes=nodes,
             window=window_s,
             before_leases=bool(p.get("before_leases")),
-            lease_lookahead=_non_negative(p, "lease_lookahead", 60.0),
+            lease_lookahead=lookahead,
             nats_url=str(p["nats_url"]) if p.get("nats_url") else None,
-            nats_auth=nats_auth(p),
+            nats_auth=nats_auth(p, said),
             notice_keys=keys,
-            lock_wait=lock_wait,
             wait=bool(p.get("wait", True)),
-            retry_for=retry_for,
             finish=bool(p.get("finish")),
+            names=names,
+            **limits,
         )
 
     @property
     def nats_servers(self) -> list[str]:
         return [s.strip() for s in (self.nats_url or "").split(",") if s.strip()]
 
+    def check_window(self, floor: Any) -> None:
+        """The window against the hall's drain floor (its bundle's largest drain budget plus margins), when known."""
+        from sco.provider.reclaimer import window_problem
 
-def nats_auth(p: Params) -> dict[str, Any]:
-    """The relay identity of the reclaim module (nats_creds, nats_nkey_seed, or nats_user and nats_password) for
-    nats.connect."""
+        if (problem := window_problem(self.said("window"), self.window, floor)) is not None:
+            raise ConfigError(problem)
+
+    def check_noticing(self) -> None:
+        """What a run that sends notices needs: the relay, and a key the agents trust."""
+        bad = []
+        if not self.nats_url:
+            bad.append(f"{self.said('nats_url')}: no notice relay given (the hall's relay the notices go out on)")
+        if not self.notice_keys:
+            bad.append(
+                f"{self.said('notice_keys')}: no notice signing key given (nor $SCO_NOTICE_KEY): agents refuse"
+                " unsigned notices"
+            )
+        if bad:
+            raise refused(bad)
+
+    def settings(self, *, nodes: tuple[str, ...], dsn: str, floor: Any, wait: bool) -> Any:
+        """The provider's run (``sco.provider.reclaim_job.reclaim``) as these options say, for ``nodes``."""
+        from sco.contract.signing import load_private
+        from sco.provider.reclaim_job import ReclaimSettings
+
+        return ReclaimSettings(
+            hall=self.hall.hall, nodes=nodes, window_s=self.window, nats_url=self.nats_url or "",
+            signing_keys=[load_private(Path(k)) for k in self.notice_keys], dsn=dsn, nats_auth=dict(self.nats_auth),
+            lock_wait_s=self.lock_wait, wait=wait, floor=floor, retry_for_s=self.retry_for,
+            call_timeout_s=self.call_timeout, before_leases=self.before_leases, lease_lookahead_s=self.lease_lookahead,
+            reconnect_for_s=self.reconnect_for,
+        )  # fmt: skip
+
+
+def refused(lines: list[str]) -> ConfigError:
+    """Several problems as one error, a line each where the CLI prints them (each line begins with its option)."""
+    return ConfigError(
+        "; ".join(lines), [Problem(where, "", message) for where, message in (x.split(": ", 1) for x in lines)]
+    )
+
+
+def nats_auth(p: Params, said: Any = str) -> dict[str, Any]:
+    """The reclaimer's relay identity (nats_creds, nats_nkey_seed, nats_token, or nats_user and nats_password) for
+    nats.connect; ``said`` spells an option as the caller does."""
     seed = p.get("nats_nkey_seed")
     if seed and not p.get("nats_creds"):
         path = Path(str(seed))
         if not os.access(path, os.R_OK) or not path.is_file():  # nats-py would only say the relay is unreachable
-            raise ConfigError(f"nats_nkey_seed: {path}: no readable nkey seed file there")
+            raise ConfigError(f"{said('nats_nkey_seed')}: {path}: no readable nkey seed file there")
     return auth_options(
         creds_file=str(p["nats_creds"]) if p.get("nats_creds") else None,
         nkey_seed_file=str(seed) if seed else None,
+        token=str(p["nats_token"]) if p.get("nats_token") else None,
         user=str(p["nats_user"]) if p.get("nats_user") else None,
         password=str(p.get("nats_password") or ""),
     )
-
-
-def _non_negative(params: Params, key: str, default: float) -> float:
-    v = params.get(key)
-    if v is None:
-        return default
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: {v!r} is not a number") from None
-    if not 0 <= f < float("inf"):
-        raise ConfigError(f"{key}: must be a finite number of 0 or more, not {v!r}")
-    return f
 
 
 PARSERS: dict[str, Any] = {

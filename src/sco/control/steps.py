@@ -12,7 +12,7 @@ import asyncio
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -120,18 +120,22 @@ def _relay_up(o: ReclaimOptions) -> bool:
     return asyncio.run(probe())
 
 
-def load_bundle(params: Params | HallOptions) -> Any:
+def load_bundle(params: Params | HallOptions, said: Callable[[str], str] = str) -> Any:
+    """The hall's verified bundle; ``said`` spells an option as the caller does (a CLI's flags)."""
     from sco.contract.bundle import Bundle
     from sco.contract.signing import Keyring, load_public
 
     h = params if isinstance(params, HallOptions) else HallOptions.from_params(params)
     if not h.bundle:
-        raise ConfigError("bundle: give the verified contract bundle the hall runs (its path)")
+        raise ConfigError(f"{said('bundle')}: give the verified contract bundle the hall runs (its path)")
     keys = [load_public(Path(p)) for p in h.trust]
     if h.trust_dir:
         keys += [load_public(p) for p in sorted(Path(h.trust_dir).glob("*.pub"))]
     if not keys:
-        raise ConfigError("trust: give the public keys the bundle must be signed with (trust or trust_dir)")
+        raise ConfigError(
+            f"{said('trust')}: give the public keys the bundle must be signed with"
+            f" ({said('trust')} or {said('trust_dir')})"
+        )
     try:
         raw = Path(h.bundle).read_bytes()
     except OSError as e:
@@ -544,21 +548,27 @@ def said_once(messages: list[str], limit: int = 1500) -> str:
 # --- reclaim ------------------------------------------------------------------------------------------
 
 
+def reclaim_floor(o: ReclaimOptions) -> Any:
+    """The hall's drain floor from its bundle, when one is given (None otherwise), with the window checked against
+    it; ``sco reclaim`` and the step both call this. Finishing alone sends no notice: no window to check."""
+    from sco.provider.reclaimer import drain_floor
+
+    if not (o.nodes or o.before_leases):
+        return None
+    floor = None
+    if o.hall.bundle:
+        b = load_bundle(o.hall, o.said)
+        floor = drain_floor(b.policy, b.contracts)
+    o.check_window(floor)
+    return floor
+
+
 def step_reclaim(o: ReclaimOptions, check: bool, store: Any = None) -> dict[str, Any]:
     """Reclaim instances through the provider's reclaimer: notice (NATS and metadata), drain window, delete."""
     if store is None:
         raise ConfigError("state_dsn: the reclaimer needs the fleet state (give state_dsn or set $SCO_DB_DSN)")
     hall = o.hall.hall
-    from sco.provider.reclaimer import drain_floor, window_problem
-
-    # the hall's contracts, when given: the window must fit the largest drain budget plus the margin
-    floor = None
-    if o.nodes or o.before_leases:  # finishing alone gives no window: each instance keeps its recorded T
-        if o.hall.bundle:
-            b = load_bundle(o.hall)
-            floor = drain_floor(b.policy, b.contracts)
-        if (problem := window_problem("window", o.window, floor)) is not None:
-            raise ConfigError(problem)  # before check mode returns: a window that cannot drain is refused there too
+    floor = reclaim_floor(o)  # before check mode returns: a window that cannot drain is refused there too
     live = {i.name: i for i in store.fleet(hall)}
     # finish: the reclaims under way that no run is finishing (their control host stopped before T)
     under = sorted(n for n, i in live.items() if i.state == "deleting") if o.finish else []
@@ -577,23 +587,13 @@ def step_reclaim(o: ReclaimOptions, check: bool, store: Any = None) -> dict[str,
     }
     if check or not (todo or o.before_leases or under):
         return result
-    from sco.contract.signing import load_private
-    from sco.provider.reclaim_job import ReclaimSettings, reclaim
+    from sco.provider.reclaim_job import reclaim
     from sco.state.db import HallBusy
 
     noticing = bool(todo or o.before_leases)
-    if noticing and not o.nats_url:
-        raise ConfigError("nats_url: the hall's notice relay")
-    if noticing and not o.notice_keys:
-        raise ConfigError(
-            "notice_keys: give the hall's notice signing key(s) (or $SCO_NOTICE_KEY): agents refuse unsigned notices"
-        )
-    settings = ReclaimSettings(
-        hall=hall, nodes=tuple(todo), window_s=o.window, nats_url=o.nats_url or "",
-        signing_keys=[load_private(Path(k)) for k in o.notice_keys], dsn=store.dsn, nats_auth=dict(o.nats_auth),
-        lock_wait_s=o.lock_wait, wait=o.wait or not noticing, floor=floor, retry_for_s=o.retry_for,
-        before_leases=o.before_leases, lease_lookahead_s=o.lease_lookahead,
-    )  # fmt: skip
+    if noticing:
+        o.check_noticing()
+    settings = o.settings(nodes=tuple(todo), dsn=store.dsn, floor=floor, wait=o.wait or not noticing)
     try:
         done = asyncio.run(reclaim(settings, o.cloud.connect()))
     except HallBusy as e:

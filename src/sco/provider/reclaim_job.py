@@ -10,7 +10,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +66,11 @@ class ReclaimSettings:
             raise ConfigError("; ".join(bad))
 
 
-def limit_problems(**values: float) -> list[str]:
-    """What is wrong with a reclaim run's numbers (retry_for, call_timeout, lock_wait, reconnect_for, in seconds).
-    The one rule that ``sco reclaim`` (through ReclaimSettings) and the collection's reclaim step (through
-    sco.control.options.ReclaimOptions) both read; retry_for 0 (one attempt, no retries) is the CLI's."""
+def limit_problems(names: Mapping[str, str] | None = None, **values: float) -> list[str]:
+    """What is wrong with a reclaim run's numbers (retry_for, call_timeout, lock_wait, reconnect_for, in seconds),
+    each line naming the value as ``names`` spells it (a CLI's flag) or by its key. The one rule of ReclaimSettings
+    and of sco.control.options.ReclaimOptions, which ``sco reclaim`` and the collection's reclaim module both parse
+    into; retry_for 0 is one attempt, no retries."""
     # name: (least, most, whether the least itself is allowed, the rule said)
     rules: dict[str, tuple[float, float, bool, str]] = {
         "retry_for": (0, 86400, True, "0 to 86400 seconds"),
@@ -81,7 +82,7 @@ def limit_problems(**values: float) -> list[str]:
     for what, v in values.items():
         least, most, least_ok, rule = rules[what]
         if not (math.isfinite(v) and (least <= v if least_ok else least < v) and v <= most):
-            bad.append(f"{what}: expected {rule}, got {v}")
+            bad.append(f"{(names or {}).get(what, what)}: expected {rule}, got {v}")
     return bad
 
 

@@ -13,8 +13,10 @@ description:
   - A delete is retried with capped exponential backoff and jitter until Nova confirms the server is gone. While
     any instance of the hall is not confirmed gone when the retry budget (O(retry_for)) is spent, the task fails
     with the cloud's own message; the instance stays under reclaim and the next run keeps deleting it.
-  - Every OpenStack call has a deadline (the connection's C(api_timeout), 30 s unless the cloud sets one), so a
-    Nova or Keystone that never answers fails the task instead of hanging it with the hall's lock held.
+  - Every OpenStack call has a deadline (the connection's O(api_timeout), and O(call_timeout) around each call), so
+    a Nova or Keystone that never answers fails the task instead of hanging it with the hall's lock held.
+  - The options are those of C(sco reclaim) (one options type for both), checked alike and refused with the same
+    line, which names the option as this module spells it.
   - In check mode reports which instances would be reclaimed.
 version_added: 0.1.0
 author: Spot Capacity Orchestrator developers (@sco-dev)
@@ -55,6 +57,9 @@ options:
   nats_creds:
     description: A NATS credentials file (JWT and nkey seed), instead of O(nats_user) and O(nats_password).
     type: path
+  nats_token:
+    description: A relay token, instead of O(nats_user) and O(nats_password) (C(sco reclaim --token)).
+    type: str
   nats_nkey_seed:
     description:
       - The reclaimer's nkey seed file (the notice_relay role's C(<credentials_dir>/nats/reclaimer.nk); the relay
@@ -88,6 +93,18 @@ options:
     description: Seconds to wait for the hall's fleet-state writer lock.
     type: float
     default: 0
+  call_timeout:
+    description:
+      - Seconds each OpenStack call of the reclaimer may take on its thread before it counts as a failed attempt
+        (more than 0, at most 600; C(sco reclaim --call-timeout)).
+    type: float
+    default: 30
+  reconnect_for:
+    description:
+      - Seconds to connect to the fleet state again and retake the hall's lock when it is lost mid-run (a Patroni
+        failover, a PostgreSQL restart) before the task fails; 0 to 3600 (C(sco reclaim --reconnect-for)).
+    type: float
+    default: 90
   finish:
     description:
       - Also finish the hall's reclaims under way that no run is finishing - instances an earlier run noticed
@@ -180,18 +197,21 @@ def main() -> None:
         "nats_user": {"type": "str"},
         "nats_password": {"type": "str", "no_log": True},
         "nats_creds": {"type": "path"},
+        "nats_token": {"type": "str", "no_log": True},
         "nats_nkey_seed": {"type": "path"},
         "window": {"type": "float", "default": 120},
         "notice_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
         "wait": {"type": "bool", "default": True},
         "retry_for": {"type": "float", "default": 120},
         "lock_wait": {"type": "float", "default": 0},
+        "call_timeout": {"type": "float", "default": 30},
+        "reconnect_for": {"type": "float", "default": 90},
         "finish": {"type": "bool", "default": False},
     }
     module = AnsibleModule(
         argument_spec=spec,
         supports_check_mode=True,
-        mutually_exclusive=[("nats_creds", "nats_user", "nats_nkey_seed")],
+        mutually_exclusive=[("nats_creds", "nats_user", "nats_nkey_seed", "nats_token")],
         required_by={"nats_password": "nats_user"},
     )
     run_step(module, "reclaim")
