@@ -12,23 +12,23 @@ refused even when the control plane is down. The ConfigMap is flat ``string -> s
   ``<contract>.grace`` (drain budget + final write, seconds): Kubernetes and Spark contracts only.
 
 Contract names are DNS-1123 labels (no ``.`` or ``_``), so the derived keys never collide with a contract.
-Published with the control side's credential on the Kubernetes credentials code the agent uses
-(``sco.schedulers.kube``) and its HTTP client; not used by the agent itself.
+Published from the control host with the control side's credential through the official ``kubernetes`` client (the
+control extra installs it there); the node agent, which never publishes, keeps its lean client (``sco._http``).
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
+import os
 import ssl
-import urllib.parse
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sco._http import Response
 from sco.contract.bundle import Bundle
 from sco.errors import BundleError, ConfigError, RollbackError, ScoError
-from sco.schedulers.kube import Credentials, KubeClient, KubeConfigError, KubeCredentialError, KubeUnreachable
+from sco.schedulers.kube import TOKEN_REREAD_S
 
 CONTRACT_LABEL = "sco.dev/contract"
 RECLAIM_TAINT = "sco.dev/reclaim"
@@ -102,56 +102,104 @@ class PublishResult:
 
 
 class KubeConfigMaps:
-    """GET/POST/PUT of one ConfigMap over the Kubernetes API, on the agent's Kubernetes credentials code
-    (``sco.schedulers.kube``: the token file read again every minute and after a 401, TLS with the given CA or
-    the system store, a refused connection retried within the call's deadline) and its one HTTP client."""
+    """GET/POST/PUT of one ConfigMap through the official Kubernetes client (``kubernetes.client.CoreV1Api``).
+
+    Every call has a deadline (``_request_timeout``: ``timeout / 4`` to connect, ``timeout`` to read; a refused
+    connection is tried again three times within the connect budget, so a call takes about ``timeout`` at most to
+    connect and ``timeout`` to answer). The bound token file is read again as client-go and the agent read it: every
+    minute, before a call once the file changed (its inode, mtime and size), and at once after a 401, with the call
+    sent again once. https trusts ``ca_file``, or the system store without one.
+    """
 
     def __init__(
-        self, url: str, *, token_file: Path | None = None, ca_file: Path | None = None, timeout: float = 10.0
+        self,
+        url: str,
+        *,
+        token_file: Path | None = None,
+        ca_file: Path | None = None,
+        timeout: float = 10.0,
+        token_reread_s: float = TOKEN_REREAD_S,
     ) -> None:
+        from kubernetes import client as k8s  # the control extra; a manifest written with -o needs none of it
+        from urllib3.util.retry import Retry
+
         self.url = url.rstrip("/")
         self.timeout = timeout
-        if token_file is not None:
+        self.token_file = Path(token_file) if token_file is not None else None
+        self._token_reread_s = token_reread_s
+        self._token_read_at = -1e18
+        self._token_sig: tuple[int, int, int, int] | None = None
+        cfg = k8s.Configuration()
+        cfg.host = self.url
+        if self.url.startswith("https:") and ca_file:
             try:
-                Path(token_file).read_text()
+                ssl.create_default_context(cafile=str(ca_file))
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"{ca_file}: {e}") from None
+            cfg.ssl_ca_cert = str(ca_file)
+        # (without ssl_ca_cert urllib3 loads the system store, as this command always has trusted)
+        # only connecting is tried again (a refused or timed-out connect): a write the server may have seen is not
+        cfg.retries = Retry(total=3, connect=3, read=0, status=0, other=0, redirect=0, backoff_factor=0.1)
+        self._token = ""
+        if self.token_file is not None:
+            try:
+                self.token_file.read_text()
             except OSError as e:
                 raise ConfigError(f"{token_file}: cannot read the token: {e.strerror}") from None
-        # https without a CA file trusts the system store, as this command always has
-        self.creds = Credentials(self.url, token_file=token_file, ca_file=str(ca_file) if ca_file else "system")
-        try:
-            self.creds.ssl_context()
-        except (KubeConfigError, OSError, ssl.SSLError) as e:
-            raise ConfigError(f"{ca_file}: {e}") from None
+            cfg.api_key_prefix = {"authorization": "Bearer"}
+            cfg.refresh_api_key_hook = self._refresh_token  # type: ignore[assignment]  # typed as None upstream
+            self._refresh_token(cfg, force=True)
+        self._cfg = cfg
+        self.api = k8s.CoreV1Api(k8s.ApiClient(cfg))
 
-    def _call(self, method: str, path: str, body: Obj | None = None) -> tuple[int, Obj]:
-        async def call() -> Response:
-            kube = KubeClient(self.creds, timeout=self.timeout, max_connections=1)
+    def _refresh_token(self, cfg: Any, force: bool = False) -> None:
+        """Called by the client before every request (``refresh_api_key_hook``)."""
+        assert self.token_file is not None
+        now = time.monotonic()
+        try:
+            st = os.stat(self.token_file)
+            sig: tuple[int, int, int, int] | None = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            sig = None
+        if not force and sig == self._token_sig and now - self._token_read_at < self._token_reread_s:
+            return
+        self._token_read_at = now
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError:
+            return  # keep the last token; the API's 401 will say what is wrong
+        if token:  # (empty: caught between a truncate and a write; read again next time)
+            self._token_sig, self._token = sig, token
+            cfg.api_key = {"authorization": token}
+
+    def _call(self, verb: str, fn: Any, *args: Any) -> tuple[int, Obj]:
+        """One call of the official client, (status, body as a dict) whatever the status; an API that does not
+        answer, or TLS the CA does not vouch for, is KubePublishError."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError, MaxRetryError
+        from urllib3.exceptions import SSLError as Urllib3SSLError
+
+        for attempt in (0, 1):
             try:
-                return await kube.request(method, path, body)
-            finally:
-                await kube.close()
-
-        try:
-            r = asyncio.run(call())
-        except KubeUnreachable as e:
-            raise KubePublishError(f"{self.url}: the Kubernetes API did not answer: {e}") from None
-        except KubeCredentialError as e:  # TLS: the CA does not vouch for the server
-            raise KubePublishError(f"{self.url}: {e.message}") from None
-        try:
-            data = r.json()
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            data = {"message": r.body[:200].decode("utf-8", "replace")}
-        return r.status, data
-
-    def _path(self, namespace: str, name: str | None = None) -> str:
-        q = urllib.parse.quote
-        base = f"/api/v1/namespaces/{q(namespace)}/configmaps"
-        return base if name is None else f"{base}/{q(name)}"
+                r = fn(*args, _preload_content=False, _request_timeout=(self.timeout / 4, self.timeout))
+                return r.status, _body(r.data)
+            except ApiException as e:
+                if e.status == 0:  # the client's own word for a TLS failure it caught itself
+                    raise KubePublishError(f"{self.url}: TLS: {' '.join(str(e.reason).split())}") from None
+                if e.status == 401 and attempt == 0 and self.token_file is not None:
+                    self._refresh_token(self._cfg, force=True)  # a rotated token: read the file again, once
+                    continue
+                return int(e.status), _body(e.body)
+            except MaxRetryError as e:
+                if isinstance(e.reason, Urllib3SSLError):
+                    raise KubePublishError(f"{self.url}: TLS: {e.reason}") from None
+                raise KubePublishError(f"{self.url}: the Kubernetes API did not answer ({verb}): {e.reason}") from None
+            except HTTPError as e:  # a read timeout, a connection reset mid-answer
+                raise KubePublishError(f"{self.url}: the Kubernetes API did not answer ({verb}): {e}") from None
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def get(self, namespace: str, name: str) -> Obj | None:
-        status, body = self._call("GET", self._path(namespace, name))
+        status, body = self._call("read", self.api.read_namespaced_config_map, name, namespace)
         if status == 404:
             return None
         if status != 200:
@@ -160,14 +208,24 @@ class KubeConfigMaps:
 
     def create(self, cm: Obj) -> Obj:
         md = cm["metadata"]
-        status, body = self._call("POST", self._path(md["namespace"]), cm)
+        status, body = self._call("create", self.api.create_namespaced_config_map, md["namespace"], cm)
         if status not in (200, 201):
             raise _failed("create", md["namespace"], md["name"], status, body)
         return body
 
     def replace(self, cm: Obj) -> tuple[int, Obj]:
         md = cm["metadata"]
-        return self._call("PUT", self._path(md["namespace"], md["name"]), cm)
+        return self._call("replace", self.api.replace_namespaced_config_map, md["name"], md["namespace"], cm)
+
+
+def _body(raw: Any) -> Obj:
+    """The API's answer as a dict; anything else (a proxy's page) as its first 200 characters."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes | bytearray) else str(raw or "")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    return data if isinstance(data, dict) else {"message": text[:200]}
 
 
 def _failed(verb: str, namespace: str, name: str, status: int, body: Obj) -> KubePublishError:
