@@ -9,6 +9,11 @@ On a cluster every relay runs it after its own start, at about the same time: Je
 others are told it exists and report "unchanged", or "updated" when they changed it themselves), and while the
 cluster has no leader yet (its servers starting, a replica count it cannot place yet) each step is tried again,
 with backoff and jitter, until --wait runs out.
+
+It runs with the product's interpreter (the role installs spot-capacity-orchestrator of the collection's release in
+notice_relay_venv for it, and the unit's ExecStartPost names that venv's python), so it connects and paces its
+retries with the product's own helpers: sco._nats (the identity mapping, a connect with a deadline) and sco._retry
+(capped exponential backoff, equal jitter), all within --wait.
 """
 
 from __future__ import annotations
@@ -16,18 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
+
+from sco._nats import auth_options, connect
+from sco._retry import Backoff
 
 # JetStream's answers that pass: no meta leader yet (10008), too few servers up for the replicas (10023), no peer
 # known to have room yet (10005: a relay that has just started has not told the leader its storage), another relay
@@ -80,33 +86,25 @@ def differs(have: StreamConfig, want: StreamConfig) -> bool:
 async def ensure(args: argparse.Namespace) -> list[tuple[str, str]]:
     # the relay's own users are nkeys (the seed file), or in operator mode a creds file (user JWT and seed); a
     # password file for a relay configured otherwise
-    if args.creds:
-        if not Path(args.creds).is_file():  # nats-py would only say so once --wait has run out
-            raise SystemExit(f"sco-nats-stream: {args.creds}: no creds file")
-        auth: dict[str, Any] = {"user_credentials": args.creds}
-    elif args.nkey_seed:
-        auth = {"nkeys_seed": args.nkey_seed}
-    else:
-        auth = {"user": args.user, "password": Path(args.password_file).read_text().strip()}
-    nc = None
+    if args.creds and not Path(args.creds).is_file():  # nats-py would only say so once --wait has run out
+        raise SystemExit(f"sco-nats-stream: {args.creds}: no creds file")
+    password = Path(args.password_file).read_text().strip() if args.password_file else None
+    auth = auth_options(creds_file=args.creds, nkey_seed_file=args.nkey_seed, user=args.user, password=password)
     loop = asyncio.get_running_loop()
     end = loop.time() + args.wait
-
-    async def quiet(e: Exception) -> None:  # nats-py's default prints a traceback per refused attempt
-        pass
-
-    while nc is None:
+    backoff = Backoff(0.2, 2.0)
+    while True:
         try:
-            # nats-py retries a refused first connection whatever max_reconnect_attempts says: --wait bounds it
-            nc = await asyncio.wait_for(
-                nats.connect(args.server, connect_timeout=2, max_reconnect_attempts=0, error_cb=quiet, **auth),
-                max(0.5, end - loop.time()),
-            )
-        except Exception as e:  # the server may still be starting
-            if loop.time() > end:
+            # the server may still be starting: each attempt within what is left of --wait (nats-py keeps retrying
+            # a refused first connection inside one attempt, so the deadline is what bounds it)
+            nc = await connect(args.server, auth=auth, deadline_s=max(0.5, end - loop.time()), connect_timeout=2)
+            break
+        except Exception as e:
+            pause = backoff.next()
+            if loop.time() + pause > end:
                 why = str(e) or type(e).__name__
                 raise SystemExit(f"sco-nats-stream: cannot reach {args.server} in {args.wait:g} s: {why}") from None
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(pause)
     try:
         js = nc.jetstream(timeout=5)
         done = []
@@ -143,18 +141,20 @@ async def create(nc: Any, want: StreamConfig) -> str:
 
 
 async def retried(step: Callable[[], Awaitable[str]], end: float, name: str) -> str:
+    """``step`` until it passes, a transient refusal tried again after the shared backoff's wait (jitter: the relays
+    of a cluster start together), none begun past ``end``."""
     loop = asyncio.get_running_loop()
-    delay = 0.2
+    backoff = Backoff(0.2, 2.0)
     while True:
         try:
             return await step()
         except (TimeoutError, APIError, NoRespondersError, NatsTimeoutError) as e:
             code = getattr(e, "err_code", None)
             passing = code in TRANSIENT or getattr(e, "code", None) == 503 or not isinstance(e, APIError)
-            if not passing or loop.time() + delay > end:
+            pause = backoff.next()
+            if not passing or loop.time() + pause > end:
                 raise SystemExit(f"sco-nats-stream: stream {name}: {describe(e)}") from None
-        await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: the relays of a cluster start together
-        delay = min(delay * 2, 2.0)
+        await asyncio.sleep(pause)
 
 
 def describe(e: Exception) -> str:
