@@ -21,6 +21,7 @@ ALERTS = {
     "ScoNoticesRefused",
     "ScoSpoolBacklogGrowing",
     "ScoBundleStale",
+    "ScoBundleExpired",
     "ScoCredentialExpiring",
     "ScoCertificateExpiring",
     "ScoControlLoopFailed",

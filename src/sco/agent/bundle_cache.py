@@ -1,6 +1,8 @@
 """The node's on-disk bundle cache and the fetcher that keeps it fresh.
 
-- The cache holds the last good bundle forever (bundles never expire) and reports its age.
+- The cache holds the last good bundle and reports its age. A bundle past its signed ``expiresAt`` is never taken
+  up; the one the node holds stays when it expires (its budgets drain the work already here: a node is never left
+  without them), reported as expired (``sco_agent_bundle_expired``, ``sco-agent status``) until a fresh one comes.
 - A new bundle replaces it only if it verifies against the node's keyring and is not a rollback;
   otherwise the old one stays and the reason is recorded in ``state.json``.
 - Replacement is atomic (``sco._fs.atomic_write``): a crash mid-write leaves the old bundle.
@@ -115,7 +117,7 @@ class BundleCache:
         self.state.last_check_at = self.clock()
         try:
             new = Bundle.from_bytes(raw, self.keyring, source)
-            verdict = successor(self.bundle, new)
+            verdict = successor(self.bundle, new, self.clock())
         except BundleError as e:
             return self._refuse("; ".join(e.lines()), raw=raw)
         if verdict is Succession.REPLACE:
@@ -140,6 +142,8 @@ class BundleCache:
             "contracts": len(b.contracts) if b else 0,
             "subset": bool(b and b.subset_of),
             "issued_age_s": round(now - b.issued_at, 1) if b and b.issued_at is not None else None,
+            "expires_in_s": round(b.expires_at - now, 1) if b and b.expires_at is not None else None,
+            "expired": bool(b and b.expired(now)),
             "cached_age_s": round(now - self.state.accepted_at, 1) if self.state.accepted_at else None,
             "last_check_age_s": round(now - self.state.last_check_at, 1) if self.state.last_check_at else None,
             "last_outcome": self.state.last_outcome,

@@ -87,6 +87,17 @@ class AgentGauges:
                 "Seconds since the distributor last confirmed the bundle in use.",
                 now - checked if checked else None,
             ),
+            (
+                "sco_agent_bundle_expired",
+                "1 if the bundle in use is past its signed expiry (its budgets still drain the work here; no newer"
+                " bundle came), 0 if not or if it carries none.",
+                (1.0 if b.expired(now) else 0.0) if b else None,
+            ),
+            (
+                "sco_agent_bundle_expiry_timestamp_seconds",
+                "Signed expiry of the bundle in use; absent when it carries none.",
+                float(b.expires_at) if b and b.expires_at is not None else None,
+            ),
             ("sco_agent_relay_up", "1 if the NATS relay link is connected.", 1.0 if self.relay_up() else 0.0),
             (
                 "sco_agent_scheduler_api_up",

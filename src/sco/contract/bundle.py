@@ -51,6 +51,7 @@ _POLICY_INTS = {
     "schedulerApiTimeoutMs": (10, 60_000),
     "metadataPollSeconds": (1, 300),
     "bundleRefreshSeconds": (5, 86_400),
+    "bundleLifetimeSeconds": (3600, 90 * 86_400),
 }
 
 
@@ -70,6 +71,10 @@ def payload_problems(p: dict[str, Any]) -> list[str]:
         out.append("contentDigest: expected 64 hex digits")
     if "issuedAt" in p and not _int(p["issuedAt"]):
         out.append("issuedAt: expected an integer")
+    if "expiresAt" in p and (not _int(p["expiresAt"]) or p["expiresAt"] < 1):
+        out.append("expiresAt: expected Unix epoch seconds")
+    elif _int(p.get("expiresAt")) and _int(p.get("issuedAt")) and p["expiresAt"] <= p["issuedAt"]:
+        out.append("expiresAt: must be after issuedAt")
     if "subsetOf" in p and (not isinstance(p["subsetOf"], str) or not _HEX64.match(p["subsetOf"])):
         out.append("subsetOf: expected 64 hex digits")
     policy = p.get("policy")
@@ -178,6 +183,8 @@ class Bundle:
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"bundle payload: missing or bad field {e}") from None
         self.issued_at: int | None = p.get("issuedAt")
+        # signed with the rest: a stale mirror or a man in the middle cannot keep a node on this bundle past it
+        self.expires_at: int | None = p.get("expiresAt")
         self.subset_of: str | None = p.get("subsetOf")
 
     @classmethod
@@ -203,10 +210,14 @@ class Bundle:
         )
 
     def age_seconds(self, now: float | None = None) -> float | None:
-        """Seconds since the bundle was issued (None when it carries no issue time). Bundles never expire."""
+        """Seconds since the bundle was issued (None when it carries no issue time)."""
         if self.issued_at is None:
             return None
         return (time.time() if now is None else now) - self.issued_at
+
+    def expired(self, now: float | None = None) -> bool:
+        """Past its signed ``expiresAt``. A bundle of a release before expiry carries none and never expires."""
+        return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
 
 
 class Succession(Enum):
@@ -214,17 +225,34 @@ class Succession(Enum):
     UNCHANGED = "unchanged"
 
 
-def successor(cached: Bundle | None, new: Bundle) -> Succession:
-    """May ``new`` replace ``cached``? Raises RollbackError/BundleError when it must be refused."""
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def successor(cached: Bundle | None, new: Bundle, now: float | None = None) -> Succession:
+    """May ``new`` replace ``cached``? Raises RollbackError/BundleError when it must be refused.
+
+    Freshness: a bundle past its ``expiresAt`` is never taken up (what the node holds stays, and keeps its budgets);
+    once the node holds a bundle that expires, one without an expiry (a compiler of an older release, or a replay of
+    a bundle from before expiry) is older-dated and refused; at the same serial and content a later ``expiresAt``
+    replaces the cached bundle (the hall's signer re-dated it), an earlier one changes nothing."""
+    if new.expired(now):
+        raise BundleError(f"bundle serial {new.serial} expired at {_utc(new.expires_at or 0)} (stale copy refused)")
     if cached is None:
         return Succession.REPLACE
     if new.hall != cached.hall:
         raise BundleError(f"bundle is for hall {new.hall!r}, this node is in hall {cached.hall!r}")
     if new.serial < cached.serial:
         raise RollbackError(f"serial {new.serial} is lower than the cached serial {cached.serial} (rollback)")
+    if cached.expires_at is not None and new.expires_at is None:
+        raise RollbackError(
+            f"serial {new.serial} carries no expiry and this node holds one that expires (older-dated, refused)"
+        )
     if new.serial > cached.serial:
         return Succession.REPLACE
     if new.content_digest == cached.content_digest or new.subset_of == cached.content_digest:
+        if new.expires_at is not None and (cached.expires_at is None or new.expires_at > cached.expires_at):
+            return Succession.REPLACE  # re-dated: the same content, fresh for longer
         return Succession.UNCHANGED
     if cached.subset_of == new.content_digest:
         return Succession.REPLACE  # the full bundle of which the launch subset was cut

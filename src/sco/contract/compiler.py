@@ -31,6 +31,13 @@ from sco.errors import ConfigError, ContractError, Problem
 # libyaml when present: its parser is C, though PyYAML still constructs objects in Python.
 _Base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_FILE_BYTES = 1 << 20  # a contract is a few hundred bytes; a larger file is a mistake or an attack
+# A signed bundle's freshness (its expiresAt), unless the hall policy sets bundleLifetimeSeconds. Nodes ask for a new
+# bundle every 60 s, so the lifetime need not be short for a re-signed bundle to reach them within a minute; what it
+# must cover is the time between re-signings plus an outage of the distributor. The signer re-dates an unchanged
+# bundle once less than half is left: re-signing at least every 3.5 days keeps nodes at 3.5 days or more, so the
+# distributor may be down over a long weekend; a stale mirror or a man in the middle holds a node back 7 days at
+# most instead of for ever.
+DEFAULT_BUNDLE_LIFETIME_S = 7 * 86_400
 MAX_ISSUED_AHEAD_S = 86_400  # clocks disagree by seconds, not days: a later issue time is a typo (ms for s)
 
 
@@ -418,11 +425,14 @@ def compile_repo(
     serial: int | None = None,
     issued_at: int | None = None,
     workers: int | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
     """The bundle payload for ``repo``; raises ContractError listing every problem.
 
     Serial: ``serial`` if given (it must exceed the previous one); otherwise the previous serial when the
     content is unchanged (same input, same bytes), else the previous serial + 1 (1 with no previous).
+    Expiry: ``now`` (the signing time) + the policy's bundleLifetimeSeconds; an unchanged bundle keeps the previous
+    one's ``expiresAt`` (same bytes) while more than half of that lifetime is left, else it is re-dated.
     """
     if issued_at is not None and (why := issued_at_problem(issued_at)):
         raise ConfigError(f"issued_at {issued_at}: {why}")
@@ -478,4 +488,13 @@ def compile_repo(
     }
     if issued_at is not None:
         payload["issuedAt"] = int(issued_at)
+    now = time.time() if now is None else now
+    lifetime = int(policy.get("bundleLifetimeSeconds") or DEFAULT_BUNDLE_LIFETIME_S)
+    kept = previous.get("expiresAt") if previous is not None and unchanged else None
+    if isinstance(kept, int) and not isinstance(kept, bool) and kept - now > lifetime / 2:
+        payload["expiresAt"] = kept
+    else:
+        payload["expiresAt"] = int(now) + lifetime
+    if issued_at is not None and payload["expiresAt"] <= issued_at:
+        raise ConfigError(f"issued_at {issued_at}: after the bundle's expiry {payload['expiresAt']} (now + lifetime)")
     return payload

@@ -224,6 +224,10 @@ class HallPolicySpec(Strict):
     """Past this the agent stops asking the scheduler and drains around it."""
     metadata_poll_seconds: Annotated[PositiveInt, Field(le=300)] = 5
     bundle_refresh_seconds: Annotated[PositiveInt, Field(ge=5, le=86_400)] = 60
+    bundle_lifetime_seconds: Annotated[PositiveInt, Field(ge=HOUR, le=90 * 24 * HOUR)] | None = None
+    """How long a signed bundle stays fresh (its ``expiresAt``); unset: 7 days (sco.contract.compiler). The signer
+    re-dates an unchanged bundle once less than half of it is left, so re-signing at least that often keeps nodes
+    fresh and rides out a distributor outage of half of it."""
     reserved_capacity: Capacity = Field(default_factory=Capacity)
     """Committed/reserved capacity behind the tier-1 floors."""
     checkpoint_store: HallCheckpointStore | None = None
