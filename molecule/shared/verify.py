@@ -30,7 +30,7 @@ HARDENING = [
     "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
     "SystemCallFilter=@system-service",
 ]
-AGENT_LIMITS = ["MemoryMax=64M", "CPUQuota=20%", "CapabilityBoundingSet=CAP_KILL"]
+AGENT_LIMITS = ["MemoryMax=64M", "CPUQuota=20%", "ProtectControlGroups=yes"]
 
 
 class Scenario:
@@ -73,8 +73,17 @@ def check_unit_enabled_and_hardened(h: Any, unit: str, extra: list[str], wanted_
 
 def check_agent_unit(h: Any) -> None:
     check_unit_enabled_and_hardened(h, "sco-agent.service", AGENT_LIMITS)
+    # its own user, no capability in the unit; the drop-in gives CAP_KILL back on a Slurm node only
+    lines = unit_text(h, "sco-agent.service").splitlines()
+    assert "CapabilityBoundingSet=" in lines and "AmbientCapabilities=" in lines
     dropin = h.file("/etc/systemd/system/sco-agent.service.d/10-ansible.conf").content_string
     assert "ExecStart=/opt/sco/bin/sco-agent run --config /etc/sco/agent.toml" in dropin
+    assert "User=sco-agent" in dropin.splitlines() and "Group=sco-agent" in dropin.splitlines()
+    slurm = 'scheduler = "slurm"' in h.file("/etc/sco/agent.toml").content_string.splitlines()
+    assert ("CapabilityBoundingSet=CAP_KILL" in dropin.splitlines()) == slurm
+    assert h.user("sco-agent").shell == "/usr/sbin/nologin"
+    state = h.file("/var/lib/sco")
+    assert state.user == "sco-agent" and state.group == "sco-agent" and state.mode == 0o750
 
 
 def check_agent_config(sc: Scenario, h: Any, node: str, hall: str, scheduler: str, nats_url: str) -> None:
@@ -87,9 +96,10 @@ def check_agent_config(sc: Scenario, h: Any, node: str, hall: str, scheduler: st
     for line in (f'nats_url = "{nats_url}"', 'nats_nkey_seed_file = "/etc/sco/nats.nk"'):
         assert line in cfg.content_string.splitlines(), line
     assert "password" not in cfg.content_string
-    # the node's own seed, root's alone: the one the relay knows the public key of
+    # the node's own seed, root's, read by the agent's group: the one the relay knows the public key of
     seed = h.file("/etc/sco/nats.nk")
-    assert seed.mode == 0o600 and seed.user == "root"
+    assert seed.mode == 0o640 and seed.user == "root" and seed.group == "sco-agent"
+    assert cfg.user == "root" and cfg.group == "sco-agent"
     assert seed.content_string.strip() == (sc.work / "credentials" / "nats" / f"node-{node}.nk").read_text().strip()
     pkgs = h.run("/opt/sco/bin/python -m pip list --format=freeze").stdout
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]

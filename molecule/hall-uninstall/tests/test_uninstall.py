@@ -56,7 +56,7 @@ DATA = [
     "/var/lib/sco-nats",
 ]  # fmt: skip
 # system users the roles made; the ones owning kept data stay until the purge
-USERS = ["sco-control", "sco-nats"]
+USERS = ["sco-agent", "sco-control", "sco-nats"]
 PORTS = [4222, 8222, 8470, 8471, 9090, 9100, 9469]
 PROCESSES = ["/opt/sco/", "nats-server", "prometheus"]
 
