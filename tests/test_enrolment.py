@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import re
 import stat
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -231,6 +232,39 @@ def test_a_flood_from_one_address_is_answered_429_and_counted(make_hall: Callabl
     assert m['sco_enrol_refused_total{reason="rate_limited"}'] == codes.count(429) + 1
     # the database never saw the flood: only the bucket's few
     assert m['sco_enrol_refused_total{reason="unknown_instance"}'] == codes.count(404) <= 6
+
+
+def test_forty_instances_behind_one_snat_address_enrol_at_once_and_a_flood_is_still_429(
+    make_hall: Callable[..., Hall],
+) -> None:
+    """Instances booting together behind SNAT reach the service from one address: with the defaults (sized for the
+    acquire step's burst of creates) 40 enrolments at once all succeed, first time; past the bucket a flood is
+    still answered 429. Before the setting, 16 connections from one address were the limit: the rest were closed."""
+    from sco.contract.enrolment import BURST, MAX_PER_ADDRESS
+
+    h = make_hall()
+    assert h.server.max_per_client == MAX_PER_ADDRESS >= 40 and h.issuer.limit.burst == BURST >= 40
+    launched = [h.launch(i) for i in range(40)]
+    keys = [ri.NKey.generate("user").public for _ in launched]
+    start = threading.Barrier(40)
+
+    def enrol(i: int) -> int:
+        node, server_id, token = launched[i]
+        start.wait(10)  # all 40 connections open together, as a hall's launch boots them
+        return post(h.url, request(node, server_id, token, keys[i]))[0]
+
+    with concurrent.futures.ThreadPoolExecutor(40) as ex:
+        codes = list(ex.map(enrol, range(40)))
+    assert codes == [200] * 40, codes
+    assert h.server.refused_connections == 0
+    m = h.metrics()
+    assert m["sco_enrol_issued_total"] == 40
+    # the bucket still works: the address has spent 40 of its burst; a flood of junk drains the rest and is refused
+    junk = request(f"{HALL}-p-e-99", str(uuid.uuid4()), "x" * 43, ri.NKey.generate("user").public)
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        flood = list(ex.map(lambda _: post(h.url, junk)[0], range(2 * BURST)))
+    assert flood.count(429) >= BURST - 40 and set(flood) <= {404, 429}, flood
+    assert h.metrics()['sco_enrol_refused_total{reason="rate_limited"}'] == flood.count(429)
 
 
 def test_concurrent_duplicate_requests_mint_once(make_hall: Callable[..., Hall]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sco.cli._common import _env
+from sco.contract.enrolment import BURST, MAX_PER_ADDRESS, RATE_PER_S
 from sco.errors import ConfigError
 
 
@@ -35,18 +36,22 @@ def _settings(args: argparse.Namespace) -> Any:
         )  # fmt: skip
     return Settings(
         hall=args.hall, dsn=dsn, relay_keys=Path(args.relay_keys), nats_url=args.nats, kube=kube,
-        rate_per_s=getattr(args, "rate", 2.0), burst=getattr(args, "burst", 10),
+        rate_per_s=getattr(args, "rate", RATE_PER_S), burst=getattr(args, "burst", BURST),
         revoke_every_s=getattr(args, "revoke_every", 5.0),
     )  # fmt: skip
 
 
 def cmd_enrol_serve(args: argparse.Namespace) -> int:
     from sco.contract.distributor import parse_listen
-    from sco.control.enrolment import EnrolmentServer, Issuer
+    from sco.control.enrolment import MAX_CONNECTIONS, EnrolmentServer, Issuer
 
+    if not 1 <= args.max_per_address <= MAX_CONNECTIONS:
+        raise ConfigError(f"--max-per-address {args.max_per_address}: give 1 to {MAX_CONNECTIONS} (the listener's)")
     issuer = Issuer(_settings(args))
     try:
-        server = EnrolmentServer(issuer, parse_listen(args.listen), verbose=args.verbose)
+        server = EnrolmentServer(
+            issuer, parse_listen(args.listen), verbose=args.verbose, max_per_client=args.max_per_address
+        )
     except BaseException:
         issuer.close()
         raise
@@ -105,8 +110,14 @@ def register(sub: Any) -> None:
     s.add_argument("--kube-namespace", default="sco-system", help="the agent's service account's namespace")
     s.add_argument("--kube-service-account", default="sco-agent", help="the agent's service account")
     s.add_argument("--kube-token-seconds", type=int, default=86400, help="first token's lifetime (the agent renews it)")
-    s.add_argument("--rate", type=float, default=2.0, help="requests a second from one address (bucket of --burst)")
-    s.add_argument("--burst", type=int, default=10)
+    s.add_argument(
+        "--rate", type=float, default=RATE_PER_S, help="requests a second from one address (bucket of --burst)"
+    )
+    s.add_argument("--burst", type=int, default=BURST, help="requests one address may make at once before --rate")
+    s.add_argument(
+        "--max-per-address", type=int, default=MAX_PER_ADDRESS, metavar="N",
+        help="connections open at once from one address (instances behind SNAT share one; more are closed at once)",
+    )  # fmt: skip
     s.add_argument("--revoke-every", type=float, default=5.0, help="seconds between revocation sweeps")
     s.add_argument("--verbose", action="store_true", help="log every request")
     s.set_defaults(func=cmd_enrol_serve)

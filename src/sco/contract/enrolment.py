@@ -24,6 +24,14 @@ _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _SERVER_ID = re.compile(r"^[0-9a-fA-F-]{8,64}$")
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
 _USER_KEY = re.compile(r"^U[A-Z2-7]{55}$")
+# The service's limits per source address (its defaults; `sco enrol serve` flags, role control_loop's variables).
+# Many instances can share one address (SNAT on the way to the control host), and they boot together: the acquire
+# step's Nova budget (sco.control.nova.Budget) lets a run send 120 creates at once and 10 a second after, so one
+# address is let have 128 connections open at once and make 128 requests at once, then 10 a second. A flood beyond
+# that is answered 429 before the fleet state sees it.
+MAX_PER_ADDRESS = 128
+BURST = 128
+RATE_PER_S = 10.0
 RETRY = 503
 """The answer that asks the node to try again later (the relay or Kubernetes away, its Node not registered yet):
 the token is not used."""

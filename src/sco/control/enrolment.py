@@ -13,8 +13,9 @@ on the lock and then finds the token used: nothing is minted twice for one insta
 Every refusal answers one line (4xx, or 503 for "try again") and is counted by reason in
 ``sco_enrol_refused_total``; issues in ``sco_enrol_issued_total``, revocations in ``sco_enrol_revoked_total``
 (``/metrics``; labels are reasons, never nodes). The listener is ``sco._http_server``'s (connection slots, a
-per-address limit, the request's headers and body within one deadline, bodies of at most 4 KiB), and each source
-address has a token bucket (a flood is answered 429 without touching the database).
+per-address limit sized for a hall's burst of launches behind one SNAT address, the request's headers and body within
+one deadline, bodies of at most 4 KiB), and each source address has a token bucket (a flood is answered 429 without
+touching the database).
 
 Revocation (:func:`revoke_deleted`): every enrolment whose instance is deleted, lost or failed and not yet revoked
 is revoked on the relay (a newer account JWT revoking every user, read back), then marked revoked. Idempotent and
@@ -75,9 +76,9 @@ class Settings:
     relay_keys: Path
     nats_url: str
     kube: KubeSettings | None = None
-    rate_per_s: float = 2.0
+    rate_per_s: float = wire.RATE_PER_S
     """Requests a second one source address may make (a token bucket of ``burst``)."""
-    burst: int = 10
+    burst: int = wire.BURST
     max_sources: int = 10_000
     """Source addresses the rate limit remembers (the least recently seen forgotten first)."""
     db_connections: int = 8
@@ -455,8 +456,12 @@ class _Handler(BoundedHandler):
         self._answer(200, json.dumps(answer).encode(), "application/json")
 
 
+MAX_CONNECTIONS = 256
+
+
 class EnrolmentServer(BoundedHTTPServer):
-    """The enrolment service's listener (sco._http_server's bounds)."""
+    """The enrolment service's listener (sco._http_server's bounds). ``max_per_client``: connections open at once
+    from one address, sized for instances booting together behind one SNAT address (``wire.MAX_PER_ADDRESS``)."""
 
     def __init__(
         self,
@@ -464,8 +469,8 @@ class EnrolmentServer(BoundedHTTPServer):
         address: tuple[str, int] = ("127.0.0.1", 8471),
         *,
         verbose: bool = False,
-        max_connections: int = 256,
-        max_per_client: int = 16,
+        max_connections: int = MAX_CONNECTIONS,
+        max_per_client: int = wire.MAX_PER_ADDRESS,
         header_timeout: float = 10.0,
         idle_timeout: float = 15.0,
     ) -> None:
