@@ -331,6 +331,94 @@ def test_a_deleted_instance_loses_its_identity(make_hall: Callable[..., Hall], t
     assert h.issuer.revoke_deleted() == []
 
 
+def kube_says(h: Hall, token: str, node: str) -> tuple[int, dict[str, Any]]:
+    """What the stand-in answers the node's token: GET its own Node (the status), and TokenReview's status."""
+    req = urllib.request.Request(f"{h.kube.url}/api/v1/nodes/{node}", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            status = r.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    review = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token}}
+    assert h.issuer.s.kube is not None  # the review asked with the service's own credential
+    me = Path(h.issuer.s.kube.token_file).read_text().strip()
+    url = f"{h.kube.url}/apis/authentication.k8s.io/v1/tokenreviews"
+    ask = urllib.request.Request(url, json.dumps(review).encode(), headers={"Authorization": f"Bearer {me}"})
+    with urllib.request.urlopen(ask, timeout=5) as r:
+        return status, json.loads(r.read())["status"]
+
+
+def enrolled(h: Hall, slot: int) -> tuple[str, str, str]:
+    """An instance launched and enrolled: (node, server id, its Kubernetes token)."""
+    node, server_id, token = h.launch(slot)
+    status, body = post(h.url, request(node, server_id, token, ri.NKey.generate("user").public))
+    assert status == 200, body
+    return node, server_id, json.loads(body)["kube_token"]
+
+
+def test_a_deleted_instances_node_goes_and_its_bound_token_with_it(make_hall: Callable[..., Hall]) -> None:
+    """Defect 7 for Kubernetes: a hall with no cloud controller manager keeps a gone instance's Node object, and a
+    token bound to it works as long as it is there. The sweep deletes that Node (the object enrolment bound the
+    token to, by its uid), so the token is refused within the sweep's period. Before: the token kept working."""
+    h = make_hall(revoke_every_s=0.2)
+    node, server_id, token = enrolled(h, 0)
+    neighbour, _, neighbour_token = enrolled(h, 1)
+    assert kube_says(h, token, node)[0] == 200
+    h.issuer.start_sweeper()
+    inst = h.state.by_server(server_id)
+    assert inst is not None
+    started = time.monotonic()
+    h.state.transition(inst.id, "deleted", "instance.deleted", reason="reclaimed")
+    wait_for(lambda: kube_says(h, token, node)[0] == 401, 10, "the deleted instance's token refused", 0.02)
+    took = time.monotonic() - started
+    print(f"instance deleted -> its bound Kubernetes token refused: {took * 1000:.0f} ms (sweep every 0.2 s)")
+    assert took < 1.0
+    status, review = kube_says(h, token, node)
+    assert status == 401 and review["authenticated"] is False and "invalidated" in review["error"], review
+    assert node not in h.kube.cluster.nodes
+    # the live neighbour keeps its Node and its token
+    status, review = kube_says(h, neighbour_token, neighbour)
+    assert status == 200 and review["authenticated"] is True and review["user"]["username"].endswith(":sco-agent")
+    assert wait_for(lambda: h.metrics().get("sco_enrol_nodes_deleted_total") == 1, 5, "the deletion counted")
+    (outcome,) = h.state.conn.execute(
+        "SELECT node_outcome FROM enrolment WHERE instance_id = %s AND node_done_at IS NOT NULL", (inst.id,)
+    ).fetchone()
+    assert outcome == "deleted"
+    assert h.issuer.revoke_deleted() == []  # idempotent: nothing more to do
+
+
+def test_a_node_registered_again_for_another_instance_is_left_alone(make_hall: Callable[..., Hall]) -> None:
+    """The Node of the name may belong to someone else by the time the sweep runs: re-created by another kubelet
+    (another object: another uid), or taken over by the instance launched into the same slot (the same object, a
+    live instance holding the name). Neither is deleted."""
+    h = make_hall()
+    a, a_id, _ = enrolled(h, 0)
+    b, b_id, _ = enrolled(h, 1)
+    # a's Node deleted and registered again under the name by another machine: another uid
+    h.kube.cluster.delete_node(a)
+    again = h.kube.cluster.add_node(a)
+    for sid in (a_id, b_id):
+        inst = h.state.by_server(sid)
+        assert inst is not None
+        h.state.transition(inst.id, "deleted", "instance.deleted", reason="reclaimed")
+    # b's slot launched again before the sweep ran (its record deleted, a new one live under the same name), and the
+    # new kubelet took over the Node object of the name
+    b_node_uid = h.kube.cluster.get_node(b)["metadata"]["uid"]
+    b2 = h.state.request(HALL, "p", "e", 1, b)
+    h.state.transition(b2.id, "launching", "launch.requested", server_id=str(uuid.uuid4()), name=b)
+    seen = len(h.kube.cluster.audit)
+    assert h.issuer.revoke_deleted() == sorted([a, b])
+    assert h.kube.cluster.get_node(a)["metadata"]["uid"] == again["metadata"]["uid"]
+    assert h.kube.cluster.get_node(b)["metadata"]["uid"] == b_node_uid
+    outcomes = dict(
+        h.state.conn.execute(
+            "SELECT node, node_outcome FROM enrolment WHERE node_done_at IS NOT NULL AND revoked_at IS NOT NULL"
+        ).fetchall()
+    )
+    assert outcomes == {a: "replaced", b: "replaced"}
+    assert not [r for r in h.kube.cluster.audit[seen:] if r["verb"] == "delete" and r["kind"] == "Node"]
+
+
 def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Hall], tmp_path: Path) -> None:
     h = make_hall()
     node, server_id, token = h.launch(0)

@@ -10,7 +10,9 @@ Implemented:
 - nodes: list, get, patch (JSON merge, strategic merge, JSON patch; ``spec.taints`` is atomic under strategic
   merge, as upstream: the list is replaced, never merged by key), ``metadata.resourceVersion`` optimistic
   concurrency (409), taint validation (422: key a qualified name, value a label value of at most 63
-  characters, effect NoSchedule/PreferNoSchedule/NoExecute, no duplicate key+effect), ``?dryRun=All``;
+  characters, effect NoSchedule/PreferNoSchedule/NoExecute, no duplicate key+effect), ``?dryRun=All``; delete
+  with DeleteOptions ``preconditions`` (uid, resourceVersion: 409), at once (Nodes carry no finalizers), which ends
+  every token bound to the Node;
 - pods: create, list (``fieldSelector`` on the fields upstream supports for pods, 400 for any other;
   ``labelSelector`` with =, ==, !=, in, notin, exists, !exists; ``limit``/``continue`` paging), get, patch,
   delete with ``gracePeriodSeconds`` and DeleteOptions ``preconditions`` (uid, resourceVersion: 409 when they
@@ -54,7 +56,10 @@ given (409 otherwise); the lifetime is clamped to ``max_token_expiration_s`` (up
 answer's ``status.expirationTimestamp`` says it. Issued tokens (``issue_token`` makes one as ``kubectl create
 token`` would) are JWTs with ``iat``/``exp``/``sub`` and the ``kubernetes.io`` claims, authenticate as the
 service account with the node's name and uid in ``extra``, and get 401 once expired, once their Node is gone or
-replaced by another object of the name, or once the account is gone. Every TokenRequest is kept in
+replaced by another object of the name, or once the account is gone (upstream: "the token is valid only while
+the bound object exists"; TokenRequest's boundObjectRef docs). TokenReview (``POST
+/apis/authentication.k8s.io/v1/tokenreviews``) answers what the authenticator says of a token: unauthenticated,
+``token has been invalidated``, once its Node is gone. Every TokenRequest is kept in
 ``token_requests`` (its spec) and every issued token in ``issued``.
 
 core/v1 Events: create (the API server's namespace rules: an event about a Node lives in ``default``, one about a pod
@@ -660,6 +665,17 @@ class Cluster:
             self._record("create", node)
             return copy.deepcopy(node)
 
+    def delete_node(self, name: str, opts: Obj | None = None) -> Obj:
+        """DELETE a Node (no finalizers on Nodes: it leaves at once), honouring DeleteOptions preconditions (uid,
+        resourceVersion: 409 when they do not match). Tokens bound to it stop authenticating (issued_valid)."""
+        with self.lock:
+            node = self.get_node(name)
+            self._preconditions(node, opts or {})  # the same checks and messages as for a pod
+            del self.nodes[name]
+            node["metadata"]["deletionTimestamp"] = _now_iso()
+            self._record("delete", node)
+            return node
+
     def get_node(self, name: str) -> Obj:
         with self.lock:
             node = self.nodes.get(name)
@@ -804,21 +820,22 @@ class Cluster:
     def _preconditions(pod: Obj, opts: Obj) -> None:
         pre = opts.get("preconditions") or {}
         md = pod["metadata"]
+        kind = pod.get("kind", "Pod")
         if pre.get("uid") is not None and pre["uid"] != md["uid"]:
             raise ApiError(
                 409,
                 "Conflict",
-                f'Operation cannot be fulfilled on Pod "{md["name"]}": Precondition failed: UID in precondition: '
+                f'Operation cannot be fulfilled on {kind} "{md["name"]}": Precondition failed: UID in precondition: '
                 f"{pre['uid']}, UID in object meta: {md['uid']}",
-                {"name": md["name"], "kind": "Pod"},
+                {"name": md["name"], "kind": kind},
             )
         if pre.get("resourceVersion") is not None and pre["resourceVersion"] != md["resourceVersion"]:
             raise ApiError(
                 409,
                 "Conflict",
-                f'Operation cannot be fulfilled on Pod "{md["name"]}": Precondition failed: ResourceVersion in '
+                f'Operation cannot be fulfilled on {kind} "{md["name"]}": Precondition failed: ResourceVersion in '
                 f"precondition: {pre['resourceVersion']}, ResourceVersion in object meta: {md['resourceVersion']}",
-                {"name": md["name"], "kind": "Pod"},
+                {"name": md["name"], "kind": kind},
             )
 
     def evict(self, ns: str, name: str, body: Obj) -> Obj:
@@ -1132,6 +1149,8 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
         ("GET", r"^/api/v1/nodes$", "list_nodes"),
         ("GET", r"^/api/v1/nodes/([^/]+)$", "get_node"),
         ("PATCH", r"^/api/v1/nodes/([^/]+)$", "patch_node"),
+        ("DELETE", r"^/api/v1/nodes/([^/]+)$", "delete_node"),
+        ("POST", r"^/apis/authentication\.k8s\.io/v1/tokenreviews$", "token_review"),
         ("GET", r"^/api/v1/pods$", "list_pods"),
         ("GET", r"^/api/v1/namespaces/([^/]+)/pods$", "list_pods"),
         ("POST", r"^/api/v1/namespaces/([^/]+)/pods$", "create_pod"),
@@ -1316,6 +1335,42 @@ class _Handler(BaseHTTPRequestHandler):
         self._authorize("patch", "nodes", name)
         user = self.identity.user if self.identity else ""
         self._json(200, self.c.patch_node(name, ctype, body, dry_run=q.get("dryRun") == "All", user=user))
+
+    def h_delete_node(self, q: dict[str, str], name: str) -> None:
+        body = self._body()
+        self._authorize("delete", "nodes", name)
+        self._json(200, self.c.delete_node(name, body if isinstance(body, dict) else {}))
+
+    def h_token_review(self, q: dict[str, str]) -> None:
+        """TokenReview (authentication.k8s.io/v1): what the API server's own authenticator says of a token, with
+        the bound object checked (a token bound to a Node is unauthenticated once that Node is gone)."""
+        body = self._body()
+        self._authorize("create", "tokenreviews", "")
+        spec = body.get("spec") or {}
+        token = str(spec.get("token") or "")
+        ident = (self.server.tokens or {}).get(token) if token else None
+        issued = self.server.issued.get(token)
+        status: Obj = {"authenticated": False}
+        if ident is None:
+            status["error"] = "invalid bearer token"
+        elif issued is not None and not self.server.issued_valid(issued):
+            why = "token has expired" if time.time() >= issued["exp"] else "token has been invalidated"
+            status["error"] = f"[invalid bearer token, {why}]"
+        else:
+            status = {
+                "authenticated": True,
+                "user": {
+                    "username": ident.user,
+                    "groups": list(ident.groups),
+                    "extra": {k: list(v) for k, v in ident.extra},
+                },
+                "audiences": list(spec.get("audiences") or self.server.audiences),
+            }
+        self._json(
+            201,
+            {"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1", "metadata": {"creationTimestamp": None},
+             "spec": spec, "status": status},
+        )  # fmt: skip
 
     def h_list_pods(self, q: dict[str, str], ns: str | None = None) -> None:
         watching = q.get("watch") in ("true", "1")

@@ -18,8 +18,10 @@ one deadline, bodies of at most 4 KiB), and each source address has a token buck
 touching the database).
 
 Revocation (:func:`revoke_deleted`): every enrolment whose instance is deleted, lost or failed and not yet revoked
-is revoked on the relay (a newer account JWT revoking every user, read back), then marked revoked. Idempotent and
-convergent: the service sweeps every few seconds, ``sco enrol revoke`` runs one sweep.
+is revoked on the relay (a newer account JWT revoking every user, read back), then marked revoked; with Kubernetes,
+the Node its token was bound to is deleted (only that object, by its uid, and only while no live instance holds the
+name), which ends the token. Idempotent and convergent: the service sweeps every few seconds, ``sco enrol revoke``
+runs one sweep.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class Metrics:
         self.refused: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.issued = 0
         self.revoked = 0
+        self.nodes_deleted = 0
         self.revoke_failures = 0
 
     def refuse(self, reason: str) -> None:
@@ -186,6 +189,7 @@ class Metrics:
         with self._lock:
             refused = sorted(self.refused.items())
             issued, revoked, failures = self.issued, self.revoked, self.revoke_failures
+            nodes_deleted = self.nodes_deleted
         lines = [
             "# HELP sco_enrol_issued_total Enrolments honoured: a relay identity (and a Kubernetes token) issued.",
             "# TYPE sco_enrol_issued_total counter",
@@ -196,6 +200,9 @@ class Metrics:
             "# HELP sco_enrol_revoked_total Identities of deleted instances taken back on the relay.",
             "# TYPE sco_enrol_revoked_total counter",
             f"sco_enrol_revoked_total {revoked}",
+            "# HELP sco_enrol_nodes_deleted_total Node objects of deleted instances removed (their bound tokens end).",
+            "# TYPE sco_enrol_nodes_deleted_total counter",
+            f"sco_enrol_nodes_deleted_total {nodes_deleted}",
             "# HELP sco_enrol_revoke_failures_total Revocation sweeps that failed (tried again at the next sweep).",
             "# TYPE sco_enrol_revoke_failures_total counter",
             f"sco_enrol_revoke_failures_total {failures}",
@@ -206,18 +213,79 @@ class Metrics:
         return ("\n".join(lines) + "\n").encode()
 
 
-async def revoke_deleted(conn: Any, admin: ri.RelayAdmin, keys: ri.HallKeys) -> list[str]:
-    """Take back the relay identity of every enrolled instance that is deleted, lost or failed; returns the nodes
-    revoked now. Idempotent: an identity is marked revoked once the relay holds the revocation, so a sweep that
-    fails part-way is finished by the next."""
-    done: list[str] = []
+@dataclass
+class Sweep:
+    """One revocation sweep: the nodes whose relay identity was revoked, those whose Node was deleted, and what
+    could not be done (tried again at the next sweep)."""
+
+    revoked: list[str]
+    nodes_deleted: list[str]
+    problems: list[str]
+
+
+async def revoke_deleted(conn: Any, admin: ri.RelayAdmin, keys: ri.HallKeys, kube: Any = None) -> Sweep:
+    """Take back the identities of every enrolled instance that is deleted, lost or failed. Per instance: the relay
+    account revoked (a newer account JWT, read back), then, with ``kube`` (a KubeClient), the Node its Kubernetes
+    token was bound to deleted, so that token stops working (a hall with no cloud controller manager keeps a gone
+    instance's Node, and so its token, for ever). Idempotent: each part is marked done once it is, so a sweep that
+    fails part-way (or a crash right after the instance's delete) is finished by the next; a Node that cannot be
+    deleted now does not hold back the others."""
+    out = Sweep([], [], [])
     for item in await asyncio.to_thread(rows.to_revoke, conn, keys.hall):
-        identity = ri.NodeIdentity(item.node, item.account, "", item.issued_at, "", "")
-        await ri.revoke(admin, keys, identity)
-        await asyncio.to_thread(rows.revoked, conn, item)
-        log.info("node %s: relay identity revoked (instance %d gone)", item.node, item.instance_id)
-        done.append(item.node)
-    return done
+        if not item.relay_done:
+            identity = ri.NodeIdentity(item.node, item.account, "", item.issued_at, "", "")
+            await ri.revoke(admin, keys, identity)
+            await asyncio.to_thread(rows.revoked, conn, item)
+            log.info("node %s: relay identity revoked (instance %d gone)", item.node, item.instance_id)
+            out.revoked.append(item.node)
+        if item.node_uid is not None and kube is not None:
+            try:
+                outcome = await remove_node(conn, kube, item)
+            except Exception as e:  # the API away or refusing: this Node waits for the next sweep
+                out.problems.append(f"node {item.node}: its Node not deleted yet: {e}")
+                continue
+            await asyncio.to_thread(rows.node_settled, conn, item, outcome)
+            if outcome == "deleted":
+                out.nodes_deleted.append(item.node)
+    return out
+
+
+class RevokeIncomplete(Exception):
+    """Some Nodes of gone instances could not be deleted this sweep (every relay identity due was revoked)."""
+
+
+async def remove_node(conn: Any, kube: Any, item: rows.Issued) -> str:
+    """Delete the Node object a gone instance's token is bound to, only if it is still that instance's: the one
+    with the uid recorded at enrolment (a precondition of the DELETE itself, so a Node registered again under the
+    name in between is never the one deleted), whose providerID, when set, names the instance's server, and whose
+    name no live instance of the hall holds now (a slot launched again: its kubelet may have taken the object
+    over). Returns the outcome recorded: deleted, gone (already) or replaced (left alone)."""
+    from sco.schedulers.kube import KubeError
+
+    assert item.node_uid is not None
+    if await asyncio.to_thread(rows.name_in_use, conn, item):
+        log.info("node %s: its name is a live instance's now: its Node is left alone", item.node)
+        return "replaced"
+    try:
+        found = await kube.get_node(item.node)
+    except KubeError as e:
+        if e.status == 404:
+            return "gone"
+        raise
+    meta, provider = found.get("metadata") or {}, str((found.get("spec") or {}).get("providerID") or "")
+    if meta.get("uid") != item.node_uid or (provider and item.server_id and not provider.endswith(item.server_id)):
+        log.info("node %s: registered again by another (uid %s, providerID %r): left alone", item.node,
+                 meta.get("uid"), provider)  # fmt: skip
+        return "replaced"
+    status = await kube.delete_node(item.node, item.node_uid)
+    if status == 409:
+        log.info("node %s: registered again by another meanwhile: left alone", item.node)
+        return "replaced"
+    if status == 404:
+        return "gone"
+    log.info("node %s: Node %s deleted (instance %d gone): its bound token ends", item.node, item.node_uid,
+             item.instance_id)  # fmt: skip
+    return "deleted"
 
 
 class Issuer:
@@ -298,14 +366,14 @@ class Issuer:
             self.db.get() as conn,
             rows.claim(conn, hall=req["hall"], node=node, server_id=req["instance_id"], token=req["token"]) as held,
         ):
-            kube_token, kube_expires = self._kube_token(node) if self.kube is not None else (None, None)
+            kube_token, kube_expires, node_uid = self._kube_token(node) if self.kube is not None else (None, None, None)
             try:
                 identity = self._run(self._issue(node, req["nkey_public"]))
             except (ri.RelayIdentityError, TimeoutError) as e:
                 raise Refused("unavailable", f"the relay did not take the identity: {e}; try again", 503) from None
             held.record(
                 source=source, nkey_public=req["nkey_public"], account=identity.account,
-                issued_at=identity.issued_at, kube_expires=kube_expires,
+                issued_at=identity.issued_at, kube_expires=kube_expires, node_uid=node_uid,
             )  # fmt: skip
         log.info("node %s enrolled from %s: relay account %s", node, source, identity.account)
         return {
@@ -318,13 +386,14 @@ class Issuer:
     async def _issue(self, node: str, public: str) -> ri.NodeIdentity:
         return await ri.issue(await self.admin(), self.keys, node, public)
 
-    def _kube_token(self, node: str) -> tuple[str, float]:
+    def _kube_token(self, node: str) -> tuple[str, float, str]:
+        """The node's first token, bound to its Node; (token, expiry, the Node's uid)."""
         from sco.schedulers.kube import KubeError, KubeUnreachable
 
         k = self.s.kube
         assert k is not None
 
-        async def get() -> tuple[str, float]:
+        async def get() -> tuple[str, float, str]:
             try:
                 found = await self.kube.get_node(node)
             except KubeError as e:
@@ -333,11 +402,11 @@ class Issuer:
                         "not_ready", f"node {node} is not registered in Kubernetes yet; try again", 503
                     ) from None
                 raise
-            token: tuple[str, float] = await self.kube.request_token(
-                k.namespace, k.service_account, seconds=k.token_seconds,
-                bound_node=(node, str(found["metadata"]["uid"])),
-            )  # fmt: skip
-            return token
+            uid = str(found["metadata"]["uid"])
+            token, expires = await self.kube.request_token(
+                k.namespace, k.service_account, seconds=k.token_seconds, bound_node=(node, uid)
+            )
+            return str(token), float(expires), uid
 
         try:
             return self._run(get())
@@ -351,21 +420,30 @@ class Issuer:
     def revoke_deleted(self) -> list[str]:
         with self.db.get() as conn:
 
-            async def sweep() -> list[str]:
-                return await revoke_deleted(conn, await self.admin(), self.keys)
+            async def sweep() -> Sweep:
+                return await revoke_deleted(conn, await self.admin(), self.keys, self.kube)
 
             done = self._run(sweep(), self.s.call_timeout_s * 10)
-        self.metrics.add("revoked", len(done))
-        return done
+        self.metrics.add("revoked", len(done.revoked))
+        self.metrics.add("nodes_deleted", len(done.nodes_deleted))
+        if done.problems:
+            more = f" (and {len(done.problems) - 3} more)" if done.problems[3:] else ""
+            raise RevokeIncomplete("; ".join(done.problems[:3]) + more)
+        return done.revoked
 
     def start_sweeper(self) -> None:
         def loop() -> None:
+            said = ""
             while not self._stop.wait(self.s.revoke_every_s):
                 try:
                     self.revoke_deleted()
-                except Exception as e:  # the relay or the fleet state away: the next sweep tries again
+                except Exception as e:  # the relay, the fleet state or the API away: the next sweep tries again
                     self.metrics.add("revoke_failures")
-                    log.warning("revocation sweep: %s", e)
+                    # said once while it stays the same (a sweep every few seconds), counted every time
+                    (log.warning if str(e) != said else log.debug)("revocation sweep: %s", e)
+                    said = str(e)
+                else:
+                    said = ""
 
         self._sweeper = threading.Thread(target=loop, name="enrol-revoke", daemon=True)
         self._sweeper.start()

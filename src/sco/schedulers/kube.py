@@ -288,6 +288,16 @@ class KubeClient:
     async def get_node(self, name: str, timeout: float | None = None) -> Obj:
         return await self._ok("GET", f"/api/v1/nodes/{urllib.parse.quote(name)}", timeout=timeout)
 
+    async def delete_node(self, name: str, uid: str, timeout: float | None = None) -> int:
+        """DELETE the Node ``name`` only if it is still the object ``uid`` (DeleteOptions preconditions: another
+        object registered under the name answers 409 and is left alone). The status: 200 deleted, 404 not there,
+        409 another object; anything else raises."""
+        body: Obj = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}}
+        r = await self._request("DELETE", f"/api/v1/nodes/{urllib.parse.quote(name)}", body, timeout=timeout)
+        if r.status in (200, 202, 404, 409):
+            return 200 if r.status == 202 else r.status
+        raise _error(r.status, r.body)
+
     async def taint_node(
         self,
         name: str,

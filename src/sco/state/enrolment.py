@@ -54,12 +54,20 @@ class Claim:
     recorded: bool = False
 
     def record(
-        self, *, source: str, nkey_public: str, account: str, issued_at: int, kube_expires: float | None
+        self,
+        *,
+        source: str,
+        nkey_public: str,
+        account: str,
+        issued_at: int,
+        kube_expires: float | None,
+        node_uid: str | None = None,
     ) -> None:
         self.conn.execute(
             "UPDATE enrolment SET used_at = clock_timestamp(), used_from = %s, nkey_public = %s, node = %s,"
-            " account = %s, account_issued_at = %s, kube_expires_at = to_timestamp(%s) WHERE instance_id = %s",
-            (source, nkey_public, self.node, account, issued_at, kube_expires, self.instance_id),
+            " account = %s, account_issued_at = %s, kube_expires_at = to_timestamp(%s), node_uid = %s"
+            " WHERE instance_id = %s",
+            (source, nkey_public, self.node, account, issued_at, kube_expires, node_uid, self.instance_id),
         )
         self.conn.execute(
             "INSERT INTO lifecycle_event (hall, instance_id, pool, kind, detail) SELECT hall, id, pool,"
@@ -108,28 +116,39 @@ def claim(conn: Any, *, hall: str, node: str, server_id: str, token: str) -> Ite
 
 @dataclass(frozen=True)
 class Issued:
-    """An enrolment to take back: the instance, its node and the relay account issued to it."""
+    """An enrolment to take back: the instance, its node, the relay account issued to it (``relay_done``: already
+    revoked there) and the Node object its Kubernetes token was bound to (``node_uid``; None: none, or settled)."""
 
     instance_id: int
     hall: str
     node: str
     account: str
     issued_at: int
+    server_id: str = ""
+    relay_done: bool = False
+    node_uid: str | None = None
+
+
+GONE = ("deleted", "lost", "failed")
+"""States of an instance whose server is gone (or never ran): its identities are taken back."""
 
 
 def to_revoke(conn: Any, hall: str | None = None, limit: int = 500) -> list[Issued]:
-    """Enrolments whose instance is gone (deleted, lost, failed) and whose identity is not yet taken back."""
+    """Enrolments whose instance is gone (deleted, lost, failed) and whose identities are not all taken back yet:
+    the relay account not revoked, or the Node its token was bound to not settled."""
     q = (
-        "SELECT e.instance_id, i.hall, e.node, e.account, e.account_issued_at FROM enrolment e"
-        " JOIN instance i ON i.id = e.instance_id WHERE e.used_at IS NOT NULL AND e.revoked_at IS NULL"
-        " AND i.state IN ('deleted', 'lost', 'failed')"
+        "SELECT e.instance_id, i.hall, e.node, e.account, e.account_issued_at, coalesce(i.server_id, ''),"
+        " e.revoked_at IS NOT NULL, CASE WHEN e.node_done_at IS NULL THEN e.node_uid END FROM enrolment e"
+        " JOIN instance i ON i.id = e.instance_id WHERE e.used_at IS NOT NULL"
+        " AND (e.revoked_at IS NULL OR (e.node_uid IS NOT NULL AND e.node_done_at IS NULL))"
+        " AND i.state = ANY(%s)"
     )
-    args: list[Any] = []
+    args: list[Any] = [list(GONE)]
     if hall is not None:
         q += " AND i.hall = %s"
         args.append(hall)
     rows = conn.execute(q + " ORDER BY e.instance_id LIMIT %s", (*args, limit)).fetchall()
-    return [Issued(int(r[0]), r[1], r[2], r[3], int(r[4])) for r in rows]
+    return [Issued(int(r[0]), r[1], r[2], r[3], int(r[4]), r[5], bool(r[6]), r[7]) for r in rows]
 
 
 def revoked(conn: Any, item: Issued) -> None:
@@ -142,4 +161,31 @@ def revoked(conn: Any, item: Issued) -> None:
             "INSERT INTO lifecycle_event (hall, instance_id, pool, kind, detail) SELECT hall, id, pool,"
             " 'instance.identity_revoked', jsonb_build_object('account', %s::text) FROM instance WHERE id = %s",
             (item.account, item.instance_id),
+        )
+
+
+def name_in_use(conn: Any, item: Issued) -> bool:
+    """Whether another instance of the hall, not gone, holds the node's name now (a slot launched again): its
+    kubelet may have taken over the Node object of the name, so the old one's Node is not the sweep's to delete."""
+    row = conn.execute(
+        "SELECT 1 FROM instance WHERE hall = %s AND name = %s AND id <> %s AND NOT (state = ANY(%s)) LIMIT 1",
+        (item.hall, item.node, item.instance_id, list(GONE)),
+    ).fetchone()
+    return row is not None
+
+
+def node_settled(conn: Any, item: Issued, outcome: str) -> None:
+    """The Node of a gone instance dealt with: ``deleted`` now, ``gone`` already, or ``replaced`` (another object
+    or another instance holds the name: left alone)."""
+    with conn.transaction():
+        conn.execute(
+            "UPDATE enrolment SET node_done_at = clock_timestamp(), node_outcome = %s WHERE instance_id = %s"
+            " AND node_done_at IS NULL",
+            (outcome, item.instance_id),
+        )
+        conn.execute(
+            "INSERT INTO lifecycle_event (hall, instance_id, pool, kind, detail) SELECT hall, id, pool,"
+            " 'instance.node_removed', jsonb_build_object('node', %s::text, 'uid', %s::text, 'outcome', %s::text)"
+            " FROM instance WHERE id = %s",
+            (item.node, item.node_uid, outcome, item.instance_id),
         )
