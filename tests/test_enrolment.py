@@ -452,6 +452,96 @@ def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Ha
         agent.stop()
 
 
+def test_a_normal_first_boot_logs_no_error_and_says_each_wait_once(
+    make_hall: Callable[..., Hall], tmp_path: Path
+) -> None:
+    """A first boot as it goes on a hall: the agent starts before kubelet has registered the Node, so the service
+    answers 503 "try again" several times; the NATS link, the token renewal and the preflight wait for the
+    credentials enrolment writes. Each of those waits is said once, at info; nothing is an error or a warning.
+    Before: the 401 of the not-yet-written token was an ERROR, the missing token file a WARNING, the 503 a WARNING."""
+    from sco_devkit.standins.logind import LogindStandIn, PrivateBus
+
+    h = make_hall()
+    node, server_id, token = h.launch(0)
+    h.kube.cluster.delete_node(node)  # kubelet has not registered it yet
+    metadata = MetadataServer(node)
+    metadata.doc["uuid"] = server_id
+    bus = PrivateBus().start()
+    logind = LogindStandIn(bus.address, inhibit_delay_max_s=30).start()  # a node's logind, as on a real host
+    agent = AgentEnv(
+        tmp_path / "agent", h.kube, h.relay.srv, node=node, metadata=metadata,
+        enrol_token=token, enrol_url=h.url, hall=HALL, logind_bus=bus.address,
+    )  # fmt: skip
+    h.kube.cluster.delete_node(node)  # AgentEnv registers it: not yet, on a first boot
+    try:
+        agent.start()
+        wait_for(lambda: h.metrics()['sco_enrol_refused_total{reason="not_ready"}'] >= 3, 20, "three 503s")
+        h.kube.cluster.add_node(node)  # kubelet registers the node
+        agent.wait_subscribed()
+        wait_for(lambda: "preflight: all well again" in agent.logtext(), 15, "the preflight with the enrolled token")
+        wait_for(lambda: agent.of("enrol.done"), 5, "enrolled")
+        time.sleep(1.5)  # the token renewal's next look (1 s while waiting) finds the token
+        text = agent.logtext()
+    finally:
+        agent.stop()
+        metadata.shutdown()
+        logind.stop()
+        bus.stop()
+    print(text)
+    levels = [line.split(" ", 1)[0] for line in text.splitlines() if line.strip()]
+    assert "ERROR" not in levels and "WARNING" not in levels and "CRITICAL" not in levels, text
+    for wait in (
+        "enrolment at http://127.0.0.1:",  # the service's 503 while the Node is not registered
+        "NATS: waiting for enrolment to write",
+        "kubernetes token: waiting for enrolment to write",
+        "preflight: waiting for enrolment to write the credential",
+    ):
+        assert text.count(wait) == 1, (wait, text)
+    assert "not registered in Kubernetes yet" in text
+    assert text.index("enrolled: relay account") < text.index("subscribed to")
+
+
+def test_a_wait_longer_than_its_bound_is_warned_once(
+    make_hall: Callable[..., Hall], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Node never registered: the wait is said once at info, then once as a warning past the bound (here 1 s,
+    WAIT_WARN_S in sco.agent.enrol), never again however often the service answers 503."""
+    import logging
+
+    from sco.agent import enrol
+    from sco.agent.spool import Spool
+
+    monkeypatch.setattr(enrol, "WAIT_WARN_S", 1.0)
+    monkeypatch.setattr(enrol, "RETRY_S", (0.2, 0.4))
+    h = make_hall()
+    node, server_id, token = h.launch(0)
+    h.kube.cluster.delete_node(node)  # never registered
+    metadata = MetadataServer(node)
+    metadata.doc["uuid"] = server_id
+    e = enrol.Enrolment(
+        hall=HALL, node=node, url=h.url, token=token, metadata_url=metadata.url, creds_file=tmp_path / "nats.creds",
+        kube_token_file=tmp_path / "kube-token", spool=Spool(tmp_path / "spool"),
+    )  # fmt: skip
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(e.run(stop))
+        await asyncio.sleep(2.5)
+        stop.set()
+        await task
+
+    caplog.set_level(logging.INFO, "sco.agent.enrol")
+    try:
+        asyncio.run(run())
+    finally:
+        metadata.shutdown()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "sco.agent.enrol"]
+    assert h.metrics()['sco_enrol_refused_total{reason="not_ready"}'] >= 5
+    assert [lvl for lvl, _ in said] == ["INFO", "WARNING"], said
+    assert "still waiting after" in said[1][1] and "not registered in Kubernetes yet" in said[1][1]
+    assert e.outcome == "pending" and not (tmp_path / "nats.creds").exists()
+
+
 def test_a_refused_agent_says_so_once_and_keeps_the_metadata_channel(
     make_hall: Callable[..., Hall], tmp_path: Path
 ) -> None:

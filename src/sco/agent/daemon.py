@@ -193,6 +193,10 @@ class Agent:
         self.drains.resume(cfg.hall, cfg.node)
         self.drains.follow_ups()
         self._enrol()
+        # first boot: the credentials enrolment writes are awaited, not failures (said once, at info)
+        self.preflight.waiting = self._enrolling
+        if self.scheduler.renewer is not None:
+            self.scheduler.renewer.waiting = self._enrolling
         self._spawn(self.relay.run(self._stop), "nats")
         if cfg.metadata_url:
             self._spawn(self.metadata_source.run(self._stop), "metadata-poll")
@@ -266,6 +270,10 @@ class Agent:
             spool=self.spool, on_done=self.relay.creds_ready.set,
         )  # fmt: skip
         self._spawn(self.enrolment.run(self._stop), "enrol")
+
+    def _enrolling(self) -> bool:
+        """Whether this agent's first-boot enrolment is still under way (its credentials not written yet)."""
+        return self.enrolment is not None and self.enrolment.outcome == "pending"
 
     async def _housekeeping(self) -> None:
         wd = watchdog_interval()

@@ -34,8 +34,17 @@ CALL_DEADLINE_S = 10.0
 RETRY_S = (1.0, 60.0)
 
 
+WAIT_WARN_S = 300.0
+"""A first boot waits for its Node to be registered (the service answers 503 "try again" until kubelet has done
+it, typically well under a minute): said once at info; a warning once the wait is longer than this."""
+
+
 class EnrolRefused(Exception):
     """The service refused this node (4xx): retrying cannot help."""
+
+
+class EnrolWait(HttpError):
+    """The service asked this node to try again later (503, 429): a normal wait at first boot."""
 
 
 @dataclass
@@ -91,7 +100,9 @@ class Enrolment:
             if not isinstance(doc, dict) or not isinstance(doc.get("nats_user_jwt"), str):
                 raise HttpError("the enrolment service answered 200 without nats_user_jwt")
             return doc
-        if r.status == RETRY or r.status >= 500 or r.status == 429:
+        if r.status in (RETRY, 429):
+            raise EnrolWait(f"HTTP {r.status}: {line}")
+        if r.status >= 500:
             raise HttpError(f"HTTP {r.status}: {line}")
         raise EnrolRefused(f"HTTP {r.status}: {line}")
 
@@ -115,6 +126,8 @@ class Enrolment:
         kp.wipe()
         backoff = Backoff(*RETRY_S)
         said = ""
+        loop = asyncio.get_running_loop()
+        started, warned = loop.time(), False
         while not stop.is_set():
             try:
                 server_id = await self.instance_id()
@@ -125,19 +138,29 @@ class Enrolment:
                 log.error("enrolment refused by %s: %s", self.url, e)
                 self.spool.append("enrol.refused", CRITICAL, url=self.url, reason=str(e)[:300])
                 return
+            except EnrolWait as e:
+                # the service's "try again" (its Node not registered yet, the relay away a moment): a normal wait
+                self.problem = str(e)
+                waited = loop.time() - started
+                if str(e) != said:
+                    said = str(e)
+                    log.info("enrolment at %s: waiting (trying again): %s", self.url, e)
+                if waited > WAIT_WARN_S and not warned:
+                    warned = True
+                    log.warning("enrolment at %s: still waiting after %.0f s: %s", self.url, waited, e)
             except (HttpError, OSError, ValueError, TimeoutError) as e:
                 why = f"{type(e).__name__}: {e}".strip()
                 self.problem = why
                 if why != said:  # one line per kind of failure, not one per retry
                     said = why
                     log.warning("enrolment at %s not done yet (trying again): %s", self.url, why)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff.next())
-                continue
-            self.outcome, self.problem = "enrolled", None
-            log.info("enrolled: relay account %s; creds in %s", doc.get("nats_account"), self.creds_file)
-            self.spool.append(
-                "enrol.done", ROUTINE, account=doc.get("nats_account"), kube_token=bool(doc.get("kube_token"))
-            )
-            self.on_done()
-            return
+            else:
+                self.outcome, self.problem = "enrolled", None
+                log.info("enrolled: relay account %s; creds in %s", doc.get("nats_account"), self.creds_file)
+                self.spool.append(
+                    "enrol.done", ROUTINE, account=doc.get("nats_account"), kube_token=bool(doc.get("kube_token"))
+                )
+                self.on_done()
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff.next())

@@ -33,12 +33,20 @@ class Preflight:
         self.scheduler, self.spool, self.every, self.clock = scheduler, spool, every, clock
         self.state_file = state_dir / STATE_FILE
         self.last: dict[str, Any] | None = None  # {"at", "ok", "problems"}
+        self.waiting: Callable[[], bool] = lambda: False
+        """True while first-boot enrolment has not written the credential yet: a refused credential is awaited."""
 
     async def once(self) -> None:
         problems = await self.scheduler.path.preflight()
         prev = self.last
         self.last = {"at": round(self.clock(), 3), "ok": not problems, "problems": problems}
         if prev is None or prev["problems"] != problems:
+            if problems and self.waiting():
+                # the normal first boot: the credential comes with enrolment; checked again as soon as it is written
+                log.info("preflight: waiting for enrolment to write the credential (%s)", "; ".join(problems))
+                self.spool.append("scheduler.preflight_waiting", ROUTINE, problems=problems)
+                self.write_state()
+                return
             for p in problems:
                 log.error("preflight: %s", p)
             if problems:

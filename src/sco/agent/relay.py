@@ -53,6 +53,7 @@ class RelayLink:
 
     async def run(self, stop: asyncio.Event) -> None:
         if not self.creds_ready.is_set():  # enrolling: connect once the creds file is written
+            log.info("NATS: waiting for enrolment to write %s", self.cfg.nats_creds_file)
             waits = [asyncio.create_task(self.creds_ready.wait()), asyncio.create_task(stop.wait())]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
@@ -61,6 +62,9 @@ class RelayLink:
                 return
 
         async def disconnected() -> None:
+            if stop.is_set():  # the agent's own shutdown closing the link
+                log.debug("NATS disconnected (stopping)")
+                return
             log.warning("NATS disconnected; the metadata poll covers notices meanwhile")
 
         async def reconnected() -> None:

@@ -37,6 +37,7 @@ MIN_SECONDS = 600  # the API server refuses expirationSeconds below 10 minutes
 MAX_SECONDS = 1 << 32
 RETRY_MIN_S = 5.0
 RETRY_MAX_S = 60.0
+WAIT_FOR_ENROLMENT_S = 1.0  # how often the token enrolment is writing is looked for at first boot
 IDLE_CHECK_S = 30.0  # how often a token file that cannot be renewed (not a JWT) is looked at again
 
 
@@ -117,6 +118,8 @@ class TokenRenewer:
         self.renewals = 0
         self.failures = 0  # consecutive
         self.last_renewed_at: float | None = None
+        self.waiting: Callable[[], bool] = lambda: False
+        """True while first-boot enrolment has not written the token yet: its absence is awaited, said at info."""
 
     def state(self) -> dict[str, Any]:
         """For `sco-agent status` (scheduler.json) and the metrics."""
@@ -198,7 +201,13 @@ class TokenRenewer:
                 wait = min(IDLE_CHECK_S, info.renew_at - now)
             except NotRenewable as e:
                 self.info, self.problem = None, str(e)
-                if said != str(e):
+                if self.waiting() and not self.token_file.exists():
+                    # first boot: enrolment writes it; looked for again every few seconds meanwhile
+                    wait = WAIT_FOR_ENROLMENT_S
+                    if said != "waiting":
+                        said = "waiting"
+                        log.info("kubernetes token: waiting for enrolment to write %s", self.token_file)
+                elif said != str(e):
                     said = str(e)
                     log.warning("kubernetes token: not renewed by the agent: %s", e)
                     self.spool.append("credential.not_renewable", ROUTINE, reason=str(e))
