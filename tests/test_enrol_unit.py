@@ -321,6 +321,16 @@ def test_the_roles_tasks_copy_only_the_keys_the_unit_loads_and_change_nothing_th
     loaded = {e.split(":", 1)[1] for e in settings(unit, "LoadCredential")}
     assert loaded == {str(keys / p.name) for p in keys.iterdir()} | {str(tmp_path / "enrol.token")}
     assert changed(apply()) == 0
+    # role kyverno_policies read the service's token back from the cluster onto the controller: installed from there,
+    # root's 0600, the warning gone; nothing made by hand
+    src = tmp_path / "credentials" / "kubernetes" / "enrol.token"
+    src.parent.mkdir(mode=0o700)
+    src.write_text("the-enrol-token\n")
+    out = apply()
+    assert changed(out) == 1 and "is not on this host" not in out.stdout and "the-enrol-token" not in out.stdout
+    token = tmp_path / "enrol.token"
+    assert token.read_text() == "the-enrol-token\n" and token.stat().st_mode & 0o777 == 0o600
+    assert changed(apply()) == 0
     # a key notice_relay has not made yet: the run stops and names it
     (controller / "notices.pub").unlink()
     out = apply()

@@ -102,12 +102,13 @@ def make_hall(relay: JwtRelay, kube_auth: tuple[KubeApiStandIn, Path], fleet_dsn
     made: list[Hall] = []
     kube, token_file = kube_auth
 
-    def make(**more: Any) -> Hall:
+    def make(api: tuple[KubeApiStandIn, Path] | None = None, **more: Any) -> Hall:
+        k, tf = api or (kube, token_file)
         state = FleetState(fleet_dsn)
         state.ensure_pool(Pool(HALL, "p", "m1.small", "img"))
         s = Settings(
             hall=HALL, dsn=fleet_dsn, relay_keys=relay.dir / "hall-keys", nats_url=relay.url,
-            kube=KubeSettings(kube.url, str(token_file), token_seconds=3600), **more,
+            kube=KubeSettings(k.url, str(tf), token_seconds=3600), **more,
         )  # fmt: skip
         issuer = Issuer(s)
         server = EnrolmentServer(issuer, ("127.0.0.1", free_port()))
@@ -119,7 +120,7 @@ def make_hall(relay: JwtRelay, kube_auth: tuple[KubeApiStandIn, Path], fleet_dsn
             return "#cloud-config\n"
 
         acquirer = Acquirer(None, state, render, enrol_url=server.url)
-        h = Hall(relay, kube, state, issuer, server, acquirer, envs)
+        h = Hall(relay, k, state, issuer, server, acquirer, envs)
         made.append(h)
         return h
 
@@ -417,6 +418,116 @@ def test_a_node_registered_again_for_another_instance_is_left_alone(make_hall: C
     )
     assert outcomes == {a: "replaced", b: "replaced"}
     assert not [r for r in h.kube.cluster.audit[seen:] if r["verb"] == "delete" and r["kind"] == "Node"]
+
+
+ROLE = Path(__file__).resolve().parents[1] / "collections/ansible_collections/sco/orchestrator/roles/kyverno_policies"
+PATHS = {
+    "Namespace": "/api/v1/namespaces",
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "Secret": "/api/v1/namespaces/{ns}/secrets",
+    "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+}
+
+
+def call(api: KubeApiStandIn, token: str, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        f"{api.url}{path}", data=data, method=method,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture
+def rbac_api(tmp_path: Path) -> Iterator[tuple[KubeApiStandIn, str]]:
+    """The stand-in enforcing RBAC, with role kyverno_policies' RBAC objects applied by a cluster admin (as its
+    kubernetes.core.k8s task applies them; the ClusterPolicies are Kyverno's, not modelled by the stand-in)."""
+    import yaml
+
+    from sco_devkit.standins.kube_apiserver import Identity
+
+    admin = "admin-" + uuid.uuid4().hex
+    api = KubeApiStandIn(tokens={admin: Identity("kubernetes-admin", ("system:masters",))}, rbac=True).start()
+    files = yaml.safe_load((ROLE / "vars/main.yml").read_text())["_kyverno_policies_files"]
+    for f in files:
+        if not f.startswith("rbac/"):
+            continue
+        obj = yaml.safe_load((ROLE / "files" / f).read_text())
+        ns = obj["metadata"].get("namespace", "")
+        status, body = call(api, admin, "POST", PATHS[obj["kind"]].format(ns=ns), obj)
+        assert status == 201, (f, status, body)
+    yield api, admin
+    api.stop()
+
+
+def test_the_enrolment_services_own_identity_does_its_calls_and_nothing_more(
+    make_hall: Callable[..., Hall], rbac_api: tuple[KubeApiStandIn, str], tmp_path: Path
+) -> None:
+    """Role kyverno_policies makes the enrolment service's identity (ServiceAccount sco-system/sco-enrol, get and
+    delete Nodes, create tokens for sco-agent only) and its token (a Secret the token controller fills, which the
+    role reads back): with that token the service enrols an instance and deletes a gone instance's Node on a server
+    enforcing RBAC; anything else is refused 403."""
+    import base64
+
+    api, admin = rbac_api
+    secret = wait_for(
+        lambda: (call(api, admin, "GET", "/api/v1/namespaces/sco-system/secrets/sco-enrol-token")[1].get("data") or {})
+        .get("token"), 10, "the token controller's token",
+    )  # fmt: skip
+    token = base64.b64decode(secret).decode()
+    token_file = tmp_path / "enrol.token"
+    token_file.write_text(token)
+    h = make_hall(api=(api, token_file))
+    node, server_id, _ = enrolled(h, 0)  # get nodes, create serviceaccounts/token for sco-agent: allowed
+    inst = h.state.by_server(server_id)
+    assert inst is not None
+    h.state.transition(inst.id, "deleted", "instance.deleted", reason="reclaimed")
+    assert h.issuer.revoke_deleted() == [node] and node not in api.cluster.nodes  # delete nodes: allowed
+    api.cluster.add_node("other")
+    refused = {
+        "list nodes": call(api, token, "GET", "/api/v1/nodes"),
+        "patch nodes": call(api, token, "PATCH", "/api/v1/nodes/other", {"spec": {"unschedulable": True}}),
+        "its own token": call(api, token, "POST", "/api/v1/namespaces/sco-system/serviceaccounts/sco-enrol/token",
+                              {"spec": {"expirationSeconds": 3600}}),
+        "another account's token": call(
+            api, token, "POST", "/api/v1/namespaces/sco-system/serviceaccounts/sco-contract-publisher/token",
+            {"spec": {"expirationSeconds": 3600}},
+        ),
+        "read secrets": call(api, token, "GET", "/api/v1/namespaces/sco-system/secrets/sco-enrol-token"),
+        "list pods": call(api, token, "GET", "/api/v1/pods"),
+        "make itself a role": call(api, token, "POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+                                   {"metadata": {"name": "x"}, "rules": []}),
+    }  # fmt: skip
+    for what, (status, body) in refused.items():
+        assert status == 403, (what, status, body)
+        assert 'User "system:serviceaccount:sco-system:sco-enrol" cannot' in body["message"], (what, body)
+    assert api.cluster.get_node("other")["spec"] == {}
+    # a live instance's agent, with the token it got: the drain's calls pass the role's RBAC, deleting a Node does not
+    live, _, agent_token = enrolled(h, 1)
+    uid = api.cluster.get_node(live)["metadata"]["uid"]
+    renew = {"spec": {"expirationSeconds": 3600, "boundObjectRef": {"kind": "Node", "apiVersion": "v1",
+                                                                     "name": live, "uid": uid}}}  # fmt: skip
+    allowed = {
+        "get its node": call(api, agent_token, "GET", f"/api/v1/nodes/{live}"),
+        "taint its node": call(api, agent_token, "PATCH", f"/api/v1/nodes/{live}", {"spec": {"unschedulable": True}}),
+        "list pods": call(api, agent_token, "GET", f"/api/v1/pods?fieldSelector=spec.nodeName%3D{live}"),
+        "renew its token": call(
+            api, agent_token, "POST", "/api/v1/namespaces/sco-system/serviceaccounts/sco-agent/token", renew
+        ),
+    }  # fmt: skip
+    assert {k: v[0] for k, v in allowed.items()} == {k: 201 if "renew" in k else 200 for k in allowed}, allowed
+    status, body = call(api, agent_token, "DELETE", f"/api/v1/nodes/{live}")
+    assert status == 403 and "cannot delete resource" in body["message"], body
+    # deleting the Secret takes the service's token back
+    assert call(api, admin, "DELETE", "/api/v1/namespaces/sco-system/secrets/sco-enrol-token")[0] == 200
+    assert call(api, token, "GET", "/api/v1/nodes/other")[0] == 401
 
 
 def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Hall], tmp_path: Path) -> None:

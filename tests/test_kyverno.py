@@ -135,6 +135,7 @@ _MODELS = {
     ("v1", "Namespace"): "V1Namespace",
     ("v1", "ServiceAccount"): "V1ServiceAccount",
     ("v1", "ConfigMap"): "V1ConfigMap",
+    ("v1", "Secret"): "V1Secret",
     ("v1", "Pod"): "V1Pod",
     ("batch/v1", "Job"): "V1Job",
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
@@ -200,7 +201,9 @@ def test_the_agent_may_create_tokens_for_its_own_account_only() -> None:
     (binding,) = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"] == "sco-agent-token"]
     assert binding["metadata"]["namespace"] == "sco-system" and binding["roleRef"]["kind"] == "Role"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sco-agent", "namespace": "sco-system"}]
-    # nothing else grants it serviceaccounts/token (a ClusterRole would reach every namespace's accounts)
+    # nothing else grants it serviceaccounts/token (a ClusterRole would reach every namespace's accounts); the one
+    # other role that may (the enrolment service's, for an instance's first token) names sco-agent alone too and is
+    # bound to the enrolment service alone
     others = [
         d
         for d in docs
@@ -208,7 +211,11 @@ def test_the_agent_may_create_tokens_for_its_own_account_only() -> None:
         for r in d["rules"]
         if any("serviceaccounts" in x for x in r["resources"])
     ]
-    assert others == []
+    assert [(d["kind"], d["metadata"]["name"], d["rules"]) for d in others] == [
+        ("Role", "sco-enrol-token", role["rules"])
+    ]
+    bound = [d["subjects"] for d in docs if d["kind"].endswith("Binding") and d["roleRef"]["name"] == "sco-enrol-token"]
+    assert bound == [[{"kind": "ServiceAccount", "name": "sco-enrol", "namespace": "sco-system"}]]
 
 
 # --- rule cases ----------------------------------------------------------------------------------

@@ -1173,6 +1173,30 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
         ("DELETE", r"^/api/v1/namespaces/([^/]+)/configmaps/([^/]+)$", "delete_configmap"),
     ]
 ]
+# Objects kept as given (namespaces, service accounts, Secrets, RBAC): (namespace or "", resource, name or "")
+_OBJECT_PATHS = [
+    re.compile(r"^/api/v1/()(namespaces)(?:/([^/]+))?$"),
+    re.compile(r"^/api/v1/namespaces/([^/]+)/(serviceaccounts|secrets)(?:/([^/]+))?$"),
+    re.compile(r"^/apis/rbac\.authorization\.k8s\.io/v1/()(clusterroles|clusterrolebindings)(?:/([^/]+))?$"),
+    re.compile(r"^/apis/rbac\.authorization\.k8s\.io/v1/namespaces/([^/]+)/(roles|rolebindings)(?:/([^/]+))?$"),
+]
+_OBJECT_KINDS = {
+    "namespaces": ("v1", "Namespace"),
+    "serviceaccounts": ("v1", "ServiceAccount"),
+    "secrets": ("v1", "Secret"),
+    "clusterroles": ("rbac.authorization.k8s.io/v1", "ClusterRole"),
+    "clusterrolebindings": ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
+    "roles": ("rbac.authorization.k8s.io/v1", "Role"),
+    "rolebindings": ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+}
+# The API group RBAC rules name a resource by (the core group "" for the rest; pods/eviction is core's subresource)
+_GROUPS = {
+    "poddisruptionbudgets": "policy",
+    "tokenreviews": "authentication.k8s.io",
+    **{r: "rbac.authorization.k8s.io" for r in ("clusterroles", "clusterrolebindings", "roles", "rolebindings")},
+}
+SA_TOKEN_SECRET = "kubernetes.io/service-account-token"
+SA_NAME_ANNOTATION = "kubernetes.io/service-account.name"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -1227,6 +1251,12 @@ class _Handler(BaseHTTPRequestHandler):
                 if m == method and match:
                     getattr(self, "h_" + handler)(q, *[urllib.parse.unquote(g) for g in match.groups()])
                     return
+            for pat in _OBJECT_PATHS:
+                match = pat.match(url.path)
+                if match:
+                    ns, res, name = (urllib.parse.unquote(g or "") for g in match.groups())
+                    self.h_object(method, q, ns, res, name)
+                    return
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({url.path})")
         except ApiError as e:
             self._json(e.code, e.status)
@@ -1251,11 +1281,22 @@ class _Handler(BaseHTTPRequestHandler):
         self.identity = ident
 
     def _authorize(self, verb: str, resource: str, name: str, ns: str = "", pod_node: str | None = None) -> None:
-        """RBAC-like ``deny`` and NodeRestriction-like node binding (upstream messages)."""
+        """RBAC (when the server enforces it: ``rbac=True``), the ``deny`` list and NodeRestriction-like node
+        binding (upstream messages)."""
         ident = self.identity
         if ident is None:
             return
         kind = resource.split("/")[0]
+        if self.server.rbac and not self.server.rbac_allows(ident, verb, resource, name, ns):
+            scope = f'in the namespace "{ns}"' if ns else "at the cluster scope"
+            what = f'{kind} "{name}"' if name else kind
+            raise ApiError(
+                403,
+                "Forbidden",
+                f'{what} is forbidden: User "{ident.user}" cannot {verb} resource "{resource}" in API group '
+                f'"{_GROUPS.get(kind, "")}" {scope}',
+                {"name": name, "kind": kind},
+            )
         if f"{verb} {resource}" in ident.deny:
             scope = f'in the namespace "{ns}"' if ns else "at the cluster scope"
             group = "policy" if resource == "pods/eviction" else ""
@@ -1320,6 +1361,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"major": "1", "minor": "30", "gitVersion": "v1.30.0-sco-standin", "platform": "linux/amd64"})
 
     def h_list_nodes(self, q: dict[str, str]) -> None:
+        self._authorize("watch" if q.get("watch") in ("true", "1") else "list", "nodes", "")
         check_field_selector(q.get("fieldSelector"), NODE_FIELDS)
         lm = label_matcher(q.get("labelSelector"))
         with self.c.lock:
@@ -1327,6 +1369,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._list("NodeList", items)
 
     def h_get_node(self, q: dict[str, str], name: str) -> None:
+        self._authorize("get", "nodes", name)
         self._json(200, self.c.get_node(name))
 
     def h_patch_node(self, q: dict[str, str], name: str) -> None:
@@ -1374,6 +1417,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def h_list_pods(self, q: dict[str, str], ns: str | None = None) -> None:
         watching = q.get("watch") in ("true", "1")
+        self._authorize("watch" if watching else "list", "pods", "", ns or "")
         self.c.reads.append(
             {
                 "at": time.time(),
@@ -1470,9 +1514,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def h_create_pod(self, q: dict[str, str], ns: str) -> None:
-        self._json(201, self.c.create_pod(ns, self._body()))
+        body = self._body()
+        self._authorize("create", "pods", str((body.get("metadata") or {}).get("name", "")), ns)
+        self._json(201, self.c.create_pod(ns, body))
 
     def h_get_pod(self, q: dict[str, str], ns: str, name: str) -> None:
+        self._authorize("get", "pods", name, ns)
         self._json(200, self.c.get_pod(ns, name))
 
     def h_patch_pod(self, q: dict[str, str], ns: str, name: str) -> None:
@@ -1540,6 +1587,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(201, resp)
 
     def h_list_configmaps(self, q: dict[str, str], ns: str) -> None:
+        self._authorize("list", "configmaps", "", ns)
         with self.c.lock:
             items = [copy.deepcopy(c) for (cns, _), c in sorted(self.c.configmaps.items()) if cns == ns]
         self._list("ConfigMapList", items)
@@ -1577,6 +1625,32 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(404, "NotFound", f'configmaps "{name}" not found')
         self._json(200, status_obj(200, "", ""))
 
+    def h_object(self, method: str, q: dict[str, str], ns: str, res: str, name: str) -> None:
+        """Namespaces, ServiceAccounts, Secrets and RBAC objects: create, get, list, replace, delete, kept as given
+        (no validation beyond names; RBAC objects take effect at once, as the real authorizer's cache within ms)."""
+        verbs = {("POST", False): "create", ("GET", False): "list", ("GET", True): "get", ("PUT", True): "update"}
+        verb = verbs.get((method, bool(name)), "delete" if method == "DELETE" and name else "")
+        if not verb:
+            raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
+        body = self._body() if method in ("POST", "PUT") else {}
+        if verb == "create":
+            name = str((body.get("metadata") or {}).get("name") or "")
+        self._authorize(verb, res, name, ns)
+        srv = self.server
+        if verb == "list":
+            with srv.objects_lock:
+                items = [copy.deepcopy(o) for (ons, r, _), o in sorted(srv.objects.items()) if r == res and ons == ns]
+            api, kind = _OBJECT_KINDS[res]
+            self._list(f"{kind}List", items, api)
+        elif verb == "get":
+            self._json(200, srv.get_object(res, ns, name))
+        elif verb == "delete":
+            self._json(200, srv.delete_object(res, ns, name))
+        else:
+            self._json(
+                201 if verb == "create" else 200, srv.put_object(res, ns, body, create=verb == "create", name=name)
+            )
+
 
 class KubeApiStandIn(ThreadingHTTPServer):
     """The stand-in server. ``latency_s`` delays every request (to test the 800 ms path around the API)."""
@@ -1591,8 +1665,17 @@ class KubeApiStandIn(ThreadingHTTPServer):
         tokens: dict[str, Identity] | None = None,
         tls: tuple[str, str] | None = None,
         bookmark_interval_s: float = 60.0,
+        rbac: bool = False,
     ) -> None:
         self.cluster = Cluster()
+        # RBAC enforced (rbac.authorization.k8s.io/v1 objects created through the API; group system:masters passes
+        # every check, as upstream): every request is authorized against the roles bound to its identity.
+        # Off (the default): the ``deny`` lists alone.
+        self.rbac = rbac
+        self.objects: dict[tuple[str, str, str], Obj] = {}  # (namespace or "", resource, name)
+        self.objects_lock = threading.RLock()
+        # the token controller fills a service-account-token Secret after this long (it is asynchronous upstream)
+        self.token_controller_delay_s = 0.2
         self.latency_s = 0.0
         self.silent = False  # True: requests hang and open watches deliver nothing (see ``go_silent``)
         self.last_answer_at = 0.0  # when a response or a watch event was last written (tests of silence)
@@ -1671,6 +1754,119 @@ class KubeApiStandIn(ThreadingHTTPServer):
         uid = self.serviceaccounts.setdefault((ns, name), str(uuid.uuid4()))
         return uid
 
+    # --- objects kept as given, RBAC --------------------------------------------------------------------
+
+    def get_object(self, res: str, ns: str, name: str) -> Obj:
+        with self.objects_lock:
+            obj = self.objects.get((ns, res, name))
+            if obj is None:
+                raise ApiError(404, "NotFound", f'{res} "{name}" not found', {"name": name, "kind": res})
+            return copy.deepcopy(obj)
+
+    def put_object(self, res: str, ns: str, body: Obj, *, create: bool, name: str = "") -> Obj:
+        """Create (409 when it exists) or replace (404 when it does not; resourceVersion, when given, must match)."""
+        api, kind = _OBJECT_KINDS[res]
+        obj = copy.deepcopy(body)
+        md = obj.setdefault("metadata", {})
+        name = str(md.get("name") or name)
+        if not re.match(r"^[a-z0-9]([-a-z0-9.:]*[a-z0-9])?$", name) or (
+            not create and md.get("name") not in (None, name)
+        ):
+            raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}"')
+        with self.objects_lock:
+            old = self.objects.get((ns, res, name))
+            if create and old is not None:
+                raise ApiError(409, "AlreadyExists", f'{res} "{name}" already exists', {"name": name, "kind": res})
+            if not create:
+                if old is None:
+                    raise ApiError(404, "NotFound", f'{res} "{name}" not found', {"name": name, "kind": res})
+                if md.get("resourceVersion") not in (None, old["metadata"]["resourceVersion"]):
+                    raise ApiError(
+                        409, "Conflict", f'Operation cannot be fulfilled on {res} "{name}": the object has been'
+                        " modified; please apply your changes to the latest version and try again",
+                    )  # fmt: skip
+            obj["apiVersion"], obj["kind"] = api, kind
+            md.update(name=name, resourceVersion=self.cluster.rv())
+            md["uid"] = old["metadata"]["uid"] if old else str(uuid.uuid4())
+            md.setdefault("creationTimestamp", old["metadata"]["creationTimestamp"] if old else _now_iso())
+            if ns:
+                md["namespace"] = ns
+            if res == "secrets" and old is not None and old.get("type") == SA_TOKEN_SECRET:
+                obj["data"] = {**(old.get("data") or {}), **(obj.get("data") or {})}  # the controller's data stays
+            self.objects[(ns, res, name)] = obj
+        if res == "serviceaccounts":
+            self.serviceaccounts[(ns, name)] = md["uid"]
+        if res == "secrets" and obj.get("type") == SA_TOKEN_SECRET and old is None:
+            self.cluster._after(self.token_controller_delay_s, lambda: self._fill_token_secret(ns, name))
+        return copy.deepcopy(obj)
+
+    def delete_object(self, res: str, ns: str, name: str) -> Obj:
+        with self.objects_lock:
+            obj = self.objects.pop((ns, res, name), None)
+        if obj is None:
+            raise ApiError(404, "NotFound", f'{res} "{name}" not found', {"name": name, "kind": res})
+        if res == "serviceaccounts":  # its tokens die with it (issued_valid)
+            self.serviceaccounts.pop((ns, name), None)
+        return status_obj(200, "", "")
+
+    def _fill_token_secret(self, ns: str, name: str) -> None:
+        """The token controller: a Secret of type kubernetes.io/service-account-token naming an existing account
+        gets a token that authenticates as that account while the Secret and the account exist (no expiry)."""
+        with self.objects_lock:
+            secret = self.objects.get((ns, "secrets", name))
+            if secret is None:
+                return
+            sa = ((secret.get("metadata") or {}).get("annotations") or {}).get(SA_NAME_ANNOTATION, "")
+            if (ns, sa) not in self.serviceaccounts:
+                return  # upstream: the controller leaves it (and the garbage collector removes it)
+            token, _ = self.issue_token(ns, sa, seconds=10 * 365 * 86400)
+            self.issued[token]["secret"] = (ns, name)
+            b64 = base64.b64encode
+            secret["data"] = {**(secret.get("data") or {}), "token": b64(token.encode()).decode(),
+                              "namespace": b64(ns.encode()).decode()}  # fmt: skip
+
+    def rbac_allows(self, ident: Identity, verb: str, resource: str, name: str, ns: str) -> bool:
+        """Upstream's RBAC authorizer for one request: allowed when a ClusterRoleBinding, or a RoleBinding of the
+        request's namespace, binds a subject the identity is to a role with a rule matching the API group, the
+        resource (a subresource as "pods/eviction"), the verb and, when the rule names any, the object's name."""
+        if "system:masters" in ident.groups:
+            return True
+        group = _GROUPS.get(resource.split("/")[0], "")
+
+        def subject(s: Obj) -> bool:
+            if s.get("kind") == "User":
+                return bool(s.get("name") == ident.user)
+            if s.get("kind") == "Group":
+                return s.get("name") in ident.groups
+            if s.get("kind") == "ServiceAccount":
+                return ident.user == f"system:serviceaccount:{s.get('namespace')}:{s.get('name')}"
+            return False
+
+        def rule(r: Obj) -> bool:
+            return (
+                bool({verb, "*"} & set(r.get("verbs") or ()))
+                and bool({group, "*"} & set(r.get("apiGroups") or ()))
+                and bool({resource, "*"} & set(r.get("resources") or ()))
+                and (not r.get("resourceNames") or (bool(name) and name in r["resourceNames"]))
+            )
+
+        with self.objects_lock:
+            objs = dict(self.objects)
+        for (bns, res, _), b in objs.items():
+            if res not in ("clusterrolebindings", "rolebindings") or (res == "rolebindings" and bns != ns):
+                continue
+            if not any(subject(s) for s in b.get("subjects") or ()):
+                continue
+            ref = b.get("roleRef") or {}
+            role = (
+                objs.get(("", "clusterroles", ref.get("name", "")))
+                if ref.get("kind") == "ClusterRole"
+                else (objs.get((bns, "roles", ref.get("name", ""))) if res == "rolebindings" else None)
+            )
+            if role is not None and any(rule(r) for r in role.get("rules") or ()):
+                return True
+        return False
+
     def issue_token(
         self,
         ns: str,
@@ -1719,6 +1915,9 @@ class KubeApiStandIn(ThreadingHTTPServer):
     def issued_valid(self, issued: Obj) -> bool:
         if time.time() >= issued["exp"]:
             return False
+        secret = issued.get("secret")
+        if secret is not None and (secret[0], "secrets", secret[1]) not in self.objects:
+            return False  # a Secret's token: revoked by deleting the Secret
         if issued["node"] is not None:
             node = self.cluster.nodes.get(issued["node"])
             if node is None or node["metadata"]["uid"] != issued["node_uid"]:
