@@ -78,7 +78,12 @@ def settings(unit: Path, key: str) -> list[str]:
 
 
 def exec_start(unit: Path, creds: Path) -> list[str]:
+    """ExecStart as systemd runs it: ${CREDENTIALS_DIRECTORY} filled, and the RuntimeDirectory= it makes (here
+    ``run`` beside the credentials) in place of /run/<name>."""
     (line,) = settings(unit, "ExecStart")
+    (runtime,) = settings(unit, "RuntimeDirectory")
+    (creds.parent / "run").mkdir(exist_ok=True)
+    line = line.replace(f"/run/{runtime}/", f"{creds.parent / 'run'}/")
     argv = shlex.split(line.replace("${CREDENTIALS_DIRECTORY}", str(creds)))
     assert argv[0] == "/opt/sco/bin/sco"  # the role's venv: the test's own venv runs the same command
     return [str(BIN / "sco"), *argv[1:]]
@@ -186,6 +191,9 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
                 return False
 
         wait_for(up, 60, "sco enrol serve, as the role's unit runs it")
+        # its file_sd for role monitoring's Prometheus, in its RuntimeDirectory=, readable by all: no target yet
+        sd = tmp_path / "run" / "agents.json"
+        assert json.loads(sd.read_text()) == [] and sd.stat().st_mode & 0o777 == 0o644
 
         # the loop launches an instance with the node_env the role wrote: its agent.env holds a token of its own
         state.ensure_pool(Pool(HALL, "p", "m1.small", "img"))

@@ -653,6 +653,56 @@ def test_a_wait_longer_than_its_bound_is_warned_once(
     assert e.outcome == "pending" and not (tmp_path / "nats.creds").exists()
 
 
+def test_a_launched_instances_agent_is_a_prometheus_target_until_its_delete(
+    make_hall: Callable[..., Hall], tmp_path: Path
+) -> None:
+    """Defect: role monitoring's Prometheus scraped the inventory's agents only; a launched instance is in none. The
+    enrolment service keeps a file_sd of the live enrolled agents (the address each agent told when it enrolled), and
+    the role's Prometheus (Debian's, from exactly the files the role writes) reads it: the agent appears as a
+    target of job sco-agent, up, labelled with its node and pool, and leaves once the instance is deleted."""
+    from tests.test_metrics_deployed import Deployed
+
+    targets = tmp_path / "sd" / "agents.json"
+    targets.parent.mkdir()
+    prom = Deployed(tmp_path / "deployed", monitoring_agent_file_sd=[str(targets)]).start()
+    h = make_hall(scrape_targets_file=targets, revoke_every_s=0.2)
+    h.issuer.start_sweeper()
+    node, server_id, token = h.launch(0)
+    metadata = MetadataServer(node)
+    metadata.doc["uuid"] = server_id
+    port = free_port()
+    agent = AgentEnv(
+        tmp_path / "agent", h.kube, h.relay.srv, node=node, metadata=metadata, enrol_token=token, enrol_url=h.url,
+        hall=HALL, metrics_listen=f"0.0.0.0:{port}",
+    )  # fmt: skip
+
+    def agent_targets() -> list[dict[str, Any]]:
+        return [t for t in prom.api("targets")["activeTargets"] if t["labels"]["job"] == "sco-agent"]
+
+    try:
+        assert agent_targets() == []
+        agent.start()
+        wait_for(lambda: agent.of("enrol.done"), 20, "the enrolment")
+        (target,) = wait_for(
+            lambda: [t for t in agent_targets() if t["health"] == "up"], 30, "the agent scraped", 0.2
+        )  # fmt: skip
+        # a wildcard listen is told as the address the node reaches the service from (here the loopback)
+        assert target["labels"]["instance"] == f"127.0.0.1:{port}"
+        assert (target["labels"]["node"], target["labels"]["pool"], target["labels"]["hall"]) == (node, "p", HALL)
+        assert prom.api("query", query=f'up{{job="sco-agent",node="{node}"}}')["result"][0]["value"][1] == "1"
+        inst = h.state.by_server(server_id)
+        assert inst is not None
+        started = time.monotonic()
+        h.state.transition(inst.id, "deleted", "instance.deleted", reason="reclaimed")
+        wait_for(lambda: agent_targets() == [], 15, "the deleted instance's target gone", 0.1)
+        print(f"instance deleted -> its agent no longer a Prometheus target: {time.monotonic() - started:.2f} s")
+        assert json.loads(targets.read_text()) == []
+    finally:
+        agent.stop()
+        metadata.shutdown()
+        prom.stop()
+
+
 def test_a_refused_agent_says_so_once_and_keeps_the_metadata_channel(
     make_hall: Callable[..., Hall], tmp_path: Path
 ) -> None:

@@ -62,7 +62,8 @@ def unit_setting(unit: Path, key: str) -> list[str]:
 class Deployed:
     """The files the roles deployed under ``root``, and node_exporter and Prometheus started from them."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, **more: Any) -> None:
+        """``more``: other variables of the roles (tests/test_enrolment.py's file_sd of launched agents)."""
         self.root = root
         self.textfile = root / "textfile"
         self.ne_port, self.prom_port = free_port(), free_port()
@@ -83,6 +84,8 @@ class Deployed:
             "monitoring_prometheus_listen": f"127.0.0.1:{self.prom_port}",
             "monitoring_scrape_interval": "1s", "monitoring_evaluation_interval": "1s",
             "control_loop_hall": "local", "control_loop_metrics_textfile_dir": str(self.textfile),
+            "monitoring_agent_file_sd": [],  # none here: the control loop's alerts only
+            **more,
         }  # fmt: skip
         book = root / "deploy.yml"
         root.mkdir(parents=True, exist_ok=True)

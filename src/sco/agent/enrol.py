@@ -60,6 +60,10 @@ class Enrolment:
     kube_token_file: Path | None
     spool: Spool
     on_done: Callable[[], None] = lambda: None
+    metrics_listen: str = ""
+    """The agent's metrics address (agent.metrics_listen): told to the service for Prometheus's discovery unless it
+    is a loopback address (nothing else could scrape it); a wildcard is told as the address this node reaches
+    the service from."""
     deadline_s: float = CALL_DEADLINE_S
     outcome: str = "pending"
     """pending, enrolled, refused (with ``problem``)"""
@@ -86,9 +90,43 @@ class Enrolment:
             raise HttpError(f"{self.metadata_url}: no uuid")
         return uuid
 
+    async def metrics_address(self) -> str | None:
+        """Where Prometheus can scrape this agent (see ``metrics_listen``), or None."""
+        import ipaddress
+        import socket
+
+        host, _, port = self.metrics_listen.rpartition(":")
+        host = host.strip("[]")
+        if not port.isdigit() or host in ("", "localhost"):
+            return None
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return None
+        if ip.is_loopback:
+            return None
+        if ip.is_unspecified:  # listening everywhere: the address this node reaches the service from (no packet sent)
+            u = urllib.parse.urlsplit(self.url)
+
+            def local() -> str:
+                family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+                infos = socket.getaddrinfo(u.hostname, u.port or 80, family, socket.SOCK_DGRAM)
+                with socket.socket(family, socket.SOCK_DGRAM) as s:
+                    s.connect(infos[0][4])
+                    return str(s.getsockname()[0])
+
+            try:
+                ip = ipaddress.ip_address(await asyncio.wait_for(asyncio.to_thread(local), self.deadline_s))
+            except (OSError, ValueError, TimeoutError):
+                return None
+        return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
     async def exchange(self, server_id: str, public: str) -> dict[str, Any]:
         client = AsyncHttpClient(self.url, timeout=self.deadline_s, max_connections=1)
         body = {"hall": self.hall, "node": self.node, "instance_id": server_id, "token": self.token}
+        metrics = await self.metrics_address()
+        if metrics:
+            body["metrics"] = metrics
         try:
             r = await client.request("POST", PATH, {**body, "nkey_public": public})
         finally:

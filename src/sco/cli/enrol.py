@@ -38,6 +38,7 @@ def _settings(args: argparse.Namespace) -> Any:
         hall=args.hall, dsn=dsn, relay_keys=Path(args.relay_keys), nats_url=args.nats, kube=kube,
         rate_per_s=getattr(args, "rate", RATE_PER_S), burst=getattr(args, "burst", BURST),
         revoke_every_s=getattr(args, "revoke_every", 5.0),
+        scrape_targets_file=Path(args.scrape_targets_file) if getattr(args, "scrape_targets_file", None) else None,
     )  # fmt: skip
 
 
@@ -55,6 +56,8 @@ def cmd_enrol_serve(args: argparse.Namespace) -> int:
     except BaseException:
         issuer.close()
         raise
+    if issuer.s.scrape_targets_file is not None:
+        issuer.write_targets()  # at once: Prometheus finds the live agents after a restart too
     issuer.start_sweeper()
 
     def stop(*_: object) -> None:  # serve_forever's shutdown must come from another thread
@@ -119,6 +122,11 @@ def register(sub: Any) -> None:
         help="connections open at once from one address (instances behind SNAT share one; more are closed at once)",
     )  # fmt: skip
     s.add_argument("--revoke-every", type=float, default=5.0, help="seconds between revocation sweeps")
+    s.add_argument(
+        "--scrape-targets-file", default=_env("SCO_ENROL_SCRAPE_TARGETS_FILE"), metavar="PATH",
+        help="Prometheus file_sd of the live launched instances' agents (job sco-agent), kept up to date"
+        " [$SCO_ENROL_SCRAPE_TARGETS_FILE]",
+    )  # fmt: skip
     s.add_argument("--verbose", action="store_true", help="log every request")
     s.set_defaults(func=cmd_enrol_serve)
     r = es.add_parser("revoke", help="one revocation sweep: deleted instances' relay identities taken back")

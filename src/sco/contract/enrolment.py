@@ -6,6 +6,9 @@
     {"hall": ..., "node": ..., "instance_id": <the Nova server's uuid, from the node's metadata>,
      "token": <the one-time token from agent.env>, "nkey_public": <a user public key (U...) made on the node>}
 
+and optionally ``"metrics": "<address>:<port>"`` (IPv6 in brackets), where the node's agent serves its metrics for
+Prometheus (the enrolment service lists it for Prometheus's file_sd while the instance is live);
+
 answered ``200`` with ``{"nats_user_jwt": ..., "nats_account": ..., "kube_token": <str or null>,
 "kube_expires": <Unix time or null>}``, or a ``4xx``/``503`` with one line of text naming what is wrong. The node
 writes its creds file itself (:func:`creds_text`): the user JWT names its public key, the seed never leaves it.
@@ -46,7 +49,7 @@ def parse_request(doc: Any) -> dict[str, str]:
     :class:`Malformed` with one line naming the first field that is wrong."""
     if not isinstance(doc, dict):
         raise Malformed("expected a JSON object")
-    extra = sorted(set(doc) - set(FIELDS))
+    extra = sorted(set(doc) - set(FIELDS) - {"metrics"})
     if extra:
         raise Malformed(f"unknown field {extra[0]!r}")
     out: dict[str, str] = {}
@@ -62,7 +65,28 @@ def parse_request(doc: Any) -> dict[str, str]:
     ):  # fmt: skip
         if not pattern.match(out[f]):
             raise Malformed(f"{f}: not a valid value")
+    if "metrics" in doc:
+        out["metrics"] = parse_metrics_address(doc["metrics"])
     return out
+
+
+def parse_metrics_address(v: Any) -> str:
+    """``<IP address>:<port>`` (an IPv6 address in brackets), as Prometheus names a target; raises Malformed."""
+    import ipaddress
+
+    if not isinstance(v, str) or len(v) > 64:
+        raise Malformed("metrics: expected a string of at most 64 characters")
+    host, sep, port = v.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        raise Malformed("metrics: expected <IP address>:<port>") from None
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535 or (ip.version == 6) != bracketed:
+        raise Malformed("metrics: expected <IP address>:<port> (an IPv6 address in brackets)")
+    if ip.is_unspecified or ip.is_multicast:
+        raise Malformed("metrics: not an address a scraper can reach")
+    return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
 
 
 def creds_text(user_jwt: str, seed: bytes) -> str:

@@ -87,6 +87,9 @@ class Settings:
     call_timeout_s: float = 10.0
     """One relay push, one Kubernetes call."""
     revoke_every_s: float = 5.0
+    scrape_targets_file: Path | None = None
+    """Prometheus file_sd: the live enrolled instances' agent metrics addresses, rewritten (atomically, when they
+    change) after each enrolment and each sweep."""
 
 
 class RateLimit:
@@ -306,6 +309,8 @@ class Issuer:
         self.kube: Any = None
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self._targets_lock = threading.Lock()
+        self._targets_written: bytes | None = None
         try:
             self._run(self._start(), s.call_timeout_s * 3)
         except TimeoutError:
@@ -374,8 +379,14 @@ class Issuer:
             held.record(
                 source=source, nkey_public=req["nkey_public"], account=identity.account,
                 issued_at=identity.issued_at, kube_expires=kube_expires, node_uid=node_uid,
+                metrics_target=req.get("metrics"),
             )  # fmt: skip
         log.info("node %s enrolled from %s: relay account %s", node, source, identity.account)
+        if self.s.scrape_targets_file is not None and req.get("metrics"):
+            try:
+                self.write_targets()
+            except Exception as e:  # the next sweep writes it; the node's enrolment stands
+                log.warning("%s: %s", self.s.scrape_targets_file, e)
         return {
             "nats_user_jwt": identity.user_jwt,
             "nats_account": identity.account,
@@ -431,11 +442,32 @@ class Issuer:
             raise RevokeIncomplete("; ".join(done.problems[:3]) + more)
         return done.revoked
 
+    def write_targets(self) -> bool:
+        """Prometheus's file_sd for the hall's launched agents (job sco-agent: role monitoring reads this file):
+        one target group per live enrolled instance that told its metrics address, labelled with its node, pool and
+        hall. Written atomically (0644: addresses, no secret) when it changed; returns whether it did."""
+        path = self.s.scrape_targets_file
+        if path is None:
+            return False
+        from sco._fs import atomic_write
+
+        with self.db.get() as conn:
+            found = rows.scrape_targets(conn, self.s.hall)
+        doc = [{"targets": [t], "labels": {"node": n, "pool": p, "hall": self.s.hall}} for n, p, t in found]
+        data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+        with self._targets_lock:
+            if data == self._targets_written:
+                return False
+            atomic_write(path, data, mode=0o644, exact_mode=True)  # Prometheus reads it, whatever our umask
+            self._targets_written = data
+        return True
+
     def start_sweeper(self) -> None:
         def loop() -> None:
             said = ""
             while not self._stop.wait(self.s.revoke_every_s):
                 try:
+                    self.write_targets()  # before the revocations: a gone instance's target leaves at once
                     self.revoke_deleted()
                 except Exception as e:  # the relay, the fleet state or the API away: the next sweep tries again
                     self.metrics.add("revoke_failures")

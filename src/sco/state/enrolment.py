@@ -62,13 +62,15 @@ class Claim:
         issued_at: int,
         kube_expires: float | None,
         node_uid: str | None = None,
+        metrics_target: str | None = None,
     ) -> None:
         self.conn.execute(
             "UPDATE enrolment SET used_at = clock_timestamp(), used_from = %s, nkey_public = %s, node = %s,"
-            " account = %s, account_issued_at = %s, kube_expires_at = to_timestamp(%s), node_uid = %s"
-            " WHERE instance_id = %s",
-            (source, nkey_public, self.node, account, issued_at, kube_expires, node_uid, self.instance_id),
-        )
+            " account = %s, account_issued_at = %s, kube_expires_at = to_timestamp(%s), node_uid = %s,"
+            " metrics_target = %s WHERE instance_id = %s",
+            (source, nkey_public, self.node, account, issued_at, kube_expires, node_uid, metrics_target,
+             self.instance_id),
+        )  # fmt: skip
         self.conn.execute(
             "INSERT INTO lifecycle_event (hall, instance_id, pool, kind, detail) SELECT hall, id, pool,"
             " 'instance.enrolled', jsonb_build_object('account', %s::text, 'from', %s::text) FROM instance"
@@ -189,3 +191,15 @@ def node_settled(conn: Any, item: Issued, outcome: str) -> None:
             " FROM instance WHERE id = %s",
             (item.node, item.node_uid, outcome, item.instance_id),
         )
+
+
+def scrape_targets(conn: Any, hall: str) -> list[tuple[str, str, str]]:
+    """(node, pool, metrics address) of every enrolled instance of the hall that is live (launching or active) and
+    told where its agent serves metrics: what Prometheus should scrape, in node order."""
+    rows = conn.execute(
+        "SELECT e.node, i.pool, e.metrics_target FROM enrolment e JOIN instance i ON i.id = e.instance_id"
+        " WHERE i.hall = %s AND i.state = ANY(%s) AND e.used_at IS NOT NULL AND e.revoked_at IS NULL"
+        " AND e.metrics_target IS NOT NULL ORDER BY e.node",
+        (hall, list(ENROLLABLE)),
+    ).fetchall()
+    return [(str(r[0]), str(r[1]), str(r[2])) for r in rows]
