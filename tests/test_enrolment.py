@@ -240,7 +240,7 @@ def test_forty_instances_behind_one_snat_address_enrol_at_once_and_a_flood_is_st
 ) -> None:
     """Instances booting together behind SNAT reach the service from one address: with the defaults (sized for the
     acquire step's burst of creates) 40 enrolments at once all succeed, first time; past the bucket a flood is
-    still answered 429. Before the setting, 16 connections from one address were the limit: the rest were closed."""
+    still answered 429."""
     from sco.contract.enrolment import BURST, MAX_PER_ADDRESS
 
     h = make_hall()
@@ -358,9 +358,9 @@ def enrolled(h: Hall, slot: int) -> tuple[str, str, str]:
 
 
 def test_a_deleted_instances_node_goes_and_its_bound_token_with_it(make_hall: Callable[..., Hall]) -> None:
-    """Defect 7 for Kubernetes: a hall with no cloud controller manager keeps a gone instance's Node object, and a
+    """A hall with no cloud controller manager keeps a gone instance's Node object, and a
     token bound to it works as long as it is there. The sweep deletes that Node (the object enrolment bound the
-    token to, by its uid), so the token is refused within the sweep's period. Before: the token kept working."""
+    token to, by its uid), so the token is refused within the sweep's period."""
     h = make_hall(revoke_every_s=0.2)
     node, server_id, token = enrolled(h, 0)
     neighbour, _, neighbour_token = enrolled(h, 1)
@@ -568,8 +568,7 @@ def test_a_normal_first_boot_logs_no_error_and_says_each_wait_once(
 ) -> None:
     """A first boot as it goes on a hall: the agent starts before kubelet has registered the Node, so the service
     answers 503 "try again" several times; the NATS link, the token renewal and the preflight wait for the
-    credentials enrolment writes. Each of those waits is said once, at info; nothing is an error or a warning.
-    Before: the 401 of the not-yet-written token was an ERROR, the missing token file a WARNING, the 503 a WARNING."""
+    credentials enrolment writes. Each of those waits is said once, at info; nothing is an error or a warning."""
     from sco_devkit.standins.logind import LogindStandIn, PrivateBus
 
     h = make_hall()
@@ -656,7 +655,7 @@ def test_a_wait_longer_than_its_bound_is_warned_once(
 def test_a_launched_instances_agent_is_a_prometheus_target_until_its_delete(
     make_hall: Callable[..., Hall], tmp_path: Path
 ) -> None:
-    """Defect: role monitoring's Prometheus scraped the inventory's agents only; a launched instance is in none. The
+    """A launched instance is in no inventory, so role monitoring's static targets never name its agent. The
     enrolment service keeps a file_sd of the live enrolled agents (the address each agent told when it enrolled), and
     the role's Prometheus (Debian's, from exactly the files the role writes) reads it: the agent appears as a
     target of job sco-agent, up, labelled with its node and pool, and leaves once the instance is deleted."""
