@@ -530,6 +530,50 @@ def test_the_enrolment_services_own_identity_does_its_calls_and_nothing_more(
     assert call(api, token, "GET", "/api/v1/nodes/other")[0] == 401
 
 
+TOKEN_PLAY = """
+- name: Role kyverno_policies' step that keeps the enrolment service's token on the controller
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Read the token back from the cluster
+      ansible.builtin.include_role:
+        name: sco.orchestrator.kyverno_policies
+        tasks_from: enrol_token.yml
+"""
+
+
+def test_the_role_reads_the_enrolment_services_token_back_onto_the_controller(
+    rbac_api: tuple[KubeApiStandIn, str], tmp_path: Path
+) -> None:
+    """kubernetes.core.k8s_info against the stand-in (discovery, the Secret read as the role's admin credential):
+    the role waits for the token controller to fill Secret sco-enrol-token and writes the token to the controller,
+    0600; the token is the enrolment service's own. Nothing made by hand."""
+    import os
+    import subprocess
+    import sys
+
+    api, admin = rbac_api
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "credentials" / "kubernetes" / "enrol.token"
+    (tmp_path / "play.yml").write_text(TOKEN_PLAY)
+    ev = {
+        "ansible_python_interpreter": sys.executable, "kyverno_policies_host": api.url,
+        "kyverno_policies_api_key": admin, "kyverno_policies_enrol_token_file": str(out),
+    }  # fmt: skip
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(root / "collections"), "ANSIBLE_NOCOLOR": "1",
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
+    p = subprocess.run(
+        [str(bin_dir / "ansible-playbook"), "-i", "localhost,", "-c", "local", "play.yml", "-e", json.dumps(ev)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    token = out.read_text()
+    assert token not in p.stdout and out.stat().st_mode & 0o777 == 0o600
+    assert out.parent.stat().st_mode & 0o777 == 0o700
+    assert api.tokens is not None and api.tokens[token].user == "system:serviceaccount:sco-system:sco-enrol"
+
+
 def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Hall], tmp_path: Path) -> None:
     h = make_hall()
     node, server_id, token = h.launch(0)

@@ -1146,6 +1146,10 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     (m, re.compile(p), h)
     for m, p, h in [
         ("GET", r"^/version$", "version"),
+        ("GET", r"^/api$", "discovery_versions"),
+        ("GET", r"^/apis$", "discovery_groups"),
+        ("GET", r"^/api/(v1)$", "discovery_resources"),
+        ("GET", r"^/apis/([^/]+/[^/]+)$", "discovery_resources"),
         ("GET", r"^/api/v1/nodes$", "list_nodes"),
         ("GET", r"^/api/v1/nodes/([^/]+)$", "get_node"),
         ("PATCH", r"^/api/v1/nodes/([^/]+)$", "patch_node"),
@@ -1194,6 +1198,31 @@ _GROUPS = {
     "poddisruptionbudgets": "policy",
     "tokenreviews": "authentication.k8s.io",
     **{r: "rbac.authorization.k8s.io" for r in ("clusterroles", "clusterrolebindings", "roles", "rolebindings")},
+}
+# Discovery (what clients such as kubernetes.core's dynamic client read first): group/version -> the resources
+# served, (name, kind, namespaced, verbs)
+_DISCOVERY: dict[str, list[tuple[str, str, bool, list[str]]]] = {
+    "v1": [
+        ("nodes", "Node", False, ["get", "list", "watch", "patch", "delete"]),
+        ("pods", "Pod", True, ["create", "get", "list", "watch", "patch", "delete"]),
+        ("pods/eviction", "Eviction", True, ["create"]),
+        ("namespaces", "Namespace", False, ["create", "get", "list", "update", "delete"]),
+        ("configmaps", "ConfigMap", True, ["create", "get", "list", "update", "delete"]),
+        ("events", "Event", True, ["create", "list"]),
+        ("secrets", "Secret", True, ["create", "get", "list", "update", "delete"]),
+        ("serviceaccounts", "ServiceAccount", True, ["create", "get", "list", "update", "delete"]),
+        ("serviceaccounts/token", "TokenRequest", True, ["create"]),
+    ],
+    "policy/v1": [
+        ("poddisruptionbudgets", "PodDisruptionBudget", True, ["create", "get", "list", "delete"]),
+    ],
+    "authentication.k8s.io/v1": [("tokenreviews", "TokenReview", False, ["create"])],
+    "rbac.authorization.k8s.io/v1": [
+        ("clusterroles", "ClusterRole", False, ["create", "get", "list", "update", "delete"]),
+        ("clusterrolebindings", "ClusterRoleBinding", False, ["create", "get", "list", "update", "delete"]),
+        ("roles", "Role", True, ["create", "get", "list", "update", "delete"]),
+        ("rolebindings", "RoleBinding", True, ["create", "get", "list", "update", "delete"]),
+    ],
 }
 SA_TOKEN_SECRET = "kubernetes.io/service-account-token"
 SA_NAME_ANNOTATION = "kubernetes.io/service-account.name"
@@ -1359,6 +1388,26 @@ class _Handler(BaseHTTPRequestHandler):
 
     def h_version(self, q: dict[str, str]) -> None:
         self._json(200, {"major": "1", "minor": "30", "gitVersion": "v1.30.0-sco-standin", "platform": "linux/amd64"})
+
+    def h_discovery_versions(self, q: dict[str, str]) -> None:
+        self._json(200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []})
+
+    def h_discovery_groups(self, q: dict[str, str]) -> None:
+        groups = []
+        for gv in sorted(_DISCOVERY):
+            if "/" in gv:
+                name, version = gv.split("/")
+                ver = {"groupVersion": gv, "version": version}
+                groups.append({"name": name, "versions": [ver], "preferredVersion": ver})
+        self._json(200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
+
+    def h_discovery_resources(self, q: dict[str, str], gv: str) -> None:
+        if gv not in _DISCOVERY:
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({gv})")
+        resources = [
+            {"name": n, "singularName": "", "namespaced": ns, "kind": k, "verbs": v} for n, k, ns, v in _DISCOVERY[gv]
+        ]
+        self._json(200, {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources})
 
     def h_list_nodes(self, q: dict[str, str]) -> None:
         self._authorize("watch" if q.get("watch") in ("true", "1") else "list", "nodes", "")
