@@ -563,15 +563,33 @@ def test_the_role_reads_the_enrolment_services_token_back_onto_the_controller(
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(root / "collections"), "ANSIBLE_NOCOLOR": "1",
            "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
-    p = subprocess.run(
-        [str(bin_dir / "ansible-playbook"), "-i", "localhost,", "-c", "local", "play.yml", "-e", json.dumps(ev)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
+
+    def play(**more: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(bin_dir / "ansible-playbook"), "-i", "localhost,", "-c", "local", "play.yml", "-e",
+             json.dumps({**ev, **more})],
+            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        )  # fmt: skip
+
+    p = play()
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     token = out.read_text()
     assert token not in p.stdout and out.stat().st_mode & 0o777 == 0o600
     assert out.parent.stat().st_mode & 0o777 == 0o700
     assert api.tokens is not None and api.tokens[token].user == "system:serviceaccount:sco-system:sco-enrol"
+    # no token controller's token (the account gone): one line saying what to look at, nothing written
+    assert call(api, admin, "DELETE", "/api/v1/namespaces/sco-system/serviceaccounts/sco-enrol")[0] == 200
+    assert call(api, admin, "DELETE", "/api/v1/namespaces/sco-system/secrets/sco-enrol-token")[0] == 200
+    names = {"kubernetes.io/service-account.name": "sco-enrol"}
+    secret = {
+        "metadata": {"name": "sco-enrol-token", "annotations": names},
+        "type": "kubernetes.io/service-account-token",
+    }
+    assert call(api, admin, "POST", "/api/v1/namespaces/sco-system/secrets", secret)[0] == 201
+    p = play(kyverno_policies_enrol_token_file=str(tmp_path / "other.token"), kyverno_policies_enrol_token_wait=2)
+    assert p.returncode != 0 and not (tmp_path / "other.token").exists()
+    assert "Secret sco-system/sco-enrol-token holds no token after 2 s" in p.stdout, p.stdout[-3000:]
+    assert "token controller (kube-controller-manager)" in p.stdout
 
 
 def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Hall], tmp_path: Path) -> None:
