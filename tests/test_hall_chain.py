@@ -345,6 +345,10 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
         assert revoked_at is not None
         assert "authorization violation" in asyncio.run(_refusal(relay.url, user_credentials=str(creds))).lower()
         assert enrol.metrics()["sco_enrol_revoked_total"] == 1 and enrol.metrics()["sco_enrol_issued_total"] == 1
+        # and its Node is gone with it (no cloud controller manager here), so its bound Kubernetes token is refused
+        wait_for(lambda: node not in api.cluster.nodes, 10, "the deleted instance's Node removed")
+        assert enrol.metrics()["sco_enrol_nodes_deleted_total"] == 1
+        assert not api.issued_valid(api.issued[kube_token])
         wait_for(lambda: "NATS disconnected" in log(), 10, "the agent's disconnection said")
 
         ev = {e["kind"]: e["at"] for e in reversed(st.events(instance_id=inst.id))}  # the first of each kind
