@@ -15,8 +15,8 @@ import pytest
 
 from sco._fs import atomic_write
 from sco.agent.bundle_cache import BundleCache
-from sco.contract.bundle import Bundle, Succession, successor
-from sco.contract.compiler import DEFAULT_BUNDLE_LIFETIME_S, compile_repo
+from sco.contract.bundle import DEFAULT_BUNDLE_LIFETIME_S, Bundle, Succession, successor
+from sco.contract.compiler import compile_repo
 from sco.contract.distributor import DistributorServer, bundle_path, publish
 from sco.contract.signing import Keyring, PrivateKey, sign
 from sco.errors import BundleError, ContractError, RollbackError
@@ -137,3 +137,38 @@ def test_the_agent_past_expiry(
         assert samples(scrape(env.metrics_url))["sco_agent_bundle_expired"] == 0
     finally:
         env.stop()
+
+
+def test_a_launch_after_the_full_bundle_aged_boots_a_node_with_fresh_budgets(
+    tmp_path: Path, key: PrivateKey, keyring: Keyring
+) -> None:
+    """The launch subset is dated at the launch: a hall whose full bundle was signed 6 days ago (or 8: expired, its
+    signer not run since) still gives a new node a subset it takes up, with its whole lifetime ahead; the node then
+    takes the full bundle from the distributor while it is fresh, and keeps the subset when it is not."""
+    import base64
+
+    import yaml
+
+    from sco.contract.userdata import CACHE_PATH, render
+
+    now = time.time()
+    for age_days, full_expired in ((6, False), (8, True)):
+        signed_at = now - age_days * 86_400
+        full_raw = sign(compile_repo(SAMPLE, now=signed_at), [key])
+        full = Bundle.from_bytes(full_raw, keyring)
+        assert full.expired(now) is full_expired
+        doc = yaml.safe_load(render(full, [key], [key.public], schedulers=["kubernetes"], now=now))
+        (f,) = [f for f in doc["write_files"] if f["path"] == CACHE_PATH]
+        subset_raw = base64.b64decode(f["content"])
+        subset = Bundle.from_bytes(subset_raw, keyring)
+        assert subset.serial == full.serial and subset.subset_of == full.content_digest
+        assert subset.expires_at == int(now) + DEFAULT_BUNDLE_LIFETIME_S
+        cache = BundleCache(tmp_path / f"node-{age_days}", keyring, clock=lambda: now)
+        assert cache.offer(subset_raw).outcome == "accepted"  # the node's first second: budgets known
+        taken = cache.offer(full_raw).outcome
+        if full_expired:  # a stale full bundle is refused; the node keeps the launch's subset and its budgets
+            assert taken != "accepted" and cache.bundle is not None and cache.bundle.serial == subset.serial
+            assert cache.status()["expired"] is False
+        else:
+            assert taken == "accepted" and cache.bundle is not None
+            assert cache.bundle.content_digest == full.content_digest

@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeGuard
@@ -223,6 +224,20 @@ class Bundle:
 class Succession(Enum):
     REPLACE = "replace"
     UNCHANGED = "unchanged"
+
+
+# A signed bundle's freshness (its expiresAt), unless the hall policy sets bundleLifetimeSeconds. Nodes ask for a new
+# bundle every 60 s, so the lifetime need not be short for a re-signed bundle to reach them within a minute; what it
+# must cover is the time between re-signings plus an outage of the distributor. The signer re-dates an unchanged
+# bundle once less than half is left: re-signing at least every 3.5 days keeps nodes at 3.5 days or more, so the
+# distributor may be down over a long weekend; a stale mirror or a man in the middle holds a node back 7 days at
+# most instead of for ever.
+DEFAULT_BUNDLE_LIFETIME_S = 7 * 86_400
+
+
+def bundle_lifetime_s(policy: Mapping[str, Any]) -> int:
+    """How long a bundle signed now stays fresh: the hall policy's bundleLifetimeSeconds, else 7 days."""
+    return int(policy.get("bundleLifetimeSeconds") or DEFAULT_BUNDLE_LIFETIME_S)
 
 
 def _utc(t: float) -> str:

@@ -24,20 +24,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from sco.contract.bundle import MAX_SERIAL, content_digest
+from sco.contract.bundle import MAX_SERIAL, bundle_lifetime_s, content_digest
 from sco.contract.model import API_VERSION, SELECTOR_TAGS, Contract, HallPolicy
 from sco.errors import ConfigError, ContractError, Problem
 
 # libyaml when present: its parser is C, though PyYAML still constructs objects in Python.
 _Base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MAX_FILE_BYTES = 1 << 20  # a contract is a few hundred bytes; a larger file is a mistake or an attack
-# A signed bundle's freshness (its expiresAt), unless the hall policy sets bundleLifetimeSeconds. Nodes ask for a new
-# bundle every 60 s, so the lifetime need not be short for a re-signed bundle to reach them within a minute; what it
-# must cover is the time between re-signings plus an outage of the distributor. The signer re-dates an unchanged
-# bundle once less than half is left: re-signing at least every 3.5 days keeps nodes at 3.5 days or more, so the
-# distributor may be down over a long weekend; a stale mirror or a man in the middle holds a node back 7 days at
-# most instead of for ever.
-DEFAULT_BUNDLE_LIFETIME_S = 7 * 86_400
 MAX_ISSUED_AHEAD_S = 86_400  # clocks disagree by seconds, not days: a later issue time is a typo (ms for s)
 
 
@@ -489,7 +482,7 @@ def compile_repo(
     if issued_at is not None:
         payload["issuedAt"] = int(issued_at)
     now = time.time() if now is None else now
-    lifetime = int(policy.get("bundleLifetimeSeconds") or DEFAULT_BUNDLE_LIFETIME_S)
+    lifetime = bundle_lifetime_s(policy)
     kept = previous.get("expiresAt") if previous is not None and unchanged else None
     if isinstance(kept, int) and not isinstance(kept, bool) and kept - now > lifetime / 2:
         payload["expiresAt"] = kept

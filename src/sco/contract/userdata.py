@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 
 import yaml
 
-from sco.contract.bundle import Bundle, subset_payload
+from sco.contract.bundle import Bundle, bundle_lifetime_s, subset_payload
 from sco.contract.signing import PrivateKey, PublicKey, public_key_text, sign
 from sco.errors import BundleError, ConfigError
 
@@ -40,11 +41,16 @@ def render(
     schedulers: list[str] | None = None,
     names: list[str] | None = None,
     node_env: dict[str, str] | None = None,
+    now: float | None = None,
 ) -> str:
+    """The instance's user-data. Its subset bundle is dated from ``now`` (the launch) for the hall's bundle
+    lifetime, not the full bundle's ``expiresAt``: the launch signs it, and a hall whose full bundle was last
+    re-signed days ago must still boot nodes that take their budgets (a node never takes up an expired bundle)."""
     bad = [f"{k!r}: {why}" for k, v in sorted((node_env or {}).items()) if (why := _env_problem(k, v))]
     if bad:
         raise ConfigError(f"node environment: {'; '.join(bad)}")
     payload = subset_payload(bundle, schedulers=schedulers, names=names)
+    payload["expiresAt"] = int(time.time() if now is None else now) + bundle_lifetime_s(bundle.policy)
     subset = sign(payload, signing_keys)
     files = [
         {
