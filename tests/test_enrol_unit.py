@@ -154,7 +154,12 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
         unit = tmp_path / "unit" / UNIT
         url = f"http://localhost:{port}"  # ansible_host unset: the inventory name, here localhost
         assert facts["enabled"] is True and facts["keys"] == str(relay.creds / "operator")
-        assert facts["node_env"] == {ENROL_URL: url, "SCO_AGENT_LOG_LEVEL": "debug"}
+        # where the agent serves metrics, so that it tells the service and Prometheus's file_sd lists it
+        assert facts["node_env"] == {
+            ENROL_URL: url,
+            "SCO_AGENT_METRICS_LISTEN": "0.0.0.0:9469",
+            "SCO_AGENT_LOG_LEVEL": "debug",
+        }
         # the unit: its own dynamic user, the DSN from a root-only file, secrets as credentials only
         text = unit.read_text()
         assert "DynamicUser=yes" in text and settings(unit, "EnvironmentFile") == ["/etc/sco/enrol.env"]
