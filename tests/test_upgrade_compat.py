@@ -123,3 +123,18 @@ def test_every_migration_is_additive(migration: str) -> None:
     for m in re.finditer(r"ADD\s+COLUMN\s+(IF\s+NOT\s+EXISTS\s+)?(\w+)\s+([^,;]*)", sql, re.IGNORECASE):
         col = m.group(3).upper()
         assert "NOT NULL" not in col or "DEFAULT" in col, f"{migration}: column {m.group(2)} NOT NULL without a default"
+
+
+def test_an_enrolment_request_with_fields_the_service_does_not_know_is_read() -> None:
+    """Rule 6: a node baked with a later release sends fields this service does not know; they are ignored, and the
+    fields it knows are checked as always."""
+    from sco.contract.enrolment import Malformed, parse_request
+
+    request = {
+        "hall": "h", "node": "n1", "instance_id": "0b2c7f7e-0d4b-4a51-9b43-1f0c7e1e6a11", "token": "t" * 43,
+        "nkey_public": "U" + "A" * 55,
+    }  # fmt: skip
+    got = parse_request({**request, "rolloutHint": {"from": "N+1"}, "zone": "b"})
+    assert got == request
+    with pytest.raises(Malformed, match="node"):
+        parse_request({**request, "node": "", "rolloutHint": 1})
