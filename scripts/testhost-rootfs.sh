@@ -9,15 +9,16 @@
 # own); the policy is removed afterwards, so the hosts behave as before. python3-apt: Ansible's apt module finds
 # an installed package without network; iproute2 and iputils-ping: a scenario's private network checked from inside;
 # prometheus and prometheus-node-exporter: role monitoring on the control hosts (verify runs them with the files
-# the role wrote).
+# the role wrote); cloud-init: an instance of molecule scenario hall-lifecycle boots through Debian's real cloud-init
+# against Nova's metadata API (it does nothing on the other hosts: without systemd nothing starts it).
 #
 # KEY names what the rootfs holds: a cached rootfs with another key (an older list) is built again.
 set -euo pipefail
 dir=${1:-/var/cache/sco-testhost/rootfs}
 BASE_PACKAGES=python3,python3-venv,systemd,openssh-server,procps
 EXTRA_PACKAGES=(postgresql patroni etcd-server etcd-client python3-apt iproute2 iputils-ping prometheus
-  prometheus-node-exporter)
-KEY="v4 $BASE_PACKAGES ${EXTRA_PACKAGES[*]}"
+  prometheus-node-exporter cloud-init)
+KEY="v5 $BASE_PACKAGES ${EXTRA_PACKAGES[*]}"
 cached() { [ -x "$dir/usr/sbin/sshd" ] && [ -x "$dir/usr/bin/python3" ] && [ "$(cat "$dir/.sco-complete" 2>/dev/null)" = "$KEY" ]; }
 if cached; then
   echo "testhost rootfs: cached at $dir"
