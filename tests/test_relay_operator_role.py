@@ -307,3 +307,23 @@ def test_the_role_in_operator_mode_serves_inventory_and_run_time_nodes(tmp_path:
         assert recap_changed(relay.apply(["a", "b", "d"]).stdout) == 0
     finally:
         relay.stop()
+
+
+def test_the_role_in_operator_mode_takes_a_hall_with_no_inventory_node(tmp_path: Path) -> None:
+    """A hall whose every node is launched by the control loop (molecule hall-lifecycle) lists none in the
+    inventory: in operator mode they enrol at run time, so the role must not ask for one (it refused: 'list the
+    nodes in notice_relay_nodes'). Its relay starts, and a node enrolled at run time hears its notice."""
+    relay = Deployed(tmp_path)
+    relay.apply([])
+    assert sorted(p.name for p in relay.creds.glob("*.creds")) == ["control.creds", "reclaimer.creds", "relay-admin.creds"]
+    check = subprocess.run([*relay.unit("ExecStart"), "-t"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    relay.start()
+    try:
+        stream = subprocess.run(relay.unit("ExecStartPost"), capture_output=True, text=True, timeout=60)
+        assert stream.returncode == 0, stream.stderr
+        node_c = enrol_at_run_time(relay, "c")
+        got = asyncio.run(notices_reach(relay.url, relay.creds / "reclaimer.creds", {"c": node_c}))
+        assert got == {"c": [b"notice for c"]}, got
+    finally:
+        relay.stop()

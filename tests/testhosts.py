@@ -29,9 +29,15 @@ class TestHost:
         self.root = workdir / name
         self.key = workdir / "id_ed25519"
 
-    def create(self) -> TestHost:
-        ensure_rootfs()
-        subprocess.run(["cp", "-a", "--reflink=auto", str(ROOTFS), str(self.root)], check=True, timeout=300)
+    def create(self, image: Path | None = None) -> TestHost:
+        """``image``: a tree to copy instead of the test rootfs (another host's root: a baked image); its mounts
+        (/proc) are not copied."""
+        if image is None:
+            image = ensure_rootfs()
+        subprocess.run(
+            ["cp", "-a", "--one-file-system", "--reflink=auto", str(image), str(self.root)], check=True, timeout=300
+        )
+        (self.root / "proc").mkdir(exist_ok=True)
         if not self.key.exists():
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key)], check=True)
         ssh = self.root / "root" / ".ssh"

@@ -6,6 +6,9 @@ inventory can be static and testinfra can read it: netns `scom-<scenario>-<host>
     python molecule/shared/hosts.py create [--network] SCENARIO HOST[=ADDRESS]...
     python molecule/shared/hosts.py destroy SCENARIO
     python molecule/shared/hosts.py network SCENARIO HOST...   # prints the addresses --network would give
+    python molecule/shared/hosts.py add SCENARIO HOST --image FROM [--address ADDRESS]
+        # one more host while the scenario runs (an instance its control loop launched): a copy of host FROM's tree
+        # (a baked image), on the scenario's private network when it has one; destroy removes it with the rest
 
 With --network the hosts share a private /24 (tests.testhosts.TestNetwork: a bridge in netns `scomnet-<scenario>`,
 eth0 in each host, the address given as HOST=ADDRESS (a static inventory's ansible_host) or else 10.231.<n>.<11 + i>
@@ -77,7 +80,34 @@ def create(scenario: str, names: list[str], network: bool = False) -> None:
             net.join(h, given[h.name] or None)
         net.write_hosts(hosts)
         out["network"] = {"namespace": net.ns, "addresses": net.members}
+        # what add needs to plug one more host in (the addresses taken, in the order joined)
+        (scenario_dir(scenario) / "network.json").write_text(json.dumps(net.members))
     print(json.dumps(out))
+
+
+def add(scenario: str, name: str, image: str, address: str | None = None) -> dict[str, object]:
+    """One more host of a running scenario, a copy of host ``image``'s tree (not its mounts), joined to the
+    scenario's private network if it has one (at ``address``, else the next free one). Returns its name, namespace,
+    root and address."""
+    d = scenario_dir(scenario)
+    names: list[str] = json.loads((d / "hosts.json").read_text())
+    if name in names:
+        raise SystemExit(f"hosts.py add {scenario}: host {name} exists")
+    src = test_host(scenario, image).root
+    if image not in names or not src.is_dir():
+        raise SystemExit(f"hosts.py add {scenario}: no host {image} to copy")
+    # written first, as create does: a host that dies half-way is still destroyed by name
+    (d / "hosts.json").write_text(json.dumps([*names, name]))
+    h = test_host(scenario, name).create(image=src)
+    out: dict[str, object] = {"host": name, "namespace": h.ns, "root": str(h.root)}
+    members_file = d / "network.json"
+    if members_file.exists():
+        net = test_network(scenario)
+        net.members = json.loads(members_file.read_text())
+        out["address"] = net.join(h, address)
+        members_file.write_text(json.dumps(net.members))
+        net.write_hosts([test_host(scenario, n) for n in net.members])
+    return out
 
 
 def destroy(scenario: str) -> None:
@@ -151,6 +181,11 @@ def main() -> None:
     a = sub.add_parser("network")
     a.add_argument("scenario")
     a.add_argument("hosts", nargs="+")
+    n = sub.add_parser("add")
+    n.add_argument("scenario")
+    n.add_argument("host")
+    n.add_argument("--image", required=True, help="the host whose tree the new one copies")
+    n.add_argument("--address", help="its address on the private network (default: the next free one)")
     d = sub.add_parser("destroy")
     d.add_argument("scenario")
     sub.add_parser("wheelhouse")
@@ -159,6 +194,8 @@ def main() -> None:
         create(args.scenario, args.hosts, network=args.network)
     elif args.cmd == "network":
         print(json.dumps(addresses(args.scenario, args.hosts)))
+    elif args.cmd == "add":
+        print(json.dumps(add(args.scenario, args.host, args.image, args.address)))
     elif args.cmd == "destroy":
         destroy(args.scenario)
     else:

@@ -709,8 +709,15 @@ class OpenStackCloud:
 
     # --- metadata as the instance sees it --------------------------------------------------------------
 
-    def metadata_proxy(self, server_id: str, project_id: str) -> MetadataProxy:
-        return MetadataProxy(self.ports["metadata"], self.metadata_secret, server_id, project_id)
+    def metadata_proxy(
+        self, server_id: str, project_id: str, netns: str | None = None, address: tuple[str, int] = ("127.0.0.1", 0)
+    ) -> MetadataProxy:
+        """``netns``: listen inside that network namespace (``ip netns``'s name) at ``address``, as Neutron's
+        metadata proxy serves 169.254.169.254:80 in the instance's network; nova-metadata is still reached on this
+        machine's loopback."""
+        return MetadataProxy(
+            self.ports["metadata"], self.metadata_secret, server_id, project_id, netns=netns, address=address
+        )
 
     # --- Blazar -----------------------------------------------------------------------------------------
 
@@ -945,7 +952,15 @@ class MetadataProxy(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, nova_port: int, secret: str, server_id: str, project_id: str) -> None:
+    def __init__(
+        self,
+        nova_port: int,
+        secret: str,
+        server_id: str,
+        project_id: str,
+        netns: str | None = None,
+        address: tuple[str, int] = ("127.0.0.1", 0),
+    ) -> None:
         import hashlib
         import hmac
         import http.client
@@ -971,12 +986,21 @@ class MetadataProxy(ThreadingHTTPServer):
             def log_message(self, *a: object) -> None:
                 pass
 
-        super().__init__(("127.0.0.1", 0), H)
+        if netns is None:
+            super().__init__(address, H)
+        else:
+            # the listening socket made inside the namespace (a socket keeps the namespace it was made in); the
+            # connections to nova-metadata are made by the serving thread, in this process's own namespace
+            from sco_devkit.netns_forward import in_netns
+
+            with in_netns(netns):
+                super().__init__(address, H)
         threading.Thread(target=self.serve_forever, daemon=True, name="metadata-proxy").start()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/openstack/latest/meta_data.json"
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}/openstack/latest/meta_data.json"
 
     def close(self) -> None:
         self.shutdown()
