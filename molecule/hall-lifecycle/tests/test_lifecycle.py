@@ -1,0 +1,432 @@
+"""The main job of a hall, end to end, through the collection (issue 28, molecule scenario hall-lifecycle).
+
+Converge deployed the hall with sco.orchestrator.site on lc-ctl (relay in operator mode, fleet state, distributor,
+control loop, enrolment service, contracts publisher, monitoring) and baked the node agent into lc-image with
+sco.orchestrator.bake_image. Without systemd as PID 1 nothing runs: this test starts each service with its unit's
+own command line (User, EnvironmentFile, Environment, LoadCredential as systemd would give them), and runs the
+control loop's unit (ExecStart: sco-control-loop, ansible-runner with control_loop.yml) several times, as its timer
+would. The cloud is the devkit's OpenStack (Keystone, Nova with the fake driver, Placement, Glance, Blazar) on the
+machine's loopback, forwarded into lc-ctl (sco_devkit.netns_forward; Keystone also at 127.0.0.1:5000, which the
+inventory's sco_cloud names). Then:
+
+1. a pending pod of contract ci-runners on the Kubernetes API stand-in (lc-ctl:6443); the loop plans and launches a
+   server in Nova;
+2. the server boots: a test host copied from lc-image's tree (hosts.py add: the baked image), on the hall's network,
+   with Nova's SMBIOS product name and the metadata proxy at 169.254.169.254:80 in its namespace (what Neutron's
+   metadata agent serves); Debian's real cloud-init runs its four stages (datasource OpenStack) and writes what the
+   user-data says; kubelet's registration is the stand-in's Node; the agent starts from the image's unit;
+3. the agent enrols (its one-time token for its own relay identity), connects, heartbeats; the loop's next run
+   collects the beats and `sco hall status` lists the node; a pod of the contract is bound to it;
+4. Nova made to fail (its policy refuses listing servers): the loop's runs fail, Prometheus fires
+   ScoControlLoopFailed; Nova back: it clears;
+5. a Blazar host lease on the compute host starting within the window: the loop's run notices the node over NATS,
+   the agent drains (the pod evicted), the server is deleted at T, and the enrolment service revokes the node's
+   identity (its creds refused by the relay);
+6. Prometheus scraped node_exporter (the loop's textfiles), the distributor and the agent throughout.
+
+The timeline plan -> launched -> enrolled -> first heartbeat -> notice -> drained -> deleted is printed and written
+to /var/tmp/sco-molecule/hall-lifecycle/lifecycle/timeline.txt."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared"))
+import hosts  # molecule/shared/hosts.py
+import verify  # molecule/shared/verify.py
+
+from sco_devkit.netns_forward import in_netns
+
+SC = verify.Scenario("hall-lifecycle")
+HALL = "hall-lifecycle"
+CTL, IMAGE = "lc-ctl", "lc-image"
+CTL_NS = f"scom-{HALL}-{CTL}"
+CTL_ADDR = "10.231.114.11"
+# the first instance's address: the inventory's extra scrape target for the launched agents
+INSTANCE_ADDR = "10.231.114.21"
+LOGS = SC.work / "lifecycle"
+WINDOW = 40  # control_loop_reclaim_window (00-hall-lifecycle.yml)
+TOLERATE = [{"key": "sco.dev/reclaim", "operator": "Equal", "value": "reclaimable", "effect": "NoSchedule"}]
+PROM = f"http://{CTL_ADDR}:9090"
+# Nova refusing to list servers (the loop's before-leases reclaim lists them every run): "Nova made to fail"
+NOVA_REFUSES = "\n".join(
+    f'"{r}": "!"'
+    for r in ("os_compute_api:servers:index", "os_compute_api:servers:detail",
+              "os_compute_api:servers:index:get_all_tenants", "os_compute_api:servers:detail:get_all_tenants")
+) + "\n"  # fmt: skip
+
+
+def _wait(pred: Any, timeout: float, what: str, every: float = 0.5) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"lifecycle: timed out after {timeout:g} s waiting for {what}")
+
+
+def _get(url: str, ns: str = CTL_NS, timeout: float = 10) -> Any:
+    """GET from inside a namespace (the socket made there), JSON decoded."""
+    with in_netns(ns):
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+
+
+# --- units run as systemd would run them ------------------------------------------------------------------------
+
+
+def _unit(run: Any, unit: str) -> dict[str, list[str]]:
+    """A unit's settings with its drop-ins (an empty assignment resets a list, as systemd does); ``run`` runs a
+    shell command on the host and returns its stdout."""
+    text = run(
+        f"cat /etc/systemd/system/{unit} 2>/dev/null || cat /lib/systemd/system/{unit}; "
+        f"cat /etc/systemd/system/{unit}.d/*.conf 2>/dev/null; true"
+    )
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" not in line or line.lstrip().startswith(("#", ";", "[")):
+            continue
+        k, v = line.split("=", 1)
+        if v == "":
+            out[k] = []
+        else:
+            out.setdefault(k, []).append(v)
+    return out
+
+
+def _service_command(run: Any, unit: str, key: str = "ExecStart", user: str | None = None) -> str:
+    """The shell line that runs ``unit``'s ``key`` command as systemd would: as its User (DynamicUser: root, no
+    dynamic users here), its EnvironmentFile and Environment set, its LoadCredential files copied into
+    $CREDENTIALS_DIRECTORY."""
+    u = _unit(run, unit)
+    pre = ["set -a"]
+    for f in u.get("EnvironmentFile", []):
+        pre.append(f"[ -f {f.lstrip('-')} ] && . {f.lstrip('-')}")
+    for e in u.get("Environment", []):
+        pre.append(f"export {e}")
+    creds = u.get("LoadCredential", [])
+    if creds:
+        d = f"/run/credentials/{unit}"
+        pre.append(f"rm -rf {d}; mkdir -p {d}")
+        for c in creds:
+            name, src = c.split(":", 1)
+            pre.append(f"cp {src} {d}/{name}")
+        pre.append(f"export CREDENTIALS_DIRECTORY={d}")
+    pre.append("set +a")
+    cmd = u[key][-1].lstrip("+-@:!")
+    user = user or (u.get("User") or ["root"])[-1]
+    as_user = f"runuser -u {user} -- " if user != "root" else ""
+    # the environment reaches the command through runuser (it keeps it, as systemd hands it the unit's)
+    return "; ".join(pre) + f"; exec {as_user}{cmd}"
+
+
+class Host:
+    """A host reached over SSH (the static ones through testinfra's inventory, an instance through hosts.py)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.th = hosts.test_host(HALL, name)
+
+    def run(self, cmd: str, timeout: float = 120, check: bool = True) -> str:
+        out = self.th.ssh("bash", "-c", shlex.quote(cmd), check=False, timeout=timeout)
+        if check:
+            assert out.returncode == 0, f"{self.name}: {cmd[:300]}\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        return out.stdout
+
+    def start(self, unit: str, log: str, user: str | None = None) -> None:
+        line = _service_command(self.run, unit, user=user)
+        self.run(f"setsid bash -c {shlex.quote(line)} > /var/log/{log}.log 2>&1 < /dev/null &")
+
+    def log(self, name: str) -> str:
+        return self.run(f"cat /var/log/{name}.log 2>/dev/null; true")
+
+
+# --- fixtures ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cloud() -> Iterator[Any]:
+    """The devkit OpenStack with Blazar on the machine's loopback, forwarded into lc-ctl."""
+    from sco_devkit.devcluster.openstack import OpenStackCloud
+
+    c = OpenStackCloud(SC.work / "cloud", blazar=True)
+    t0 = time.monotonic()
+    c.start()
+    c.start_blazar()
+    print(f"lifecycle: the devkit OpenStack with Blazar started in {time.monotonic() - t0:.0f} s")
+    LOGS.mkdir(parents=True, exist_ok=True)
+    with open(LOGS / "netns-forward.log", "ab") as log:
+        fwd = subprocess.Popen(
+            [sys.executable, "-m", "sco_devkit.netns_forward", "--netns", CTL_NS,
+             *(a for p in c.ports.values() for a in ("--port", str(p))), "--map", f"5000:{c.ports['keystone']}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        _wait(lambda: "ready" in (LOGS / "netns-forward.log").read_text() or fwd.poll() is not None, 30, "forwards")
+        assert fwd.poll() is None, (LOGS / "netns-forward.log").read_text()[-2000:]
+        yield c
+    finally:
+        fwd.kill()
+        fwd.wait(10)
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def kube() -> Iterator[Any]:
+    """The Kubernetes API stand-in where sco_kube_url points (lc-ctl's address, port 6443), listening in lc-ctl's
+    namespace, served by this process. No authentication: the enrolment service's, the publisher's and the loop's
+    tokens are whatever prepare wrote (the node-bound tokens it issues are recorded all the same)."""
+    from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+
+    with in_netns(CTL_NS):
+        srv = KubeApiStandIn((CTL_ADDR, 6443))
+    srv.add_serviceaccount("sco-system", "sco-agent")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def hall() -> Iterator[Host]:
+    """lc-ctl's services started with their units' command lines, in the order systemd would."""
+    h = Host(CTL)
+    h.start("sco-nats.service", "sco-nats")
+    _wait(lambda: "Server is ready" in h.log("sco-nats"), 30, "the relay")
+    post = _service_command(h.run, "sco-nats.service", "ExecStartPost")
+    h.run(f"bash -c {shlex.quote(post)}", timeout=90)
+    h.start("sco-distributor.service", "sco-distributor")
+    h.start("sco-enrol.service", "sco-enrol")
+    h.start("prometheus-node-exporter.service", "node-exporter", user="prometheus")
+    h.start("prometheus.service", "prometheus", user="prometheus")
+    _wait(lambda: "enrolling hall" in h.log("sco-enrol"), 60, "the enrolment service")
+    try:
+        yield h
+    finally:
+        h.run("for p in $(ip netns pids " + CTL_NS + " 2>/dev/null); do :; done; true", check=False)
+
+
+def _loop(h: Host, what: str, timeout: float = 600) -> tuple[int, str]:
+    """One run of the control loop's unit (ExecStart as its user, its environment), as the timer starts it."""
+    line = _service_command(h.run, "sco-control-loop.service")
+    t0 = time.time()
+    out = h.th.ssh("bash", "-c", shlex.quote(line), check=False, timeout=timeout)
+    print(f"lifecycle: loop run ({what}) exit {out.returncode} in {time.time() - t0:.1f} s")
+    with open(LOGS / "control-loop.log", "a") as f:
+        f.write(f"=== {what} exit {out.returncode}\n{out.stdout}{out.stderr}\n")
+    return out.returncode, out.stdout + out.stderr
+
+
+def _fleet(sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    from sco.state.db import connect
+
+    with in_netns(CTL_NS):
+        conn = connect("host=127.0.0.1 port=5433 dbname=sco user=postgres")
+    with conn:
+        return list(conn.execute(sql, args).fetchall())
+
+
+def _alerts() -> list[dict[str, Any]]:
+    return [a for a in _get(f"{PROM}/api/v1/alerts")["data"]["alerts"] if a["labels"]["alertname"] == "ScoControlLoopFailed"]
+
+
+def _boot(cloud: Any, server: Any, project_id: str) -> tuple[Host, Any]:
+    """The server boots: a copy of the baked image on the hall's network, SMBIOS saying OpenStack Nova, the metadata
+    service at 169.254.169.254:80 in its namespace, then Debian's cloud-init, stage by stage."""
+    info = json.loads(subprocess.run(
+        [sys.executable, str(Path(hosts.__file__)), "add", HALL, server.name, "--image", IMAGE, "--address", INSTANCE_ADDR],
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout)  # fmt: skip
+    root = Path(info["root"])
+    dmi = root / "sys" / "class" / "dmi" / "id"
+    dmi.mkdir(parents=True, exist_ok=True)
+    (dmi / "product_name").write_text("OpenStack Nova\n")  # what Nova's libvirt driver gives a guest
+    (dmi / "chassis_asset_tag").write_text("\n")
+    subprocess.run(["ip", "-n", info["namespace"], "addr", "add", "169.254.169.254/32", "dev", "lo"], check=True)
+    proxy = cloud.metadata_proxy(server.id, project_id, netns=info["namespace"], address=("169.254.169.254", 80))
+    (root / "etc" / "cloud" / "cloud.cfg.d" / "90-sco-test.cfg").write_text(
+        "datasource_list: [OpenStack]\n"
+        "datasource:\n  OpenStack:\n    metadata_urls: ['http://169.254.169.254']\n    max_wait: 60\n    timeout: 10\n"
+        # the test host's eth0 is configured already (no DHCP server on the hall's network)
+        "network: {config: disabled}\n"
+    )
+    h = Host(server.name)
+    for stage in ("init --local", "init", "modules --mode=config", "modules --mode=final"):
+        h.run(f"cloud-init {stage} >> /var/log/cloud-init-stages.log 2>&1", timeout=180)
+    return h, proxy
+
+
+# --- the scenario -----------------------------------------------------------------------------------------------
+
+
+def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: Any, kube: Any, hall: Host) -> None:
+    from sco_devkit.standins.kube_apiserver import ApiError
+    from tests.harness import add_pod
+
+    t_start = time.time()
+    conn = cloud.connect()
+    admin_project = conn.identity.find_project("admin").id
+    stamps: dict[str, float] = {}
+    instance: Host | None = None
+    proxy = None
+    try:
+        # 1. pending work: a CI runner tolerating reclaimable capacity
+        kube.cluster.create_pod("ci", {
+            "metadata": {"name": "runner-0", "labels": {"role": "runner"}},
+            "spec": {"tolerations": TOLERATE, "containers": [
+                {"name": "c", "image": "ci-runner", "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}}}]},
+        })  # fmt: skip
+        rc, out = _loop(hall, "plan and launch")
+        assert rc == 0, out[-4000:]
+        server = _wait(lambda: [s for s in conn.compute.servers(all_projects=True) if s.status == "ACTIVE"], 120,
+                       "the launched server ACTIVE")[0]  # fmt: skip
+        (inst,) = _fleet("SELECT id, name, server_id FROM instance WHERE server_id = %s", server.id)
+        node = inst[1]
+        assert server.name == node
+
+        # 2. it boots the baked image through cloud-init against the metadata API
+        t_boot = time.time()
+        instance, proxy = _boot(cloud, server, server.project_id or admin_project)
+        print(f"lifecycle: {node} booted (host made, cloud-init's four stages) in {time.time() - t_boot:.1f} s")
+        env = instance.run("cat /etc/sco/agent.env")
+        assert f"SCO_AGENT_NODE={node}" in env and "SCO_AGENT_ENROL_TOKEN=" in env, env
+        assert instance.run("stat -c %a /etc/sco/agent.env").strip() == "600"
+        assert instance.run("hostname -s 2>/dev/null; cat /etc/hostname").split()[-1] == node
+        kube.cluster.add_node(node)  # kubelet registers the node
+        instance.start("sco-agent.service", "sco-agent")
+
+        # 3. enrols, connects under its own identity, heartbeats
+        def events(kind: str) -> list[dict[str, Any]]:
+            got = instance.run(
+                "/opt/sco/bin/python -c 'import json,sys; from sco.agent.spool import read_events; "
+                "[print(json.dumps(e)) for e in read_events(sys.argv[1])]' /var/lib/sco/spool", check=False
+            )  # fmt: skip
+            return [e for e in map(json.loads, got.splitlines()) if e.get("type") == kind]
+
+        _wait(lambda: events("enrol.done"), 90, "the agent's enrolment", 1)
+        assert instance.run("stat -c %a /var/lib/sco/nats.creds").strip() == "600"
+        _wait(lambda: "subscribed to" in instance.log("sco-agent"), 60, "the agent's NATS subscription", 1)
+        rc, out = _loop(hall, "heartbeats collected")
+        assert rc == 0, out[-4000:]
+        status = hall.run(
+            "set -a; . /etc/sco/control-loop.env; set +a; /opt/sco/bin/sco hall status --json "
+            f"--hall {HALL} --nats nats://{CTL_ADDR}:4222 --creds /var/lib/sco/control-loop/env/nats-control.creds "
+            "2>&1 || true"
+        )  # fmt: skip
+        print(f"lifecycle: sco hall status: {status[:1500]}")
+        assert node in status, status
+        # work lands (the stand-in has no Binding API: the scheduler's bind is the pod made again, bound)
+        kube.cluster.delete_pod("ci", "runner-0", 0)
+        add_pod(kube, "ci", "runner-0", node, prestop=1, labels={"role": "runner"})
+
+        # 4. Nova made to fail: the loop fails, ScoControlLoopFailed fires; Nova back: it clears
+        before = cloud.load_policy("nova", NOVA_REFUSES)
+        try:
+            rc, out = _loop(hall, "Nova refusing")
+            assert rc != 0, out[-3000:]
+            fired = _wait(_alerts, 60, "ScoControlLoopFailed firing", 2)
+            print(f"lifecycle: ScoControlLoopFailed {[(a['state'], a['labels'].get('step')) for a in fired]}")
+        finally:
+            cloud.load_policy("nova", before)
+        rc, out = _loop(hall, "Nova back")
+        assert rc == 0, out[-3000:]
+        _wait(lambda: not _alerts(), 60, "ScoControlLoopFailed cleared", 2)
+
+        # 5. a Blazar host lease on the compute host, starting within the window at the loop's next runs
+        ep = {"service_type": "reservation"}
+        start = math.ceil((time.time() + WINDOW + 5) / 60) * 60  # Blazar's dates have minute resolution
+        fmt = "%Y-%m-%d %H:%M"
+        body = {"name": "lc-take-host", "start_date": datetime.fromtimestamp(start, UTC).strftime(fmt),
+                "end_date": datetime.fromtimestamp(start + 3600, UTC).strftime(fmt),
+                "reservations": [{"resource_type": "physical:host", "min": 1, "max": 1,
+                                  "hypervisor_properties": "", "resource_properties": ""}], "events": []}  # fmt: skip
+        resp = conn.session.post("/leases", json=body, endpoint_filter=ep, raise_exc=False)
+        assert resp.status_code in (200, 201, 202), resp.text
+        print(f"lifecycle: host lease starts at +{start - time.time():.0f} s")
+        while time.time() < start + 30:
+            rc, out = _loop(hall, "before the lease")
+            if _fleet("SELECT 1 FROM instance_event WHERE instance_id = %s AND kind = 'notice.published'", inst[0]):
+                break
+            time.sleep(5)
+        assert rc == 0, out[-3000:]
+        (accepted,) = events("notice.accepted")
+        assert accepted["source"] == "nats", accepted
+        drained = events("drain.drained")
+        assert drained, instance.log("sco-agent")[-3000:]
+        with pytest.raises(ApiError, match="not found"):
+            kube.cluster.get_pod("ci", "runner-0")  # evicted
+        _wait(lambda: conn.compute.find_server(server.id, ignore_missing=True, all_projects=True) is None, 120,
+              "the server deleted")  # fmt: skip
+        # its identity revoked: the creds it enrolled with refused by the relay
+        probe = (
+            "import asyncio, nats\n"
+            "async def main():\n"
+            "    try:\n"
+            f"        nc = await nats.connect('nats://{CTL_ADDR}:4222', user_credentials='/var/lib/sco/nats.creds',"
+            " connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False)\n"
+            "        print('connected'); await nc.close()\n"
+            "    except Exception as e:\n"
+            "        print('refused', e)\n"
+            "asyncio.run(main())\n"
+        )
+        refused = _wait(lambda: (o := instance.run(f"/opt/sco/bin/python -c {shlex.quote(probe)}", check=False))
+                        .startswith("refused") and o, 60, "the node's creds refused", 2)  # fmt: skip
+        assert "authorization" in refused.lower(), refused
+
+        # 6. Prometheus scraped every part throughout
+        q = urllib.parse.quote(f"count_over_time(up[{int(time.time() - t_start) + 60}s])")
+        scraped = {r["metric"]["job"]: float(r["value"][1]) for r in _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]}
+        print(f"lifecycle: Prometheus samples of up by job: {scraped}")
+        q = urllib.parse.quote('max_over_time(up{job="sco-agent-launched"}[30m])')
+        agent_up = _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]
+        assert agent_up and float(agent_up[0]["value"][1]) == 1, agent_up
+
+        # the timeline, from the fleet state's events and the agent's
+        ev = dict(_fleet("SELECT kind, extract(epoch FROM min(at)) FROM instance_event WHERE instance_id = %s "
+                         "GROUP BY kind", inst[0]))  # fmt: skip
+        (planned,) = _fleet("SELECT extract(epoch FROM min(created_at)) FROM plan_record")[0]
+        steps = [
+            ("plan", float(planned)),
+            ("launched (Nova ACTIVE)", float(ev["instance.active"])),
+            ("enrolled", float(ev["instance.enrolled"])),
+            ("first heartbeat", float(events("heartbeat")[0]["at"]) if events("heartbeat") else float("nan")),
+            ("notice (published)", float(ev["notice.published"])),
+            ("drained", float(drained[0]["at"])),
+            ("deleted (Nova: gone)", float(ev.get("instance.deleted", float("nan")))),
+        ]
+        lines = [f"{'step':<24}{'at +s':>8}{'since previous':>16}"]
+        for i, (what, t) in enumerate(steps):
+            lines.append(f"{what:<24}{t - steps[0][1]:>8.1f}{t - steps[i - 1][1] if i else 0:>16.1f}")
+        stamps.update(dict(steps))
+        text = "hall-lifecycle timeline\n" + "\n".join(lines)
+        (LOGS / "timeline.txt").write_text(text + "\n")
+        print("\n" + text)
+    finally:
+        if instance is not None:
+            with contextlib.suppress(Exception):
+                (LOGS / "agent.log").write_text(instance.log("sco-agent"))
+                (LOGS / "cloud-init.log").write_text(instance.run("cat /var/log/cloud-init.log /var/log/cloud-init-stages.log", check=False))
+        with contextlib.suppress(Exception):
+            (LOGS / "enrol.log").write_text(hall.log("sco-enrol"))
+        if proxy is not None:
+            proxy.close()
+        conn.close()
