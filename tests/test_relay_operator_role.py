@@ -327,3 +327,19 @@ def test_the_role_in_operator_mode_takes_a_hall_with_no_inventory_node(tmp_path:
         assert got == {"c": [b"notice for c"]}, got
     finally:
         relay.stop()
+
+
+def test_an_image_build_in_an_operator_mode_hall_gets_no_node_identity(tmp_path: Path) -> None:
+    """sco.orchestrator.bake_image in a hall whose relay is in operator mode (molecule hall-lifecycle): the image
+    has no node (its instances enrol at first boot), so role hall must hand it no creds; it looked up
+    node-<build host>.creds on the controller and failed the build ('Unable to access the file')."""
+    creds = tmp_path / "state" / "credentials" / "nats"
+    creds.mkdir(parents=True)
+    show = run_playbook(
+        tmp_path, SHOW,
+        {"sco_hall": HALL, "sco_relay_url": "nats://127.0.0.1:4222", "sco_credentials_dir": str(creds.parent),
+         "notice_relay_auth_mode": "operator", "node_agent_node": "build-vm", "node_agent_image_build": True},
+    )  # fmt: skip
+    assert show.returncode == 0, show.stdout[-3000:] + show.stderr[-3000:]
+    given = json.loads(json.loads(show.stdout.split('"msg": ', 1)[1].split("\n}", 1)[0]))
+    assert given["creds"] == "", given
