@@ -315,7 +315,11 @@ def test_the_role_in_operator_mode_takes_a_hall_with_no_inventory_node(tmp_path:
     nodes in notice_relay_nodes'). Its relay starts, and a node enrolled at run time hears its notice."""
     relay = Deployed(tmp_path)
     relay.apply([])
-    assert sorted(p.name for p in relay.creds.glob("*.creds")) == ["control.creds", "reclaimer.creds", "relay-admin.creds"]
+    assert sorted(p.name for p in relay.creds.glob("*.creds")) == [
+        "control.creds",
+        "reclaimer.creds",
+        "relay-admin.creds",
+    ]
     check = subprocess.run([*relay.unit("ExecStart"), "-t"], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     relay.start()

@@ -73,6 +73,7 @@ async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
 
 async def serve(netns: list[str], ports: list[int], mapped: dict[int, int] | None = None) -> None:
     """``ports``: each forwarded at the same number; ``mapped``: port in the namespaces -> port on the loopback."""
+
     async def forward(port: int, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
             ur, uw = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)

@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import re
 import shlex
 import subprocess
 import sys
@@ -85,9 +83,8 @@ def _wait(pred: Any, timeout: float, what: str, every: float = 0.5) -> Any:
 
 def _get(url: str, ns: str = CTL_NS, timeout: float = 10) -> Any:
     """GET from inside a namespace (the socket made there), JSON decoded."""
-    with in_netns(ns):
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return json.loads(r.read())
+    with in_netns(ns), urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
 
 
 # --- units run as systemd would run them ------------------------------------------------------------------------
@@ -119,9 +116,21 @@ def _service_command(run: Any, unit: str, key: str = "ExecStart", user: str | No
     u = _unit(run, unit)
     pre = ["set -a"]
     for f in u.get("EnvironmentFile", []):
-        pre.append(f"[ -f {f.lstrip('-')} ] && . {f.lstrip('-')}")
+        # systemd's syntax (KEY=VALUE, the rest of the line the value, quotes around it removed), not a shell's:
+        # a DSN's spaces would split it
+        text = run(f"cat {f.lstrip('-')} 2>/dev/null; true")
+        for line in text.splitlines():
+            if "=" in line and not line.lstrip().startswith(("#", ";")):
+                k, v = line.split("=", 1)
+                v = v.strip()
+                if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+                    v = v[1:-1]
+                pre.append(f"export {k.strip()}={shlex.quote(v)}")
     for e in u.get("Environment", []):
-        pre.append(f"export {e}")
+        k, v = e.split("=", 1)
+        pre.append(f"export {k}={shlex.quote(v)}")
+    for d in u.get("StateDirectory", []):
+        pre.append(f"mkdir -p /var/lib/{d}; export STATE_DIRECTORY=/var/lib/{d}")
     creds = u.get("LoadCredential", [])
     if creds:
         d = f"/run/credentials/{unit}"
@@ -131,8 +140,10 @@ def _service_command(run: Any, unit: str, key: str = "ExecStart", user: str | No
             pre.append(f"cp {src} {d}/{name}")
         pre.append(f"export CREDENTIALS_DIRECTORY={d}")
     pre.append("set +a")
-    cmd = u[key][-1].lstrip("+-@:!")
-    user = user or (u.get("User") or ["root"])[-1]
+    raw = u[key][-1]
+    cmd = raw.lstrip("+-@:!")
+    # "+": the command runs with full privileges (root), whatever User says
+    user = "root" if "+" in raw[: len(raw) - len(cmd)] else user or (u.get("User") or ["root"])[-1]
     as_user = f"runuser -u {user} -- " if user != "root" else ""
     # the environment reaches the command through runuser (it keeps it, as systemd hands it the unit's)
     return "; ".join(pre) + f"; exec {as_user}{cmd}"
@@ -207,7 +218,7 @@ def kube() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def hall() -> Iterator[Host]:
+def hall() -> Host:
     """lc-ctl's services started with their units' command lines, in the order systemd would."""
     h = Host(CTL)
     h.start("sco-nats.service", "sco-nats")
@@ -218,11 +229,10 @@ def hall() -> Iterator[Host]:
     h.start("sco-enrol.service", "sco-enrol")
     h.start("prometheus-node-exporter.service", "node-exporter", user="prometheus")
     h.start("prometheus.service", "prometheus", user="prometheus")
+    h.start("sco-contracts-configmap.service", "sco-contracts-configmap")
     _wait(lambda: "enrolling hall" in h.log("sco-enrol"), 60, "the enrolment service")
-    try:
-        yield h
-    finally:
-        h.run("for p in $(ip netns pids " + CTL_NS + " 2>/dev/null); do :; done; true", check=False)
+    # they run until molecule's destroy ends every process of the hosts' namespaces
+    return h
 
 
 def _loop(h: Host, what: str, timeout: float = 600) -> tuple[int, str]:
@@ -240,7 +250,7 @@ def _fleet(sql: str, *args: Any) -> list[tuple[Any, ...]]:
     from sco.state.db import connect
 
     with in_netns(CTL_NS):
-        conn = connect("host=127.0.0.1 port=5433 dbname=sco user=postgres")
+        conn = connect("host=127.0.0.1 port=5433 dbname=sco_fleet user=postgres")
     with conn:
         return list(conn.execute(sql, args).fetchall())
 
@@ -262,16 +272,18 @@ def _beats() -> dict[str, Any]:
 
 
 def _alerts() -> list[dict[str, Any]]:
-    return [a for a in _get(f"{PROM}/api/v1/alerts")["data"]["alerts"] if a["labels"]["alertname"] == "ScoControlLoopFailed"]
+    return [
+        a for a in _get(f"{PROM}/api/v1/alerts")["data"]["alerts"] if a["labels"]["alertname"] == "ScoControlLoopFailed"
+    ]
 
 
 def _boot(cloud: Any, server: Any, project_id: str) -> tuple[Host, Any]:
     """The server boots: a copy of the baked image on the hall's network, SMBIOS saying OpenStack Nova, the metadata
     service at 169.254.169.254:80 in its namespace, then Debian's cloud-init, stage by stage."""
-    info = json.loads(subprocess.run(
-        [sys.executable, str(Path(hosts.__file__)), "add", HALL, server.name, "--image", IMAGE, "--address", INSTANCE_ADDR],
-        capture_output=True, text=True, check=True, timeout=300,
-    ).stdout)  # fmt: skip
+    add = [sys.executable, str(Path(hosts.__file__)), "add", HALL, server.name, "--image", IMAGE]
+    made = subprocess.run([*add, "--address", INSTANCE_ADDR], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    info = json.loads(made.stdout)
     root = Path(info["root"])
     dmi = root / "sys" / "class" / "dmi" / "id"
     dmi.mkdir(parents=True, exist_ok=True)
@@ -295,8 +307,9 @@ def _boot(cloud: Any, server: Any, project_id: str) -> tuple[Host, Any]:
 
 
 def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: Any, kube: Any, hall: Host) -> None:
-    from sco_devkit.standins.kube_apiserver import ApiError
     from tests.harness import add_pod
+
+    from sco_devkit.standins.kube_apiserver import ApiError
 
     t_start = time.time()
     conn = cloud.connect()
@@ -346,7 +359,8 @@ def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: An
         rc, out = _loop(hall, "heartbeats collected")
         assert rc == 0, out[-4000:]
         status = hall.run(
-            "set -a; . /etc/sco/control-loop.env; set +a; /opt/sco/bin/sco hall status --json "
+            "export SCO_DB_DSN=\"$(sed -n 's/^SCO_DB_DSN=//p' /etc/sco/control-loop.env)\"; "
+            "/opt/sco/bin/sco hall status --json "
             f"--hall {HALL} --nats nats://{CTL_ADDR}:4222 --creds /etc/sco/control-loop-nats.creds "
             "2>&1 || true"
         )  # fmt: skip
@@ -412,7 +426,9 @@ def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: An
 
         # 6. Prometheus scraped every part throughout
         q = urllib.parse.quote(f"count_over_time(up[{int(time.time() - t_start) + 60}s])")
-        scraped = {r["metric"]["job"]: float(r["value"][1]) for r in _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]}
+        scraped = {
+            r["metric"]["job"]: float(r["value"][1]) for r in _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]
+        }
         print(f"lifecycle: Prometheus samples of up by job: {scraped}")
         q = urllib.parse.quote('max_over_time(up{job="sco-agent-launched"}[30m])')
         agent_up = _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]
@@ -442,7 +458,9 @@ def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: An
         if instance is not None:
             with contextlib.suppress(Exception):
                 (LOGS / "agent.log").write_text(instance.log("sco-agent"))
-                (LOGS / "cloud-init.log").write_text(instance.run("cat /var/log/cloud-init.log /var/log/cloud-init-stages.log", check=False))
+                (LOGS / "cloud-init.log").write_text(
+                    instance.run("cat /var/log/cloud-init.log /var/log/cloud-init-stages.log", check=False)
+                )
         with contextlib.suppress(Exception):
             (LOGS / "enrol.log").write_text(hall.log("sco-enrol"))
         if proxy is not None:
