@@ -99,7 +99,9 @@ def wheelhouse(out: Path) -> None:
     # two builds a week apart differ)
     from sco_devkit import wheels
 
-    wheels.build(partial, f"{REPO}[control]", timeout=1200, constraints=CONSTRAINTS)
+    # ansible-core: role control_loop installs it beside the control extra on the control hosts (ansible-runner
+    # runs its ansible-playbook)
+    wheels.build(partial, f"{REPO}[control]", "ansible-core", timeout=1200, constraints=CONSTRAINTS)
     (partial / ".sources").write_text(digest)
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)

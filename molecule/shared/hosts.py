@@ -154,7 +154,8 @@ def wheelhouse() -> Path:
         # backtracks through the control extra's dependencies for minutes
         from sco_devkit import wheels
 
-        wheels.build(tmp, f"{REPO}[contract,control]", *fleet_state_requirements())
+        # ansible-core: role control_loop installs it beside the control extra (its runs' ansible-playbook)
+        wheels.build(tmp, f"{REPO}[contract,control]", "ansible-core", *fleet_state_requirements())
         # other checkouts on this machine (other branches) run scenarios with their own: only stale ones go
         for old in BASE.glob("wheelhouse-*"):
             if old not in (tmp, out) and old.is_dir() and time.time() - old.stat().st_mtime > 12 * 3600:
