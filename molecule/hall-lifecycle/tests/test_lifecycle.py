@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -217,10 +218,30 @@ def kube() -> Iterator[Any]:
         srv.stop()
 
 
+def _stop_earlier_run() -> None:
+    """What an earlier verify of this converge left: its services in lc-ctl's namespace (the hall's PostgreSQL and
+    sshd stay) and its instances' hosts."""
+    out = subprocess.run(["ip", "netns", "pids", CTL_NS], capture_output=True, text=True, check=False).stdout
+    for pid in out.split():
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if any(k in cmd for k in ("nats-server", "/opt/sco/bin/", "/usr/bin/prometheus")):
+                os.kill(int(pid), 9)
+    d = hosts.scenario_dir(HALL)
+    names = json.loads((d / "hosts.json").read_text())
+    for name in [n for n in names if n not in (CTL, IMAGE)]:
+        hosts.test_host(HALL, name).destroy()
+    (d / "hosts.json").write_text(json.dumps([CTL, IMAGE]))
+    members = d / "network.json"
+    if members.exists():
+        members.write_text(json.dumps({n: a for n, a in json.loads(members.read_text()).items() if n in (CTL, IMAGE)}))
+
+
 @pytest.fixture(scope="module")
 def hall() -> Host:
     """lc-ctl's services started with their units' command lines, in the order systemd would."""
     h = Host(CTL)
+    _stop_earlier_run()
     h.start("sco-nats.service", "sco-nats")
     _wait(lambda: "Server is ready" in h.log("sco-nats"), 30, "the relay")
     post = _service_command(h.run, "sco-nats.service", "ExecStartPost")
