@@ -121,6 +121,8 @@ class TestHost:
                 os.kill(int(pid), 9)
         time.sleep(0.2)
         subprocess.run(["umount", "-l", str(self.root / "proc")], check=False)
+        # a scenario's verify may have given the host the machine's /dev/pts (molecule hall-lifecycle)
+        subprocess.run(["umount", "-l", str(self.root / "dev" / "pts")], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", self.ns], check=False)
         remove_in_background(self.root)
 
