@@ -242,11 +242,9 @@ def hall() -> Host:
     """lc-ctl's services started with their units' command lines, in the order systemd would."""
     h = Host(CTL)
     _stop_earlier_run()
-    # ansible-runner runs ansible-playbook on a pseudo-terminal (pexpect): the chroot's /dev/pts is the machine's,
-    # as a real host has its own (else 'out of pty devices')
-    pts = SC.root(CTL) / "dev" / "pts"
-    if subprocess.run(["mountpoint", "-q", str(pts)], check=False).returncode != 0:
-        subprocess.run(["mount", "--bind", "/dev/pts", str(pts)], check=True)
+    # ansible-runner runs ansible-playbook on a pseudo-terminal (pexpect): the host gets a devpts of its own, as a
+    # real one has (else 'out of pty devices'), mounted from inside (its sshd's mount namespace)
+    h.run("mountpoint -q /dev/pts || mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts /dev/pts")
     h.start("sco-nats.service", "sco-nats")
     _wait(lambda: "Server is ready" in h.log("sco-nats"), 30, "the relay")
     post = _service_command(h.run, "sco-nats.service", "ExecStartPost")
