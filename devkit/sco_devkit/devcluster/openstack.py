@@ -1000,7 +1000,7 @@ class MetadataProxy(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}/openstack/latest/meta_data.json"
+        return f"http://{host!s}:{port}/openstack/latest/meta_data.json"
 
     def close(self) -> None:
         self.shutdown()
