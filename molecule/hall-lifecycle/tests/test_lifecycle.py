@@ -34,6 +34,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -179,6 +180,7 @@ def cloud() -> Iterator[Any]:
     """The devkit OpenStack with Blazar on the machine's loopback, forwarded into lc-ctl."""
     from sco_devkit.devcluster.openstack import OpenStackCloud
 
+    shutil.rmtree(SC.work / "cloud", ignore_errors=True)  # a fresh cloud (an earlier verify's socket files, data)
     c = OpenStackCloud(SC.work / "cloud", blazar=True)
     t0 = time.monotonic()
     c.start()
