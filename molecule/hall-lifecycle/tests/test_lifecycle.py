@@ -326,6 +326,8 @@ def _boot(cloud: Any, server: Any, project_id: str) -> tuple[Host, Any]:
         "datasource:\n  OpenStack:\n    metadata_urls: ['http://169.254.169.254']\n    max_wait: 60\n    timeout: 10\n"
         # the test host's eth0 is configured already (no DHCP server on the hall's network)
         "network: {config: disabled}\n"
+        # the test rootfs generates no en_US.UTF-8 (cc_locale's default): a module failing makes its stage exit 1
+        "locale: C.UTF-8\n"
     )
     h = Host(server.name)
     for stage in ("init --local", "init", "modules --mode=config", "modules --mode=final"):
