@@ -131,6 +131,8 @@ def _service_command(run: Any, unit: str, key: str = "ExecStart", user: str | No
     for e in u.get("Environment", []):
         k, v = e.split("=", 1)
         pre.append(f"export {k}={shlex.quote(v)}")
+    for d in u.get("RuntimeDirectory", []):
+        pre.append(f"mkdir -p /run/{d}; chmod 0755 /run/{d}; export RUNTIME_DIRECTORY=/run/{d}")
     for d in u.get("StateDirectory", []):
         pre.append(f"mkdir -p /var/lib/{d}; export STATE_DIRECTORY=/var/lib/{d}")
     creds = u.get("LoadCredential", [])
@@ -462,7 +464,9 @@ def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: An
             r["metric"]["job"]: float(r["value"][1]) for r in _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]
         }
         print(f"lifecycle: Prometheus samples of up by job: {scraped}")
-        q = urllib.parse.quote('max_over_time(up{job="sco-agent-launched"}[30m])')
+        # job sco-agent: role monitoring's file_sd of the enrolled agents; sco-agent-launched: the inventory's static
+        # target at the instance's address
+        q = urllib.parse.quote('max(max_over_time(up{job=~"sco-agent|sco-agent-launched"}[30m]))')
         agent_up = _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]
         assert agent_up and float(agent_up[0]["value"][1]) == 1, agent_up
 
