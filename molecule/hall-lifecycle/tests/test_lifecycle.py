@@ -212,12 +212,15 @@ def cloud() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def kube() -> Iterator[Any]:
     """The Kubernetes API stand-in where sco_kube_url points (lc-ctl's address, port 6443), listening in lc-ctl's
-    namespace, served by this process. No authentication: the enrolment service's, the publisher's and the loop's
-    tokens are whatever prepare wrote (the node-bound tokens it issues are recorded all the same)."""
-    from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+    namespace, served by this process, with authentication: the tokens prepare wrote on lc-ctl, and the node-bound
+    ones it issues the agents at enrolment."""
+    from sco_devkit.standins.kube_apiserver import Identity, KubeApiStandIn
 
+    # the tokens prepare.yml wrote on lc-ctl (the agents' come from TokenRequest at enrolment)
+    tokens = {f"token-of-{n}": Identity(f"system:serviceaccount:sco-system:{n}") for n in
+              ("enrol", "contract-publisher", "control-kube")}  # fmt: skip
     with in_netns(CTL_NS):
-        srv = KubeApiStandIn((CTL_ADDR, 6443))
+        srv = KubeApiStandIn((CTL_ADDR, 6443), tokens=tokens)
     srv.add_serviceaccount("sco-system", "sco-agent")
     srv.start()
     try:
