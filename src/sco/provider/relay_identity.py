@@ -62,6 +62,7 @@ SYSTEM_ACCOUNT = "SYS"
 CLAIMS_UPDATE = "$SYS.REQ.CLAIMS.UPDATE"
 CLAIMS_DELETE = "$SYS.REQ.CLAIMS.DELETE"
 CLAIMS_LOOKUP = "$SYS.REQ.ACCOUNT.{account}.CLAIMS.LOOKUP"
+CLAIMS_PACK = "$SYS.REQ.CLAIMS.PACK"
 
 _PREFIX = {
     "operator": nkeys.PREFIX_BYTE_OPERATOR,
@@ -416,6 +417,13 @@ def system_admin_user_jwt(keys: HallKeys) -> str:
     )  # fmt: skip
 
 
+def sync_user_jwt(keys: HallKeys, user: str, name: str = "relay-sync") -> str:
+    """A relay's own user in the system account, for its catch-up before it starts: asks a peer for every account
+    JWT it holds (``$SYS.REQ.CLAIMS.PACK``) and nothing else. It cannot push, delete or sign anything: an account
+    JWT is good only with the operator's signature, and a relay keeps the newer of two."""
+    return user_jwt(keys.system, user, name, _permissions([CLAIMS_PACK], ["_INBOX.>"]))
+
+
 @dataclass(frozen=True)
 class NodeIdentity:
     """One enrolment of a node: its account (a fresh key per enrolment), its user (the node's public key), when
@@ -481,6 +489,51 @@ def delete_request_jwt(keys: HallKeys, accounts: Sequence[str]) -> str:
 
 # --- the relay's configuration ---------------------------------------------------------------------------------
 
+_ROUTE_USER = re.compile(r"[A-Za-z0-9_-]+")
+_ROUTE_PASSWORD = re.compile(r"[A-Za-z0-9]{16,}")
+_ROUTE = re.compile(r"[A-Za-z0-9.:\[\]-]+:[0-9]+")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One relay's place in the hall's NATS cluster: every relay routes to every other (``routes``, host:port; a
+    route to itself is dropped by the server) and logs in as ``user`` with ``password``, so nothing without it
+    joins and reads or injects the hall's traffic. The system account's traffic crosses the routes like any other:
+    an account JWT pushed to one relay reaches every relay's full resolver at once. A relay that was down (or cut
+    off) when a JWT was pushed does not learn it from its peers: the resolver's own sync (``interval``) asks a
+    queue group that the asking server itself answers first (nats-server 2.15: seen here, the revoked node still
+    admitted by the restarted relay minutes later), so the role's unit has the relay catch up before it starts
+    (``sco-relay-catchup.py``, as the ``relay-sync`` user: ``sync_user_jwt``)."""
+
+    name: str
+    listen: str
+    routes: Sequence[str]
+    user: str
+    password: str
+
+    def __post_init__(self) -> None:
+        _check_name("cluster", self.name)
+        if not _ROUTE_USER.fullmatch(self.user):
+            raise ConfigError(f"cluster {self.name}: route user {self.user!r}: letters, digits, '-' and '_' only")
+        if not _ROUTE_PASSWORD.fullmatch(self.password):
+            raise ConfigError(f"cluster {self.name}: the route password must be 16 or more letters and digits")
+        for route in [self.listen, *self.routes]:
+            if not _ROUTE.fullmatch(route):
+                raise ConfigError(f"cluster {self.name}: {route!r} is not host:port")
+        if len(self.routes) < 2:
+            raise ConfigError(f"cluster {self.name}: {len(self.routes)} route(s); list every relay, two or more")
+
+    def block(self) -> str:
+        """The ``cluster {}`` block (holds the password: the configuration is then a secret)."""
+        routes = "".join(f'    "nats-route://{self.user}:{self.password}@{r}"\n' for r in self.routes)
+        return (
+            f'cluster {{\n  name: "{self.name}"\n  listen: "{self.listen}"\n'
+            f'  authorization {{\n    user: "{self.user}"\n    password: "{self.password}"\n    timeout: 2\n  }}\n'
+            # clients get every relay's URL from the roles; the addresses a server sees on its own interfaces may
+            # not be reachable for them
+            f"  no_advertise: true\n  routes: [\n{routes}  ]\n}}\n\n"
+        )
+
 
 def server_config(
     keys: HallKeys,
@@ -494,10 +547,12 @@ def server_config(
     max_accounts: int = 100_000,
     max_memory_store: str = "64M",
     max_file_store: str = "1G",
+    cluster: Cluster | None = None,
 ) -> str:
     """nats-server.conf in operator mode for the hall: the operator JWT, the system account, a full resolver
     (the relay stores every pushed account JWT in ``resolver_dir`` and keeps it across restarts;
-    ``allow_delete`` lets ``forget`` remove one) with the hall's accounts preloaded. Holds no secret."""
+    ``allow_delete`` lets ``forget`` remove one) with the hall's accounts preloaded. Holds no secret, unless
+    ``cluster`` (one relay of several) gives the routes' password."""
     preload = "\n".join(f"  {pub}: {jwt}" for pub, jwt in hall_account_jwts(keys).items())
     name = server_name or f"{keys.hall}-relay"
     return (
@@ -506,6 +561,7 @@ def server_config(
         f'server_name: "{name}"\nlisten: "{listen}:{port}"\nhttp: "127.0.0.1:{monitor_port}"\nmax_payload: 1MB\n\n'
         f'jetstream {{\n  store_dir: "{store_dir}"\n  max_memory_store: {max_memory_store}\n'
         f"  max_file_store: {max_file_store}\n}}\n\n"
+        f"{cluster.block() if cluster else ''}"
         f"operator: {operator_jwt(keys)}\nsystem_account: {keys.system.public}\n\n"
         f'resolver {{\n  type: full\n  dir: "{resolver_dir}"\n  allow_delete: true\n  interval: "2m"\n'
         f'  timeout: "1.9s"\n  limit: {max_accounts}\n}}\n\n'

@@ -6,15 +6,18 @@ spot-capacity-orchestrator: everything signed here is minted by ``sco.provider.r
 
 - ``issue``: the hall's operator, system and account keys (``<dir>/operator/<name>.nk``, 0600, made on first use;
   the operator's, notices' and events' public keys beside them, ``<name>.pub``, for the enrolment service) and one
-  creds file per user (``<dir>/<user>.creds``, 0600): the reclaimers, the readers, ``relay-admin`` (the stream tool)
-  and ``node-<node>`` for each node of the inventory, each user's key being its seed ``<dir>/<user>.nk`` (the one
+  creds file per user (``<dir>/<user>.creds``, 0600): the reclaimers, the readers, ``relay-admin`` (the stream tool),
+  ``relay-sync`` (a cluster's relay catching up with its peers before it starts: ``sco-relay-catchup.py``) and
+  ``node-<node>`` for each node of the inventory, each user's key being its seed ``<dir>/<user>.nk`` (the one
   the static mode's nkey lookup makes). A node's account is its own (``SCO_NODE_<node>``), kept across runs
   (the creds name it). Prints ``{"changed": [files]}``.
 - ``config``: nats-server.conf (``relay_identity.server_config``: operator JWT, system account, full resolver with
   the hall's accounts preloaded) with the inventory nodes' accounts preloaded too. The relay's current configuration
   on stdin: a JWT whose claims did not change is kept as it is there (same ``iat``), so a second run renders the
   same file. Prints ``{"config": text, "restart_digest": sha256 of what only a restart applies}``: everything but
-  the preloaded accounts, which a push applies to the running relay.
+  the preloaded accounts, which a push applies to the running relay. ``--route`` (two or more, every relay of the
+  hall's cluster): a ``cluster {}`` block whose routes log in with ``<dir>/route.password`` (the static mode's,
+  made here on first use as its password lookup makes it): the configuration then holds that secret.
 - ``push``: the accounts preloaded in the configuration on stdin, pushed to the running relay
   (``$SYS.REQ.CLAIMS.UPDATE``, as the system account's issuer user, from the keys here): no restart, no reload.
   ``--if-running``: a relay that refuses the TCP connection (not started yet) is skipped; it loads them from its
@@ -32,7 +35,9 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import socket
+import string
 import sys
 from pathlib import Path
 from typing import Any
@@ -159,6 +164,7 @@ def issue(args: argparse.Namespace) -> dict[str, Any]:
         **{u: (lambda pub, u=u: ri.reclaimer_user_jwt(keys, pub, u)) for u in args.reclaimer},
         **{u: (lambda pub, u=u: ri.reader_user_jwt(keys, pub, u)) for u in args.reader},
         "relay-admin": lambda pub: ri.stream_admin_user_jwt(keys, pub),
+        "relay-sync": lambda pub: ri.sync_user_jwt(keys, pub),
     }
     for node in args.node:
         account = node_account(d / f"node-{node}.creds")
@@ -170,13 +176,33 @@ def issue(args: argparse.Namespace) -> dict[str, Any]:
     return {"changed": changed}
 
 
+def route_password(path: Path, check: bool) -> str:
+    """The routes' password (letters and digits), made on first use as the role's ``ansible.builtin.password``
+    lookup makes it (a static-mode hall's file is kept: both modes read the same one)."""
+    if not path.exists():
+        alphabet = string.ascii_letters + string.digits
+        made = "".join(secrets.choice(alphabet) for _ in range(32))
+        if check:
+            return made
+        write(path, f"{made}\n".encode(), check, [])
+    # the lookup's file may carry " salt=..." after the password when it was made for a hash: the password is first
+    words = path.read_text().split()
+    return words[0] if words else ""
+
+
 def config(args: argparse.Namespace) -> dict[str, Any]:
     keys = hall_keys(args, [])
     d = Path(args.dir)
+    cluster = None
+    if args.route:
+        cluster = ri.Cluster(
+            name=args.cluster_name or args.hall, listen=args.cluster_listen, routes=args.route,
+            user=args.cluster_user, password=route_password(d / "route.password", args.check),
+        )  # fmt: skip
     text = ri.server_config(
         keys, resolver_dir=Path(args.resolver_dir), store_dir=Path(args.store_dir), listen=args.listen,
         port=args.port, monitor_port=args.monitor_port, server_name=args.server_name,
-        max_memory_store=args.max_memory_store, max_file_store=args.max_file_store,
+        max_memory_store=args.max_memory_store, max_file_store=args.max_file_store, cluster=cluster,
     )  # fmt: skip
     head, sep, preload = text.partition(PRELOAD)
     if not sep or not preload.endswith("\n}\n"):
@@ -232,6 +258,10 @@ def main() -> None:
     p.add_argument("--resolver-dir", default="/var/lib/sco-nats/accounts")
     p.add_argument("--max-memory-store", default="64M")
     p.add_argument("--max-file-store", default="1G")
+    p.add_argument("--route", action="append", default=[], help="config: a relay of the cluster, host:port (repeat)")
+    p.add_argument("--cluster-name", default="", help="config: the cluster's name (default: the hall)")
+    p.add_argument("--cluster-listen", default="0.0.0.0:6222", help="config: where routes connect, host:port")
+    p.add_argument("--cluster-user", default="sco-route", help="config: the user routes log in as")
     p.add_argument("--server", default="nats://127.0.0.1:4222", help="push: the relay's client URL")
     p.add_argument("--if-running", action="store_true", help="push: skip a relay that is not running")
     p.add_argument("--timeout", type=float, default=5.0)
