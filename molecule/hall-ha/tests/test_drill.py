@@ -49,6 +49,16 @@ NODES = ["ha-node1", "ha-node2"]
 ADDRESS = {h: v["ansible_host"] for h, v in yaml.safe_load(SC.inventory.read_text())["all"]["hosts"].items()}
 RELAYS = ",".join(f"nats://{ADDRESS[h]}:4222" for h in INFRA)
 CREDS = SC.work / "credentials" / "nats"
+# the relay in operator mode (notice_relay made the hall's operator keys): its users present creds files (user JWT and
+# seed), the relay refusing their bare nkey seeds; in static mode the nkey seeds
+OPERATOR = (CREDS / "operator").is_dir()
+
+
+def _identity(user: str) -> list[str]:
+    """``sco`` CLI flags for relay user ``user``'s files on the controller, as notice_relay made them."""
+    return ["--creds", str(CREDS / f"{user}.creds")] if OPERATOR else ["--nkey-seed", str(CREDS / f"{user}.nk")]
+
+
 # the hall's CA, which role fleet_state made in the hall's state directory on the controller (sco_state_dir)
 CA = SC.work / "tls" / "ca.crt"
 # seconds from the notice to T: long enough for the three faults to land before it (stream failover ~6 s,
@@ -97,11 +107,12 @@ def _kill(host: str, comm: str, sig: int = signal.SIGKILL) -> list[int]:
 _JS = """
 import asyncio, json, sys
 import nats, nats.js.errors
-servers, seed, what = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+servers, identity, what = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+# a creds file (operator mode) or an nkey seed file (static mode)
+auth = {"user_credentials": identity} if identity.endswith(".creds") else {"nkeys_seed": identity}
 
 async def main():
-    nc = await nats.connect(servers=servers, nkeys_seed=seed, connect_timeout=2, max_reconnect_attempts=3,
-                            allow_reconnect=True)
+    nc = await nats.connect(servers=servers, connect_timeout=2, max_reconnect_attempts=3, allow_reconnect=True, **auth)
     js = nc.jetstream(timeout=5)
     if what == "info":
         si = await js.stream_info("SCO_EVENTS")
@@ -126,9 +137,7 @@ asyncio.run(main())
 
 
 def _js(what: str, timeout: float = 30) -> Any:
-    out = SC.in_netns(
-        "ha-ctl1", sys.executable, "-c", _JS, RELAYS, str(CREDS / "relay-admin.nk"), what, timeout=timeout
-    )
+    out = SC.in_netns("ha-ctl1", sys.executable, "-c", _JS, RELAYS, _identity("relay-admin")[1], what, timeout=timeout)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -403,7 +412,7 @@ def test_reclaim_while_the_stream_leader_the_primary_and_the_control_host_die(ag
     primary = _patroni_primary()
     env = _reclaim_env(cloud)
     reclaim = [sys.executable, "-m", "sco.cli", "reclaim", "--hall", HALL, "--os-cloud", "drill", "--nats", RELAYS,
-               "--nkey-seed", str(CREDS / "reclaimer.nk")]  # fmt: skip
+               *_identity("reclaimer")]  # fmt: skip
     t0 = time.time()
     with open(LOGS / "reclaim-ha-ctl1.log", "wb") as log:
         ctl1 = subprocess.Popen(

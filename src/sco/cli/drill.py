@@ -119,7 +119,8 @@ def register(sub: Any) -> None:
     r.add_argument("--report-dir", required=True)
     r.add_argument("--observe", action="store_true", help="send nothing: follow the provider's reclaimer")
     r.add_argument("--reclaimer", default="reclaimer")
-    # a user's nkey seed file (the notice_relay role's <user>.nk), or a password file; the old names still work
+    # a user's creds file (operator mode: the notice_relay role's <user>.creds), nkey seed file (<user>.nk), or a
+    # password file; the old names still work
     r.add_argument("--reclaimer-credentials", "--reclaimer-password-file", dest="reclaimer_credentials")
     r.add_argument("--reader", default="control")
     r.add_argument("--reader-credentials", "--reader-password-file", dest="reader_credentials", required=True)

@@ -108,7 +108,8 @@ def find_keys(paths: list[str], make: bool, bundle_url: str | None, trusted: lis
 
 
 async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
-    """Connect as relay user ``user`` (``sco._nats``): its nkey seed file (the notice_relay role's, SU...) or a
+    """Connect as relay user ``user`` (``sco._nats``): its creds file (user JWT and seed: the notice_relay role's
+    ``<user>.creds`` in operator mode, where a bare seed is refused), its nkey seed file (``<user>.nk``, SU...) or a
     password file; 10 s at most."""
     from sco import _nats
 
@@ -116,7 +117,9 @@ async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
         secret = Path(credentials_file).read_text().strip()
     except OSError as e:
         raise DrillError(f"the credentials of relay user {user}: {credentials_file}: {e.strerror}") from None
-    if secret.startswith("SU"):
+    if "-----BEGIN NATS USER JWT-----" in secret:
+        auth = _nats.auth_options(creds_file=credentials_file)
+    elif secret.startswith("SU"):
         auth = _nats.auth_options(nkey_seed_file=credentials_file)
     else:
         auth = _nats.auth_options(user=user, password=secret)
