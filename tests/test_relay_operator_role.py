@@ -327,6 +327,7 @@ def test_the_role_in_operator_mode_takes_a_hall_with_no_inventory_node(tmp_path:
         "control.creds",
         "reclaimer.creds",
         "relay-admin.creds",
+        "relay-sync.creds",
     ]
     check = subprocess.run([*relay.unit("ExecStart"), "-t"], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
@@ -355,3 +356,44 @@ def test_an_image_build_in_an_operator_mode_hall_gets_no_node_identity(tmp_path:
     assert show.returncode == 0, show.stdout[-3000:] + show.stderr[-3000:]
     given = json.loads(json.loads(show.stdout.split('"msg": ', 1)[1].split("\n}", 1)[0]))
     assert given["creds"] == "", given
+
+
+def test_a_static_relay_switched_to_operator_mode_keeps_its_stream(tmp_path: Path) -> None:
+    """What a running static-mode hall's relay does on the site run that makes it operator mode (role hall's default
+    for a hall with control hosts): the events already in the stream (the reclaimer may not have read them) are
+    there after the switch, in the operator's events account, and the node goes on with its creds."""
+    relay = Deployed(tmp_path)
+    static = run_playbook(tmp_path, PLAY, {**relay.vars(["a"]), "notice_relay_auth_mode": "static"})
+    assert static.returncode == 0, static.stdout[-6000:] + static.stderr[-3000:]
+    relay.start()
+    try:
+        post = subprocess.run(relay.unit("ExecStartPost"), capture_output=True, text=True, timeout=60)
+        assert post.returncode == 0, post.stderr
+
+        async def event_on_seed() -> int:
+            nc = await nats.connect(relay.url, nkeys_seed=str(relay.creds / "node-a.nk"),
+                                    inbox_prefix=ri.node_inbox(HALL, "a"))  # fmt: skip
+            try:
+                ack = await nc.jetstream(timeout=5).publish(f"sco.events.{HALL}.a", b'{"event": "before"}')
+                return int(ack.seq)
+            finally:
+                await nc.close()
+
+        assert asyncio.run(event_on_seed()) == 1
+    finally:
+        relay.stop()
+
+    relay.apply(["a"])  # operator mode
+    events = (relay.creds / "operator" / "events.pub").read_text().strip()
+    assert sorted(p.name for p in (tmp_path / "store" / "jetstream").iterdir()) == [events]
+    relay.start()
+    try:
+        post = subprocess.run(relay.unit("ExecStartPost"), capture_output=True, text=True, timeout=60)
+        assert post.returncode == 0, post.stderr
+        assert {"stream": "SCO_EVENTS", "action": "unchanged"} in [json.loads(x) for x in post.stdout.splitlines()]
+        # the event from before the switch is the stream's first; the node's next, on its creds, the second
+        assert asyncio.run(event_acked(relay.url, relay.creds / "node-a.creds", "a")) == 2
+        bare = asyncio.run(refusal(relay.url, nkeys_seed=str(relay.creds / "node-a.nk")))
+        assert "authorization violation" in bare.lower(), bare
+    finally:
+        relay.stop()

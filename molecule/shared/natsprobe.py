@@ -23,13 +23,19 @@ class Client:
         self.errors: list[str] = []
         self.nc: Any = None
 
-    async def connect(self, server: str, credentials: Path, **options: Any) -> Client:
+    async def connect(self, server: str, credentials: Path, creds: bool = False, **options: Any) -> Client:
         async def on_error(e: Exception) -> None:
             self.errors.append(str(e))
 
+        # the relay's users are nkeys (static mode) or, in operator mode, creds files (user JWT and seed)
+        auth = (
+            {"user_credentials": str(credentials / f"{self.user}.creds")}
+            if creds
+            else {"nkeys_seed": str(credentials / f"{self.user}.nk")}
+        )
         self.nc = await nats.connect(
             server,
-            nkeys_seed=str(credentials / f"{self.user}.nk"),  # the relay's users are nkeys
+            **auth,
             error_cb=on_error,
             max_reconnect_attempts=0,
             connect_timeout=3,
@@ -50,10 +56,10 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
     hall, node, other = args.hall, args.node, args.other
     # as the agent connects: replies on the node's own inbox
     me = await Client(f"node-{node}").connect(
-        args.server, cred, inbox_prefix=f"_INBOX.{hall.replace('.', '_')}.{node.replace('.', '_')}"
+        args.server, cred, args.creds, inbox_prefix=f"_INBOX.{hall.replace('.', '_')}.{node.replace('.', '_')}"
     )
-    reclaimer = await Client("reclaimer").connect(args.server, cred)
-    reader = await Client("control").connect(args.server, cred)
+    reclaimer = await Client("reclaimer").connect(args.server, cred, args.creds)
+    reader = await Client("control").connect(args.server, cred, args.creds)
     out: dict[str, Any] = {}
 
     got: asyncio.Queue[bytes] = asyncio.Queue()
@@ -102,6 +108,7 @@ def main() -> None:
     p.add_argument("--hall", required=True)
     p.add_argument("--node", required=True)
     p.add_argument("--other", required=True)
+    p.add_argument("--creds", action="store_true", help="the users' <user>.creds files (operator mode)")
     print(json.dumps(asyncio.run(probe(p.parse_args()))))
 
 

@@ -8,6 +8,7 @@ A scenario's tests/test_hall.py makes one `Scenario` and calls these with its ho
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -86,21 +87,33 @@ def check_agent_unit(h: Any) -> None:
     assert state.user == "sco-agent" and state.group == "sco-agent" and state.mode == 0o750
 
 
+def operator_mode(sc: Scenario) -> bool:
+    """Whether the hall's relay runs in operator mode: notice_relay made the hall's operator keys on the controller
+    (role hall's sco_relay_auth_mode: operator when the hall has control hosts)."""
+    return (sc.work / "credentials" / "nats" / "operator").is_dir()
+
+
 def check_agent_config(sc: Scenario, h: Any, node: str, hall: str, scheduler: str, nats_url: str) -> None:
-    """check-config passes, with the node's own relay identity: the one the relay's allow-lists were written for."""
+    """check-config passes, with the node's own relay identity: the one the relay's allow-lists were written for
+    (static mode: its nkey seed; operator mode: its creds file, the user JWT notice_relay minted and its seed)."""
     out = h.run("/opt/sco/bin/sco-agent check-config --config /etc/sco/agent.toml")
     assert out.rc == 0, out.stderr
     assert f"node {node}, hall {hall}, {scheduler}" in out.stdout
     cfg = h.file("/etc/sco/agent.toml")
     assert cfg.mode == 0o640
-    for line in (f'nats_url = "{nats_url}"', 'nats_nkey_seed_file = "/etc/sco/nats.nk"'):
+    name = "nats.creds" if operator_mode(sc) else "nats.nk"
+    setting = "nats_creds_file" if operator_mode(sc) else "nats_nkey_seed_file"
+    for line in (f'nats_url = "{nats_url}"', f'{setting} = "/etc/sco/{name}"'):
         assert line in cfg.content_string.splitlines(), line
     assert "password" not in cfg.content_string
-    # the node's own seed, root's, read by the agent's group: the one the relay knows the public key of
-    seed = h.file("/etc/sco/nats.nk")
+    # the node's own identity, root's, read by the agent's group: the one the relay knows the public key of
+    seed = h.file(f"/etc/sco/{name}")
     assert seed.mode == 0o640 and seed.user == "root" and seed.group == "sco-agent"
     assert cfg.user == "root" and cfg.group == "sco-agent"
-    assert seed.content_string.strip() == (sc.work / "credentials" / "nats" / f"node-{node}.nk").read_text().strip()
+    mine = sc.work / "credentials" / "nats" / f"node-{node}.{name.split('.')[1]}"
+    assert seed.content_string.strip() == mine.read_text().strip()
+    if operator_mode(sc):  # a bare seed beside the creds would be one more secret on the node, and refused anyway
+        assert not h.file("/etc/sco/nats.nk").exists
     pkgs = h.run("/opt/sco/bin/python -m pip list --format=freeze").stdout
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert f"spot-capacity-orchestrator=={version}" in pkgs
@@ -122,12 +135,23 @@ def check_removed_key_refused(sc: Scenario, h: Any, node: str) -> None:
     assert accepted.rc == 0, accepted.stderr
 
 
-def check_relay_unit_and_config(h: Any) -> None:
+def check_relay_unit_and_config(h: Any, operator: bool = False) -> None:
     check_unit_enabled_and_hardened(h, "sco-nats.service", ["User=sco-nats", "CapabilityBoundingSet="])
     checked = h.run("/usr/local/bin/nats-server -t -c /etc/sco-nats/nats-server.conf")
     assert checked.rc == 0, checked.stderr
     conf = h.file("/etc/sco-nats/nats-server.conf")
     assert conf.mode == 0o640 and conf.group == "sco-nats"
+    if operator:
+        # operator mode: the hall's operator trusted, a full resolver, public keys and signed JWTs; the stream
+        # tool's creds the only seed on the host (and, in a cluster, the catch-up's)
+        assert h.file("/etc/sco-nats/admin.creds").mode == 0o600 and not h.file("/etc/sco-nats/admin.nk").exists
+        text = conf.content_string
+        assert "\noperator: eyJ" in text and "resolver {\n  type: full" in text, text[:2000]
+        assert not re.search(r"\bS[OAU][A-Z2-7]{50,}", text), "a seed in the relay's configuration"
+        start = text.find("\ncluster {")
+        rest = text if start < 0 else text[:start] + text[text.index("\n}\n", start) + 3 :]
+        assert "password" not in rest
+        return
     assert h.file("/etc/sco-nats/admin.nk").mode == 0o600
     # no user's secret in the relay's config: nkey users, public keys only. A cluster's routes log in with the
     # hall's route password: in the cluster block alone (the reason the file is 0640)
@@ -169,10 +193,11 @@ def check_stream_created_once(h: Any, post: str) -> None:
 def check_node_credentials_reach_only_their_own_subjects(
     sc: Scenario, relay: str, hall: str, node: str, other: str
 ) -> None:
-    """Real clients as the node, the reclaimer and the control loop's reader, inside the relay host's namespace."""
+    """Real clients as the node, the reclaimer and the control loop's reader, inside the relay host's namespace, on
+    the files notice_relay made on the controller (creds files in operator mode, nkey seeds in static mode)."""
     probe = sc.in_netns(
         relay, sys.executable, str(SHARED / "natsprobe.py"), "--credentials", str(sc.work / "credentials" / "nats"),
-        "--hall", hall, "--node", node, "--other", other,
+        "--hall", hall, "--node", node, "--other", other, *(["--creds"] if operator_mode(sc) else []),
     )  # fmt: skip
     assert probe.returncode == 0, probe.stderr
     r = json.loads(probe.stdout)

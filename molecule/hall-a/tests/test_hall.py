@@ -32,7 +32,7 @@ def test_a_bundle_signed_by_a_removed_key_is_refused(node: str) -> None:
 
 
 def test_relay_unit_and_config() -> None:
-    verify.check_relay_unit_and_config(SC.host("relay"))
+    verify.check_relay_unit_and_config(SC.host("relay"), verify.operator_mode(SC))
 
 
 @pytest.fixture(scope="module")

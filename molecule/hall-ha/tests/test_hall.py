@@ -56,7 +56,7 @@ def test_a_bundle_signed_by_a_removed_key_is_refused(node: str) -> None:
 
 @pytest.mark.parametrize("relay", INFRA)
 def test_relay_unit_and_config(relay: str) -> None:
-    verify.check_relay_unit_and_config(SC.host(relay))
+    verify.check_relay_unit_and_config(SC.host(relay), verify.operator_mode(SC))
 
 
 @pytest.mark.parametrize("host", CONTROL)

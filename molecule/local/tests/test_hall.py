@@ -35,7 +35,7 @@ def test_a_bundle_signed_by_a_removed_key_is_refused() -> None:
 
 
 def test_relay_unit_and_config() -> None:
-    verify.check_relay_unit_and_config(SC.host(HOST))
+    verify.check_relay_unit_and_config(SC.host(HOST), verify.operator_mode(SC))
 
 
 @pytest.fixture(scope="module")
