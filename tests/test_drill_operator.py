@@ -1,4 +1,4 @@
-"""Issue 28: the drill in a hall whose relay runs in operator mode. The relay is role notice_relay's (operator mode,
+"""The drill in a hall whose relay runs in operator mode. The relay is role notice_relay's (operator mode,
 applied to this machine as in test_relay_operator_role.py), started as its unit says; the node agent holds the creds
 the role minted for it; playbook sco.orchestrator.drill reads the reader's and the reclaimer's creds files (the relay
 refuses their bare nkey seeds), sends the notice, and reports the node drained."""

@@ -1,4 +1,4 @@
-"""Issue 28: a cluster of relays in operator mode. Role notice_relay applied to three relay hosts of one inventory
+"""A cluster of relays in operator mode. Role notice_relay applied to three relay hosts of one inventory
 (this machine three times, each host's paths under the test's directory), each nats-server started as the unit the
 role installed says: its ExecStartPre (the catch-up from its peers), its ExecStart. The three route to each other
 with the hall's route password and keep the streams in three copies; every relay has a full resolver.
