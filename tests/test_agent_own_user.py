@@ -6,6 +6,9 @@ this way with SCO_TEST_AGENT_USER=nobody (tests/harness.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,3 +121,70 @@ def test_slurm_around_without_cap_kill_cannot_signal(
     tmp_path: Path, nats_server: NatsServer, cluster: SlurmCluster, own_user_agent_bin: Path
 ) -> None:
     _around(tmp_path, nats_server, cluster, own_user_agent_bin, ())
+
+
+def _role_resolves(slurm_conf: Path, tmp: Path) -> str:
+    """The user role node_agent runs a Slurm node's agent as, node_agent_user unset: its own tasks (user.yml) on
+    this machine, reading ``slurm_conf``."""
+    play = tmp / "resolve.yml"
+    play.write_text(
+        "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
+        "    - {ansible.builtin.include_role: {name: sco.orchestrator.node_agent, tasks_from: user.yml}}\n"
+        "    - {ansible.builtin.copy: {content: '{{ _node_agent_user }}', dest: " + str(tmp / "user") + "}}\n"
+    )
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "ANSIBLE_LOCALHOST_WARNING": "False"}
+    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(play),
+            "-e", f"ansible_python_interpreter={sys.executable}", "-e",
+            f"node_agent_scheduler=slurm node_agent_slurm_conf={slurm_conf} node_agent_state=present"]  # fmt: skip
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return (tmp / "user").read_text()
+
+
+def _through_slurmctld(tmp_path: Path, nats: NatsServer, c: SlurmCluster, agent_bin: Path, user: str) -> AgentEnv:
+    """A root job on a node whose agent runs as ``user`` (CAP_KILL, as on a Slurm node); slurmctld answers."""
+    jid = c.sbatch(c.root / "jobs" / "job.sh", "--account=climate", "--comment=sco-contract=climate-sims")
+    node = running_on(c, jid)
+    env = AgentEnv(tmp_path / f"agent-{user}-{node}", None, nats, node=node, user=user, slurm_conf=str(c.conf),
+                   slurmd_spool_dir=str(c.root / "spool" / "%n"))  # fmt: skip
+    env.agent_bin = agent_bin
+    env.start().wait_subscribed()
+    env.send(env.notice(f"through-{user}-{jid}", WINDOW))
+    return env
+
+
+def _clean(c: SlurmCluster, env: AgentEnv) -> None:
+    env.stop()
+    c.run("scancel", "--user=root", check=False)
+    wait_for(lambda: not c.run("squeue", "-h", check=False).strip(), 30, "no jobs left", 0.2)
+    for n in c.nodes:
+        c.run("scontrol", "update", f"nodename={n}", "state=RESUME", check=False)
+    time.sleep(0.5)
+
+
+def test_slurm_drain_through_slurmctld_as_the_user_the_role_resolves(
+    tmp_path: Path, nats_server: NatsServer, cluster: SlurmCluster, own_user_agent_bin: Path
+) -> None:
+    """Slurm decides by uid who may DRAIN: the user role node_agent picks for a Slurm node without slurmdbd (the
+    cluster's SlurmUser) drains through slurmctld; a user that is neither SlurmUser nor an operator (sco-agent
+    without `sacctmgr ... adminlevel=Operator`; here daemon, which every Debian has) gets 'Invalid user id'."""
+    user = _role_resolves(cluster.conf, tmp_path)
+    assert user == USER  # the devkit cluster's SlurmUser
+    env = _through_slurmctld(tmp_path, nats_server, cluster, own_user_agent_bin, user)
+    try:
+        out = env.outcome(WINDOW + 10)
+        assert out["type"] == "drain.drained" and out["path"] == "scheduler", out
+        assert env.of("node.drain_set") and env.of("job.requeued"), [e["type"] for e in env.events()]
+        state = cluster.run("sinfo", "-h", "-n", env.node, "-o", "%T").strip()
+        assert state.startswith("drain"), state
+    finally:
+        _clean(cluster, env)
+
+    env = _through_slurmctld(tmp_path, nats_server, cluster, own_user_agent_bin, "daemon")
+    try:
+        wait_for(lambda: "Invalid user id" in env.logtext(), WINDOW, "slurmctld refusing the drain", 0.2)
+        assert not env.of("node.drain_set")
+        state = cluster.run("sinfo", "-h", "-n", env.node, "-o", "%T").strip()
+        assert not state.startswith("drain"), state
+    finally:
+        _clean(cluster, env)

@@ -123,6 +123,87 @@ def test_node_agent_role_check_real_again(tmp_path: Path, host: TestHost, wheelh
     assert f"spot-capacity-orchestrator=={__version__}" in pkgs and "aiohttp" not in pkgs  # the agent's env stays lean
 
 
+def test_node_agent_role_runs_slurm_nodes_as_slurm_user(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    """Slurm decides by uid who may DRAIN: with node_agent_user unset a Slurm node's agent runs as the cluster's
+    SlurmUser from slurm.conf (keys case-insensitive), the account left as it is; no SlurmUser there: root."""
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_scheduler": "slurm",
+        "node_agent_slurm_conf": "/etc/slurm/slurm.conf",
+        "node_agent_wheelhouse": str(wheelhouse),
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_metadata_url": "",
+        "node_agent_nats_url": "nats://127.0.0.1:4222",
+    }
+    # the cluster's SlurmUser as Slurm's packages make it: a login shell and a home the role must not touch
+    if host.ssh("getent", "passwd", "slurm", check=False).returncode != 0:
+        host.ssh("useradd", "--system", "--shell", "/bin/bash", "--home-dir", "/var/lib/slurm", "slurm")
+    before = host.ssh("getent", "passwd", "slurm").stdout
+    host.ssh("mkdir", "-p", "/etc/slurm")
+    conf = "ClusterName=hall\n# SlurmUser=nobody\nslurmuser = slurm\nSlurmctldHost=ctl\n"
+    host.ssh(f"printf {shlex.quote(conf)} > /etc/slurm/slurm.conf")
+    dropin = "/etc/systemd/system/sco-agent.service.d/10-ansible.conf"
+    try:
+        r = play(tmp_path, host, ev)
+        assert r.rc == 0, r.stdout.read()
+        unit = host.ssh("cat", dropin).stdout
+        assert "User=slurm\n" in unit and "Group=slurm\n" in unit and "AmbientCapabilities=CAP_KILL" in unit, unit
+        assert host.ssh("getent", "passwd", "slurm").stdout == before  # shell and home untouched
+        st = host.ssh("stat", "-c", "%U:%G", "/var/lib/sco", "/etc/sco/agent.toml").stdout.split()
+        assert st == ["slurm:slurm", "root:slurm"], st
+        again = play(tmp_path, host, ev)
+        assert again.rc == 0 and again.stats["changed"].get(host.name, 0) == 0  # idempotent
+
+        # no SlurmUser= in slurm.conf: Slurm's own default, root
+        host.ssh(f"printf {shlex.quote('ClusterName=hall' + chr(10))} > /etc/slurm/slurm.conf")
+        r = play(tmp_path, host, ev)
+        assert r.rc == 0, r.stdout.read()
+        unit = host.ssh("cat", dropin).stdout
+        assert "User=root\n" in unit and "Group=root\n" in unit and "AmbientCapabilities=CAP_KILL" in unit, unit
+        assert host.ssh("getent", "passwd", "slurm").stdout == before
+
+        # a cluster that made sco-agent an operator says so: the role makes that user
+        r = play(tmp_path, host, {**ev, "node_agent_user": "sco-agent"})
+        assert r.rc == 0, r.stdout.read()
+        unit = host.ssh("cat", dropin).stdout
+        assert "User=sco-agent\n" in unit and "Group=sco-agent\n" in unit, unit
+    finally:
+        host.ssh("rm", "-rf", "/etc/slurm/slurm.conf")
+        # back to a Kubernetes node, as the module's other tests expect it
+        r = play(tmp_path, host, {**ev, "node_agent_scheduler": "kubernetes", "node_agent_slurm_conf": "",
+                                  "node_agent_kube_url": "http://127.0.0.1:6443"})  # fmt: skip
+        assert r.rc == 0, r.stdout.read()
+    unit = host.ssh("cat", dropin).stdout
+    assert "User=sco-agent\n" in unit and "CAP_KILL" not in unit, unit
+
+
+def test_node_agent_role_refuses_a_token_it_cannot_renew(tmp_path: Path, host: TestHost) -> None:
+    """The unit writes only the state directory: a renewed token elsewhere could never replace the file."""
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_kube_url": "http://127.0.0.1:6443",
+        "node_agent_kube_token_file": "/etc/sco/kube-token",
+    }
+    r = play(tmp_path, host, ev)
+    assert r.rc != 0
+    failed = [e for e in r.events if e.get("event") == "runner_on_failed"]
+    msg = failed[0]["event_data"]["res"]["msg"] if failed else ""
+    assert "/etc/sco/kube-token" in msg and "/var/lib/sco" in msg and "\n" not in msg.strip(), msg
+    assert failed[0]["event_data"]["task"] == "Check the Kubernetes token file is where the agent may renew it"
+    # renewed by something else, the agent only reads it: allowed there
+    host.ssh("mkdir -p /etc/sco && echo t > /etc/sco/kube-token")
+    try:
+        r = play(tmp_path, host, {**ev, "node_agent_kube_token_renew": False}, check=True)
+        assert r.rc == 0, r.stdout.read()
+    finally:
+        host.ssh("rm", "-f", "/etc/sco/kube-token")
+
+
 def _revocation(tmp_path: Path, host: TestHost, role: str, playbook: str, trust_dir: str, ev: dict[str, Any]) -> None:
     """A key taken off the list stops verifying on the next run; a key file someone put in
     the trust directory by hand is not trusted either: the role owns the directory."""
