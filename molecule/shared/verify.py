@@ -79,12 +79,26 @@ def check_agent_unit(h: Any) -> None:
     assert "CapabilityBoundingSet=" in lines and "AmbientCapabilities=" in lines
     dropin = h.file("/etc/systemd/system/sco-agent.service.d/10-ansible.conf").content_string
     assert "ExecStart=/opt/sco/bin/sco-agent run --config /etc/sco/agent.toml" in dropin
-    assert "User=sco-agent" in dropin.splitlines() and "Group=sco-agent" in dropin.splitlines()
-    slurm = 'scheduler = "slurm"' in h.file("/etc/sco/agent.toml").content_string.splitlines()
+    cfg = tomllib.loads(h.file("/etc/sco/agent.toml").content_string)["agent"]
+    slurm = cfg.get("scheduler") == "slurm"
+    # Slurm decides by uid who may DRAIN: a Slurm node's agent runs as the cluster's SlurmUser (root without one)
+    user = slurm_user(h, cfg.get("slurm_conf") or "/etc/slurm/slurm.conf") if slurm else "sco-agent"
+    assert f"User={user}" in dropin.splitlines() and f"Group={user}" in dropin.splitlines(), dropin
     assert ("CapabilityBoundingSet=CAP_KILL" in dropin.splitlines()) == slurm
-    assert h.user("sco-agent").shell == "/usr/sbin/nologin"
+    if not slurm:
+        assert h.user("sco-agent").shell == "/usr/sbin/nologin"
     state = h.file("/var/lib/sco")
-    assert state.user == "sco-agent" and state.group == "sco-agent" and state.mode == 0o750
+    assert state.user == user and state.group == user and state.mode == 0o750
+
+
+def slurm_user(h: Any, conf: str) -> str:
+    """SlurmUser= of the node's slurm.conf (keys case-insensitive, the last wins), else Slurm's default, root."""
+    found = [
+        line.split("=", 1)[1].split()[0]
+        for line in (raw.split("#", 1)[0].strip() for raw in h.file(conf).content_string.splitlines())
+        if "=" in line and line.split("=", 1)[0].strip().lower() == "slurmuser" and line.split("=", 1)[1].split()
+    ]
+    return found[-1] if found else "root"
 
 
 def operator_mode(sc: Scenario) -> bool:
