@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+from botocore.exceptions import ClientError
+
 from sco.provider.checkpoint_store import StoreAdmin
 from sco_devkit.devcluster.ceph import CephCluster
 from tests.cli_run import sco
@@ -123,3 +126,58 @@ def test_workload_without_a_store_or_with_a_bad_keep_says_which(tmp_path: Path) 
         p = subprocess.run(base, capture_output=True, text=True, cwd=ROOT, env=bad_env)
         assert p.returncode == 2 and f"$SCO_CHECKPOINT_KEEP: expected a positive integer, got '{bad}'" in p.stderr
         assert "Traceback" not in p.stderr
+
+
+def test_role_absent_removes_the_contract_user_and_keeps_its_checkpoints_unless_purged(
+    tmp_path: Path, repo: Path, write: WriteFn, ceph: CephCluster
+) -> None:
+    """checkpoint_store_state absent (issue 30, uninstall): the contract's user (its keys), the bucket policy naming
+    it and its credentials file go; the bucket and the checkpoint in it stay; a second run changes nothing; with
+    checkpoint_store_purge_data the bucket and every object version go, and again nothing changes. Before: the role
+    took no state (its argument spec refused checkpoint_store_state)."""
+    hall = (repo / "hall.yaml").read_text()
+    store = f"  checkpointStore: {{endpoint: '{ceph.endpoint}', throughputMiBPerSecond: 80}}\n"
+    (repo / "hall.yaml").write_text(hall.replace("spec:\n", "spec:\n" + store, 1))
+    write(
+        "contracts/gone-train.yaml",
+        contract_yaml("gone-train", checkpoint="{mode: signal, store: {prefix: jobs/, sizeMiB: 64, keep: 2}}"),
+    )
+    keys = tmp_path / "keys"
+    assert sco("keygen", "--out-dir", keys, "--name", "k").returncode == 0
+    bundle = tmp_path / "bundle.json"
+    p = sco("contract", "compile", repo, "-o", bundle, "--signing-key", keys / "k.key", "--issued-at", "1764400000")
+    assert p.returncode == 0, p.stderr
+    creds_dir = tmp_path / "creds"
+    extra = {
+        "checkpoint_store_bundle": str(bundle),
+        "checkpoint_store_trust": [str(keys / "k.pub")],
+        "checkpoint_store_admin_access_key": ceph.access_key,
+        "checkpoint_store_admin_secret_key": ceph.secret_key,
+        "checkpoint_store_credentials_dir": str(creds_dir),
+    }
+    admin = StoreAdmin(ceph.endpoint, ceph.access_key, ceph.secret_key)
+    bucket, uid = "sco-ckpt-gone-train", "sco-ckpt-gone-train"
+    made, out = role(tmp_path, extra)
+    assert made["_rc"] == 0 and made["changed"] is True, out
+    settings = dict(ln.split("=", 1) for ln in (creds_dir / "gone-train.env").read_text().splitlines() if "=" in ln)
+    s3 = ceph.s3(settings["AWS_ACCESS_KEY_ID"], settings["AWS_SECRET_ACCESS_KEY"])
+    s3.put_object(Bucket=bucket, Key="jobs/r/step-00000001/a", Body=b"checkpoint")
+    s3.put_object(Bucket=bucket, Key="jobs/r/step-00000001/a", Body=b"again")  # a second version if versioned
+
+    gone, out = role(tmp_path, {**extra, "checkpoint_store_state": "absent"})
+    assert gone["_rc"] == 0 and gone["changed"] is True, out
+    assert gone["stores"][0]["changed"] == ["user", "policy", "credentials"]
+    assert admin.user(uid) is None and not creds_dir.exists()
+    listed = admin.s3.list_objects_v2(Bucket=bucket)["Contents"]
+    assert [o["Key"] for o in listed] == ["jobs/r/step-00000001/a"]  # the checkpoint kept
+    with pytest.raises(ClientError, match="NoSuchBucketPolicy"):
+        admin.s3.get_bucket_policy(Bucket=bucket)
+    again, out = role(tmp_path, {**extra, "checkpoint_store_state": "absent"})
+    assert again["_rc"] == 0 and again["changed"] is False and again["stores"][0]["changed"] == [], out
+
+    purge = {**extra, "checkpoint_store_state": "absent", "checkpoint_store_purge_data": True}
+    purged, out = role(tmp_path, purge)
+    assert purged["_rc"] == 0 and purged["stores"][0]["changed"] == ["bucket"], out
+    assert bucket not in [b["Name"] for b in admin.s3.list_buckets()["Buckets"]]
+    again, out = role(tmp_path, purge)
+    assert again["_rc"] == 0 and again["changed"] is False, out

@@ -240,6 +240,67 @@ class StoreAdmin:
             "changed": changed,
         }
 
+    # --- removal (role checkpoint_store, state absent) -------------------------------------------------
+
+    def delete_user(self, uid: str) -> None:
+        status, body = self._admin("DELETE", "/admin/user", {"uid": uid})
+        if status not in (200, 404):
+            raise StoreError(f"{self.endpoint}: DELETE /admin/user?uid={uid}: {status} {body}")
+
+    def _empty(self, bucket: str) -> int:
+        """Every object version, delete marker and unfinished multipart upload of ``bucket`` removed; how many."""
+        n = 0
+        for page in self.s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
+            for u in page.get("Uploads") or []:
+                self.s3.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+                n += 1
+        for page in self.s3.get_paginator("list_object_versions").paginate(Bucket=bucket):
+            objects = [
+                {"Key": o["Key"], "VersionId": o["VersionId"]}
+                for o in (page.get("Versions") or []) + (page.get("DeleteMarkers") or [])
+            ]
+            if objects:  # at most 1000 a page, delete_objects' own limit
+                self.s3.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+                n += len(objects)
+        return n
+
+    def remove(self, store: ContractStore, *, purge_data: bool = False, check_mode: bool = False) -> dict[str, Any]:
+        """One contract's store taken away: its user (its keys) and the bucket policy naming it; the bucket and its
+        checkpoints (the workloads' data) only with ``purge_data``. Returns what changed."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        changed: list[str] = []
+        if self.user(store.uid) is not None:
+            changed.append("user")
+            if not check_mode:
+                self.delete_user(store.uid)
+        try:
+            try:
+                self.s3.head_bucket(Bucket=store.bucket)
+                exists = True
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+                    raise
+                exists = False
+            if exists and purge_data:
+                changed.append("bucket")
+                if not check_mode:
+                    self._empty(store.bucket)
+                    self.s3.delete_bucket(Bucket=store.bucket)
+            elif exists:
+                try:
+                    self.s3.get_bucket_policy(Bucket=store.bucket)
+                    changed.append("policy")
+                    if not check_mode:
+                        self.s3.delete_bucket_policy(Bucket=store.bucket)
+                except ClientError as e:
+                    if e.response.get("Error", {}).get("Code") != "NoSuchBucketPolicy":
+                        raise
+        except (ClientError, BotoCoreError) as e:
+            raise StoreError(f"{self.endpoint}: bucket {store.bucket}: {e}") from None
+        return {"contract": store.contract, "bucket": store.bucket, "prefix": store.prefix, "keep": store.keep,
+                "user": store.uid, "changed": changed}  # fmt: skip
+
 
 def credentials_file(result: dict[str, Any], endpoint: str) -> str:
     """What a workload of the contract reads: its own keys, the endpoint, where its checkpoints go and how many
@@ -281,4 +342,35 @@ def provision(
                     credentials_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
                     atomic_write(path, text, mode=0o600)
         out.append({k: v for k, v in r.items() if k not in ("access_key", "secret_key")})
+    return out
+
+
+def deprovision(
+    contracts: dict[str, dict[str, Any]],
+    *,
+    endpoint: str,
+    access_key: str,
+    secret_key: str,
+    credentials_dir: Path | None = None,
+    purge_data: bool = False,
+    check_mode: bool = False,
+) -> list[dict[str, Any]]:
+    """Every store-naming contract's user, bucket policy and credentials file removed; its bucket (the checkpoints)
+    too with ``purge_data``. The credentials directory goes once empty."""
+    admin = StoreAdmin(endpoint, access_key, secret_key)
+    out = []
+    for store in stores_of(contracts):
+        r = admin.remove(store, purge_data=purge_data, check_mode=check_mode)
+        if credentials_dir is not None and (credentials_dir / f"{store.contract}.env").exists():
+            r["changed"].append("credentials")
+            if not check_mode:
+                (credentials_dir / f"{store.contract}.env").unlink()
+        out.append(r)
+    if (
+        credentials_dir is not None
+        and not check_mode
+        and credentials_dir.is_dir()
+        and not any(credentials_dir.iterdir())
+    ):
+        credentials_dir.rmdir()
     return out

@@ -12,6 +12,8 @@ description:
     lifecycle rule on the prefix that aborts the multipart uploads of interrupted saves.
   - Writes each contract's credentials (its keys, the endpoint, the store URL) to O(credentials_dir), mode 0600.
   - Speaks to the RGW over HTTP only (Admin Ops API and S3) as an admin user with C(users=*; buckets=*) caps.
+  - With O(state=absent), removes each contract's S3 user (its keys), the bucket policy naming it and its
+    credentials file (and O(credentials_dir) once empty); the bucket and its checkpoints stay unless O(purge_data).
   - Idempotent; in check mode reports what would change and changes nothing.
 version_added: 0.1.0
 author: Spot Capacity Orchestrator developers (@sco-dev)
@@ -39,6 +41,15 @@ options:
   credentials_dir:
     description: Where each contract's credentials go (C(<contract>.env)); nothing is written when unset.
     type: path
+  state:
+    description: V(present) converges the stores; V(absent) removes the users, bucket policies and credentials files.
+    type: str
+    choices: [present, absent]
+    default: present
+  purge_data:
+    description: With O(state=absent), also delete each contract's bucket with every checkpoint in it (no undo).
+    type: bool
+    default: false
 attributes:
   check_mode:
     description: Reports what would be created or changed; creates nothing.
@@ -62,7 +73,7 @@ EXAMPLES = r"""
 
 RETURN = r"""
 stores:
-  description: Per contract - contract, bucket, prefix, user, and changed (what was or would be created or changed).
+  description: Per contract - contract, bucket, prefix, user, and changed (what was or would be created, changed or removed).
   returned: success
   type: list
   elements: dict
@@ -78,7 +89,7 @@ try:
     from sco.contract.bundle import Bundle
     from sco.contract.signing import Keyring, load_public
     from sco.errors import ScoError
-    from sco.provider.checkpoint_store import provision
+    from sco.provider.checkpoint_store import deprovision, provision
 
     IMPORT_ERROR = None
 except ImportError:
@@ -94,6 +105,8 @@ def main() -> None:
             "admin_access_key": {"type": "str", "required": True, "no_log": True},
             "admin_secret_key": {"type": "str", "required": True, "no_log": True},
             "credentials_dir": {"type": "path"},
+            "state": {"type": "str", "choices": ["present", "absent"], "default": "present"},
+            "purge_data": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -104,14 +117,17 @@ def main() -> None:
         endpoint = p["endpoint"] or bundle.policy.get("checkpointStore", {}).get("endpoint")
         if not endpoint:
             module.fail_json(msg="endpoint: not given, and the bundle's hall policy has no checkpointStore.endpoint")
-        stores = provision(
-            bundle.contracts,
-            endpoint=endpoint,
-            access_key=p["admin_access_key"],
-            secret_key=p["admin_secret_key"],
-            credentials_dir=Path(p["credentials_dir"]) if p["credentials_dir"] else None,
-            check_mode=module.check_mode,
-        )
+        common = {
+            "endpoint": endpoint,
+            "access_key": p["admin_access_key"],
+            "secret_key": p["admin_secret_key"],
+            "credentials_dir": Path(p["credentials_dir"]) if p["credentials_dir"] else None,
+            "check_mode": module.check_mode,
+        }
+        if p["state"] == "absent":
+            stores = deprovision(bundle.contracts, purge_data=p["purge_data"], **common)
+        else:
+            stores = provision(bundle.contracts, **common)
     except (ScoError, OSError) as e:
         module.fail_json(msg=str(e))
     module.exit_json(changed=any(s["changed"] for s in stores), stores=stores)
