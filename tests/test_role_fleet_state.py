@@ -536,6 +536,120 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _alive(pidfile: Path) -> bool:
+    try:
+        os.kill(int(pidfile.read_text().strip()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def test_a_patroni_member_removed_keeps_its_data_unless_purged(names: dict[str, str]) -> None:
+    """State absent on a Patroni member (issue 30): one member on 127.0.0.1, run by the role itself as a host without
+    systemd asks (fleet_state_patroni_run_without_systemd: etcd and Patroni as daemons with pid files), TLS on as by
+    default. Absent stops Patroni (and its PostgreSQL) and etcd and removes their units, Debian's units the role
+    masked, etcd's and Patroni's settings, the member's certificates and the replication passfile; the data
+    directories stay; a second run changes nothing; with fleet_state_purge_data the data directories go too, and
+    again nothing changes. Before: the role refused absent on a member ('not supported yet')."""
+    import shutil
+    import tempfile
+    import urllib.request
+
+    from sco_devkit.devcluster.patroni import kill_postgres
+
+    pg, api, client, peer = _ports_free_on(["127.0.0.1"], 4)
+    root = Path(tempfile.mkdtemp(prefix="sco-role-patroni-absent-"))
+    os.chmod(root, 0o755)  # etcd and postgres reach their directories below it
+    m = root / "m0"
+    member = {
+        **LOCAL,
+        "ansible_host": "127.0.0.1",
+        "fleet_state_patroni_config": str(m / "patroni" / "patroni.yml"),
+        "fleet_state_patroni_data_dir": str(m / "pg" / "data"),
+        "fleet_state_patroni_socket_dir": str(m / "pg"),
+        "fleet_state_etcd_config": str(m / "etcd" / "etcd.yml"),
+        "fleet_state_etcd_data_dir": str(m / "etcd" / "data"),
+        "fleet_state_tls_member_dir": str(m / "tls"),
+    }
+    inventory = {"all": {"children": {"sco_fleet_state": {"hosts": {"m0": member}}}}}
+    ev = {
+        "fleet_state_patroni_enabled": True,
+        "fleet_state_patroni_install": False,  # Debian's packages are on this machine (scripts/setup.sh)
+        "fleet_state_patroni_run_without_systemd": True,
+        "_fleet_state_unit_dir": str(root) + "/{{ inventory_hostname }}/systemd",
+        "fleet_state_port": pg,
+        "fleet_state_patroni_restapi_port": api,
+        "fleet_state_etcd_client_port": client,
+        "fleet_state_etcd_peer_port": peer,
+        "fleet_state_patroni_ttl": 10,
+        "fleet_state_patroni_loop_wait": 1,
+        "fleet_state_patroni_retry_timeout": 3,
+        "fleet_state_patroni_allowed_networks": ["127.0.0.0/8"],
+        "fleet_state_admin_password": "patroni-superuser-secret",
+        "fleet_state_patroni_replication_password": "replication-secret",
+        "fleet_state_patroni_restapi_password": RESTAPI_PASSWORD,
+        "fleet_state_etcd_root_password": "etcd-root-secret-" + os.urandom(4).hex(),
+        "fleet_state_etcd_password": ETCD_PASSWORD,
+        "fleet_state_ssl_mode": "verify-full",
+        "fleet_state_tls_ca_cert": str(root / "state" / "tls" / "ca.crt"),
+        "fleet_state_tls_ca_key": str(root / "state" / "tls" / "ca.key"),
+        "fleet_state_tls_generate_ca": True,
+        "fleet_state_tls_dir": str(root / "state" / "tls" / "fleet-state"),
+        "fleet_state_db_name": names["db"],
+        "fleet_state_db_user": names["user"],
+        "fleet_state_db_password": "correct-horse-battery",
+        "fleet_state_install": False,
+        "fleet_state_venv": str(VENV),
+    }
+    pidfiles = [Path("/run/sco-patroni.pid"), Path("/run/sco-etcd.pid")]
+    assert not any(p.exists() for p in pidfiles), "another run's daemons hold the role's pid files"
+    units = m / "systemd"
+    configs = [m / "patroni" / "patroni.yml", m / "etcd" / "etcd.yml", m / "tls"]
+    tmp = root / "runs"
+    tmp.mkdir()
+    try:
+        r = play(tmp, ev, inventory=inventory, limit="sco_fleet_state")
+        assert r.rc == 0, output(r)
+        assert all(_alive(p) for p in pidfiles), output(r)
+        ctx = _tls_context(root / "state" / "tls" / "ca.crt")
+        with urllib.request.urlopen(f"https://127.0.0.1:{api}/primary", timeout=5, context=ctx) as resp:
+            assert resp.status == 200  # a working one-member cluster, its PostgreSQL the primary
+        assert [p for p in configs if not p.exists()] == []
+        assert (units / "sco-patroni.service").exists() and os.readlink(units / "etcd.service") == "/dev/null"
+
+        r = play(tmp, {**ev, "fleet_state_state": "absent"}, inventory=inventory, limit="sco_fleet_state")
+        assert r.rc == 0, output(r)
+        assert changed(r, "m0") > 0, output(r)
+        assert not any(_alive(p) or p.exists() for p in pidfiles)
+        pg_status = subprocess.run(["runuser", "-u", "postgres", "--", "/usr/lib/postgresql/15/bin/pg_ctl", "status",
+                                    "-D", str(m / "pg" / "data")], capture_output=True, text=True)  # fmt: skip
+        assert pg_status.returncode == 3, pg_status.stdout  # 3: no server running on the data directory
+        assert _listeners(pg) == set() and _listeners(client) == set() and _listeners(api) == set()
+        assert sorted(p.name for p in units.rglob("*")) == ["multi-user.target.wants"], list(units.rglob("*"))
+        # (Patroni writes the replication passfile where a replica bootstraps: a one-member cluster has none)
+        assert [p for p in [*configs, m / "pg" / ".pgpass-sco-fleet"] if p.exists()] == []
+        # the data: PostgreSQL's cluster and etcd's member directory
+        assert (m / "pg" / "data" / "PG_VERSION").is_file() and (m / "etcd" / "data" / "member").is_dir()
+
+        r = play(tmp, {**ev, "fleet_state_state": "absent"}, inventory=inventory, limit="sco_fleet_state")
+        assert r.rc == 0 and changed(r, "m0") == 0, output(r)
+
+        purge = {**ev, "fleet_state_state": "absent", "fleet_state_purge_data": True}
+        r = play(tmp, purge, inventory=inventory, limit="sco_fleet_state")
+        assert r.rc == 0 and changed(r, "m0") > 0, output(r)
+        assert not (m / "pg").exists() and not (m / "etcd").exists(), list(m.rglob("*"))
+        r = play(tmp, purge, inventory=inventory, limit="sco_fleet_state")
+        assert r.rc == 0 and changed(r, "m0") == 0, output(r)
+    finally:
+        for p in pidfiles:
+            if _alive(p):
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(p.read_text().strip()), signal.SIGKILL)
+            p.unlink(missing_ok=True)
+        kill_postgres(m / "pg" / "data")
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_the_database_password_is_on_no_command_line_environment_or_output(
     postgres: Any, tmp_path: Path, names: dict[str, str]
 ) -> None:
