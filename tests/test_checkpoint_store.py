@@ -131,7 +131,7 @@ def test_workload_without_a_store_or_with_a_bad_keep_says_which(tmp_path: Path) 
 def test_role_absent_removes_the_contract_user_and_keeps_its_checkpoints_unless_purged(
     tmp_path: Path, repo: Path, write: WriteFn, ceph: CephCluster
 ) -> None:
-    """checkpoint_store_state absent (issue 30, uninstall): the contract's user (its keys), the bucket policy naming
+    """checkpoint_store_state absent (the uninstall): the contract's user (its keys), the bucket policy naming
     it and its credentials file go; the bucket and the checkpoint in it stay; a second run changes nothing; with
     checkpoint_store_purge_data the bucket and every object version go, and again nothing changes. Before: the role
     took no state (its argument spec refused checkpoint_store_state)."""

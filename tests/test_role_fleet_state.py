@@ -545,7 +545,7 @@ def _alive(pidfile: Path) -> bool:
 
 
 def test_a_patroni_member_removed_keeps_its_data_unless_purged(names: dict[str, str]) -> None:
-    """State absent on a Patroni member (issue 30): one member on 127.0.0.1, run by the role itself as a host without
+    """State absent on a Patroni member: one member on 127.0.0.1, run by the role itself as a host without
     systemd asks (fleet_state_patroni_run_without_systemd: etcd and Patroni as daemons with pid files), TLS on as by
     default. Absent stops Patroni (and its PostgreSQL) and etcd and removes their units, Debian's units the role
     masked, etcd's and Patroni's settings, the member's certificates and the replication passfile; the data
