@@ -1,0 +1,496 @@
+"""A rolling upgrade under a reclaim: the local hall converged from release N (releases.py: an earlier commit of
+this repository, built as it built) is upgraded to release N+1 (this checkout released as the next minor) by
+sco.orchestrator.upgrade over real SSH while a reclaim is under way on its node. The tests run in file order, each
+on what the one before left.
+
+Without systemd as PID 1 (molecule/README.md) nothing runs the units: the tests start release N's relay,
+distributor and agent with their units' command lines, and the project's Kubernetes API stand-in where the local
+hall's sco_kube_url points (with pods of the sample contracts on the node). The agent is started as role node_agent
+starts it where node_agent_run_without_systemd asks (start-stop-daemon, /run/sco-agent.pid), so N+1's role finds it
+and restarts it (after its drain) as a unit restart would. The relay and the distributor keep running release N's
+processes through the upgrade (nothing restarts them here): the agent's side of the roll is what is exercised.
+
+1. release N runs: the agent (N's product) subscribed, the bundle cached, the fleet state at N's migrations;
+2. the upgrade runs; when its node agents' batch begins installing, the reclaimer (N+1's `sco notice send`) sends a
+   notice with the hall's 120 s window: the notice is not lost (accepted once), the drain ends (drained) before T,
+   the agent is restarted only after its drain ended, as N+1, which reads N's spool (the same spool, status
+   answers, its backlog published), every spooled event is in SCO_EVENTS exactly once, the fleet state's
+   migrations ran forward once each, the cached bundle's serial did not go back;
+3. a second upgrade run changes nothing;
+4. a drain that outlasts node_agent_drain_wait_s fails the host with one clear line and leaves its agent running
+   as it was (not restarted); the roll stops (max_fail_percentage 0); once the drain has ended the same run passes.
+   The drain is held open by stopping the agent (SIGSTOP) after it accepted the notice: a drain longer than the
+   wait, without depending on how long the playbook takes to reach the agent's handler on a loaded machine.
+
+Each step's time is printed (`upgrade:` lines)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared"))
+import verify  # molecule/shared/verify.py
+
+SC = verify.Scenario("hall-upgrade")
+HOST = "sco-local"
+HALL = "local"
+NS = f"scom-{SC.name}-{HOST}"
+REPO = Path(__file__).resolve().parents[3]
+BIN = Path(sys.executable).parent
+N = (SC.work / "release-n").resolve()
+N1 = (SC.work / "release-n1").resolve()
+N1_VERSION = json.loads((SC.work / "releases.json").read_text())["n1"]["version"]
+N_VERSION = json.loads((SC.work / "releases.json").read_text())["n"]["version"]
+AGENT = "/opt/sco-agent/bin/sco-agent"  # node_agent_venv (inventory: the agent's venv of its own)
+PIDFILE = "/run/sco-agent.pid"  # role node_agent's, where it runs the agent without systemd
+CREDS = SC.work / "credentials" / "nats"
+WINDOW = 120  # the local hall's noticeWindowSeconds
+LOGS = SC.work / "upgrade"
+KEPT = REPO / ".work" / "molecule" / "hall-upgrade-verify"  # LOGS, copied when verify ends
+STATE: dict[str, Any] = {}
+
+
+def _wait(pred: Any, timeout: float, what: str, every: float = 0.5) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"upgrade: timed out after {timeout:g} s waiting for {what}")
+
+
+def _env(release: Path | None) -> dict[str, str]:
+    """The controller's environment for one release: its collection and its product first (molecule's env points
+    at release N's)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}:{env['PATH']}"
+    env["PYTHONPATH"] = str(release / "site") if release else ""
+    if release:
+        env["ANSIBLE_COLLECTIONS_PATH"] = str(release / "collections")
+    env.setdefault("ANSIBLE_HOST_KEY_CHECKING", "false")
+    env.setdefault("MOLECULE_PROJECT_DIRECTORY", str(REPO))
+    return env
+
+
+def _in_ns(*argv: str, release: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "netns", "exec", NS, *argv], capture_output=True, text=True, timeout=timeout,
+                          env=_env(release))  # fmt: skip
+
+
+def _upgrade_argv(*extra: str) -> list[str]:
+    """ansible-playbook sco.orchestrator.upgrade of release N+1, as docs/UPGRADE.md runs it."""
+    return [
+        str(BIN / "ansible-playbook"), "-i", str(SC.inventory.parent), "sco.orchestrator.upgrade",
+        "-e", f"sco_version={N1_VERSION}", "-e", f"sco_wheelhouse={SC.work / 'wheelhouse-n1'}",
+        "-e", "node_agent_run_without_systemd=true", "-e", "node_agent_drain_poll_s=2", *extra,
+    ]  # fmt: skip
+
+
+def _recap(out: str) -> dict[str, int]:
+    recap = out.split("PLAY RECAP", 1)[1]
+    m = re.search(rf"{HOST}\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", recap)
+    assert m, recap
+    return {"ok": int(m[1]), "changed": int(m[2]), "unreachable": int(m[3]), "failed": int(m[4])}
+
+
+def _agent_pid() -> int:
+    """The agent's pid, from its pid file as the controller sees the host's files (no SSH round trip)."""
+    pid = int((SC.root(HOST) / PIDFILE.lstrip("/")).read_text().strip())
+    assert Path(f"/proc/{pid}").exists(), f"the agent ({pid}, {PIDFILE}) does not run"
+    return pid
+
+
+def _local_events() -> list[dict[str, Any]]:
+    """The spool read from the controller (release N+1's reader on the host's files): seconds faster than over SSH
+    on a loaded machine, where the moment a drain starts is what matters."""
+    out = subprocess.run([str(N1 / "site" / "bin" / "sco-agent"), "events", "--state-dir",
+                          str(SC.root(HOST) / "var" / "lib" / "sco")], capture_output=True, text=True, timeout=60,
+                         env=_env(N1))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
+
+
+def _started_at(pid: int) -> float:
+    """A process's start, in epoch seconds (/proc/<pid>/stat's starttime after boot)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime"))
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _spool() -> list[dict[str, Any]]:
+    """The agent's spool, read by release N+1's reader (/opt/sco is N+1's once the upgrade's first plays ran)."""
+    out = SC.host(HOST).run("/opt/sco/bin/sco-agent events --state-dir /var/lib/sco")
+    assert out.rc == 0, out.stderr
+    return [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
+
+
+def _status() -> dict[str, Any]:
+    out = SC.host(HOST).run(f"{AGENT} status --state-dir /var/lib/sco")
+    assert out.rc == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+def _of(notice: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in _spool() if e.get("type") == kind and str(e.get("notice")) == notice]
+
+
+def _outcome(notice: str) -> dict[str, Any] | None:
+    return next((e for e in _spool() if str(e.get("type")).startswith("drain.") and e.get("type") != "drain.resumed"
+                 and str(e.get("notice")) == notice), None)  # fmt: skip
+
+
+def _bundle_serial() -> int:
+    out = SC.host(HOST).run(
+        "/opt/sco/bin/sco node bundle-status --cache-dir /var/lib/sco/bundle --trust-dir /etc/sco/trusted"
+    )
+    assert out.rc == 0, out.stdout + out.stderr
+    return int(json.loads(out.stdout)["serial"])
+
+
+def _version(venv: str) -> str:
+    out = SC.host(HOST).run(
+        f"{venv}/bin/python -c \"import importlib.metadata as m; print(m.version('spot-capacity-orchestrator'))\""
+    )
+    assert out.rc == 0, out.stderr
+    return str(out.stdout.strip())
+
+
+_MIGRATIONS = """
+import json, psycopg
+c = psycopg.connect("host=127.0.0.1 port=5433 user=postgres dbname=sco_fleet", connect_timeout=10)
+print(json.dumps([[v, n] for v, n in c.execute("SELECT version, name FROM schema_migration ORDER BY version")]))
+"""
+
+
+def _migrations() -> list[list[Any]]:
+    out = _in_ns(sys.executable, "-c", _MIGRATIONS)
+    assert out.returncode == 0, out.stderr
+    return list(json.loads(out.stdout))
+
+
+# every message of a subject in SCO_EVENTS, by stream sequence, read as the relay's stream tool (relay-admin:
+# JetStream's API only; the reclaimer may only follow its own durable consumer)
+_JS = """
+import asyncio, json, sys
+import nats, nats.js.errors
+
+async def main():
+    nc = await nats.connect("nats://127.0.0.1:4222", nkeys_seed=sys.argv[1], connect_timeout=5,
+                            max_reconnect_attempts=2)
+    js = nc.jetstream(timeout=5)
+    si = await js.stream_info("SCO_EVENTS")
+    out = []
+    for seq in range(si.state.first_seq, si.state.last_seq + 1):
+        try:
+            m = await js.get_msg("SCO_EVENTS", seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        if m.subject == sys.argv[2]:
+            out.append({"seq": seq, "id": (m.headers or {}).get("Nats-Msg-Id"), "event": json.loads(m.data)})
+    print(json.dumps(out))
+    await nc.close()
+
+asyncio.run(main())
+"""
+
+
+def _stream(subject: str) -> list[dict[str, Any]]:
+    out = _in_ns(sys.executable, "-c", _JS, str(CREDS / "relay-admin.nk"), subject)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return list(json.loads(out.stdout))
+
+
+_SEND = """
+import json, sys, urllib.request
+req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(), method=sys.argv[3],
+                             headers={"Content-Type": sys.argv[4]})
+print(urllib.request.urlopen(req, timeout=3).status)
+"""
+
+
+def _put_work(tag: str) -> None:
+    """Pods of two sample contracts on the node: CI runners (20 s budget) stopping in 4 s, a model server (30 s)
+    in 25 s, so a drain lasts about 25 s."""
+    pods = [("ci", {"role": "runner"}, 4), ("inference", {"app.kubernetes.io/name": "model-server"}, 25)]
+    for ns, labels, secs in pods:
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{ns}-{tag}", "namespace": ns, "labels": labels,
+                         "annotations": {"standin.sco.dev/shutdown-seconds": str(secs)}},
+            "spec": {"nodeName": HOST, "containers": [{"name": "main", "image": "work"}]},
+        }  # fmt: skip
+        url = f"http://127.0.0.1:6443/api/v1/namespaces/{ns}/pods"
+
+        def taken(pod: dict[str, Any] = pod, url: str = url) -> bool:
+            out = _in_ns(sys.executable, "-c", _SEND, url, json.dumps(pod), "POST", "application/json")
+            return out.stdout.strip() == "201"
+
+        _wait(taken, 20, f"the stand-in to take pod {pod['metadata']['name']}")
+
+
+def _back_in_service() -> None:
+    """The node put back after its drain (its cordon and SCO's taint lifted, as an operator does): the agent rearms,
+    and the next notice drains it again."""
+    body = json.dumps({"spec": {"unschedulable": None, "taints": None}})
+    url = f"http://127.0.0.1:6443/api/v1/nodes/{HOST}"
+    out = _in_ns(sys.executable, "-c", _SEND, url, body, "PATCH", "application/merge-patch+json")
+    assert out.stdout.strip() == "200", out.stdout + out.stderr
+    _wait(lambda: [e for e in _spool() if e.get("type") == "notice.rearmed"], 120, "the agent to rearm")
+
+
+def _notice(notice_id: str) -> float:
+    """The reclaimer's notice for the node (release N+1's `sco notice send`: the control host's release once the
+    upgrade's control play ran), signed with the hall's notice key; returns T."""
+    out = _in_ns(
+        sys.executable, "-m", "sco.cli", "notice", "send", "--hall", HALL, "--node", HOST,
+        "--signing-key", str(SC.work / "keys" / "notice.key"), "--in", str(WINDOW), "--id", notice_id,
+        "--nats", "nats://127.0.0.1:4222", "--nkey-seed", str(CREDS / "reclaimer.nk"), release=N1,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return time.time() + WINDOW
+
+
+def _netns_pids(needle: str) -> list[int]:
+    """Processes in the host's network namespace whose command line has ``needle`` (test hosts share the machine's
+    process table: never kill by name machine-wide)."""
+    out = subprocess.run(["ip", "netns", "pids", NS], capture_output=True, text=True, check=False).stdout
+    found = []
+    for pid in out.split():
+        try:
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def hall() -> Iterator[None]:
+    """Release N's relay, distributor and agent as their units run them, and the Kubernetes API stand-in."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    h = SC.host(HOST)
+    t0 = time.monotonic()
+    started = h.run(
+        "setsid runuser -u sco-nats -- /usr/local/bin/nats-server -c /etc/sco-nats/nats-server.conf "
+        "> /var/log/sco-nats.log 2>&1 < /dev/null &"
+    )
+    assert started.rc == 0, started.stderr
+    post = verify.exec_line(h, "sco-nats.service", "ExecStartPost")
+    _wait(lambda: h.run(post).rc == 0, 60, "the relay's streams (its unit's ExecStartPost)")
+    serve = verify.exec_line(h, "sco-distributor.service", "ExecStart")
+    assert h.run(f"setsid {serve} > /var/log/sco-distributor.log 2>&1 < /dev/null &").rc == 0
+    with open(LOGS / "kube-standin.log", "ab") as log:
+        kube = subprocess.Popen(
+            ["ip", "netns", "exec", NS, sys.executable, "-m", "sco_devkit.standins.kube_apiserver",
+             "--listen", "127.0.0.1:6443", "--node", HOST],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_env(None),
+        )  # fmt: skip
+    dropin = h.file("/etc/systemd/system/sco-agent.service.d/10-ansible.conf").content_string.splitlines()
+    run = [ln.removeprefix("ExecStart=") for ln in dropin if ln.startswith("ExecStart=") and ln != "ExecStart="][-1]
+    assert run.startswith(f"{AGENT} run "), run
+    # as role node_agent starts it without systemd (node_agent_run_without_systemd): the upgrade finds it by its
+    # pid file
+    args = run.removeprefix(AGENT).strip()
+    agent = h.run(
+        f"PYTHONDONTWRITEBYTECODE=1 start-stop-daemon --start --background --make-pidfile --pidfile {PIDFILE} "
+        f"--output /var/log/sco-agent.log --startas {AGENT} -- {args}"
+    )
+    assert agent.rc == 0, agent.stdout + agent.stderr
+    try:
+        _wait(lambda: "NATS connected; subscribed to" in h.run("cat /var/log/sco-agent.log").stdout, 90,
+              "release N's agent to subscribe to its notices")  # fmt: skip
+        _wait(lambda: h.run("ls /var/lib/sco/bundle").stdout.strip() != "", 90,
+              "release N's agent to cache the bundle")  # fmt: skip
+        print(f"upgrade: release N's hall running in {time.monotonic() - t0:.1f} s")
+        yield
+    finally:
+        # what a failed run needs, kept past the scenario's destroy (which removes SC.work)
+        with contextlib.suppress(Exception):
+            (LOGS / "spool.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _local_events()))
+            for f in ("sco-agent.log", "sco-nats.log", "sco-distributor.log"):
+                shutil.copy(SC.root(HOST) / "var" / "log" / f, LOGS / f)
+        shutil.rmtree(KEPT, ignore_errors=True)
+        shutil.copytree(LOGS, KEPT)
+        h.run(f"start-stop-daemon --stop --oknodo --retry TERM/10/KILL/5 --pidfile {PIDFILE} --remove-pidfile")
+        for needle in ("nats-server", "sco-distributor", "/opt/sco/bin/sco "):
+            for pid in _netns_pids(needle):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        kube.terminate()
+        kube.wait(10)
+
+
+def test_release_n_runs_the_hall(hall: None) -> None:
+    STATE["serial"] = _wait(lambda: _bundle_serial_or_none(), 90, "a cached bundle")
+    STATE["migrations"] = _migrations()
+    STATE["pid"] = _agent_pid()
+    STATE["spool_id"] = SC.host(HOST).run("cat /var/lib/sco/spool/spool.id").stdout.strip()
+    assert _version("/opt/sco-agent") == N_VERSION and _version("/opt/sco") == N_VERSION
+    names = [n for _, n in STATE["migrations"]]
+    assert names and len(names) == len(set(names)), STATE["migrations"]
+    print(f"upgrade: release N ({N_VERSION}): bundle serial {STATE['serial']}, migrations {names}")
+    _put_work("1")
+
+
+def _bundle_serial_or_none() -> int | None:
+    try:
+        return _bundle_serial()
+    except (AssertionError, KeyError, TypeError, ValueError):
+        return None
+
+
+def test_upgrade_while_a_reclaim_is_under_way(hall: None) -> None:
+    log_path = LOGS / "upgrade-1.log"
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        play = subprocess.Popen(_upgrade_argv(), cwd=REPO, env=_env(N1), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # the notice lands while the node agents' batch installs N+1 (N's agent still runs)
+        def agents_installing() -> bool:
+            text = log_path.read_text(errors="replace")
+            tail = text.split("PLAY [Node agents, in batches]", 1)
+            return len(tail) == 2 and "Install or upgrade sco in it" in tail[1]
+
+        _wait(lambda: agents_installing() or play.poll() is not None, 1200, "the upgrade to reach the agents' batch")
+        assert play.poll() is None, log_path.read_text()[-6000:]
+        noticed_at = time.monotonic()
+        terminate_at = _notice("upgrade-1")
+        print(f"upgrade: notice upgrade-1 sent {noticed_at - t0:.1f} s into the upgrade, T in {WINDOW} s")
+        rc = play.wait(900)
+    finally:
+        if play.poll() is None:
+            play.kill()
+    out = log_path.read_text(errors="replace")
+    took = time.monotonic() - t0
+    assert rc == 0, out[-8000:]
+    recap = _recap(out)
+    assert recap["failed"] == 0 and recap["changed"] > 0, recap
+    waited = out.count("FAILED - RETRYING: [sco-local]: Ask the agent's spool whether a drain is open")
+    print(f"upgrade: run 1 in {took:.1f} s, {recap}; the agent's restart waited {waited} polls for its drain")
+
+    # the notice was not lost: accepted once, drained before T
+    assert len(_of("upgrade-1", "notice.accepted")) == 1, _spool()[-10:]
+    outcome = _wait(lambda: _outcome("upgrade-1"), WINDOW, "the drain's outcome")
+    assert outcome["type"] == "drain.drained", outcome
+    assert outcome["at"] < terminate_at, (outcome, terminate_at)
+    print(f"upgrade: drained {terminate_at - outcome['at']:.1f} s before T")
+
+    # restarted only after its drain ended, as N+1, on N's spool
+    pid = _agent_pid()
+    assert pid != STATE["pid"], "the agent was not restarted"
+    assert _started_at(pid) >= outcome["at"] - 1, (_started_at(pid), outcome)  # /proc's clock ticks: 10 ms
+    assert _version("/opt/sco-agent") == N1_VERSION and _version("/opt/sco") == N1_VERSION
+    assert SC.host(HOST).run("cat /var/lib/sco/spool/spool.id").stdout.strip() == STATE["spool_id"]
+    assert _status()["drain"] is None
+    _wait(lambda: _status()["events"]["unpublished"] == 0, 90, "N+1's agent to publish the spool's backlog")
+
+    # every spooled event in the stream exactly once, in the agent's order
+    spooled = _spool()
+    got = [m for m in _stream(f"sco.events.{HALL}.{HOST}") if str(m["id"]).startswith(f"{STATE['spool_id']}.")]
+    seqs = [m["event"].get("seq") for m in got]
+    assert len(seqs) == len(set(seqs)), f"an event twice in the stream: {seqs}"
+    assert seqs == sorted(seqs), f"out of order: {seqs}"
+    assert [m["event"] for m in got] == spooled
+
+    # the fleet state's schema went forward, each migration once; the bundle's serial did not go back
+    after = _migrations()
+    names = [n for _, n in after]
+    assert after[: len(STATE["migrations"])] == STATE["migrations"], (STATE["migrations"], after)
+    files = sorted((N1 / "src" / "sco" / "state" / "migrations").glob("*.sql"))
+    assert after == [[int(f.stem.split("_", 1)[0]), f.stem.split("_", 1)[1]] for f in files], after
+    serial = _wait(lambda: _bundle_serial_or_none(), 60, "a cached bundle")
+    assert serial >= STATE["serial"], (STATE["serial"], serial)
+    print(f"upgrade: {len(got)} events in SCO_EVENTS, each once; migrations {names}; bundle serial "
+          f"{STATE['serial']} -> {serial}")  # fmt: skip
+    STATE["pid"] = pid
+
+
+def test_a_second_upgrade_changes_nothing(hall: None) -> None:
+    t0 = time.monotonic()
+    out = subprocess.run(_upgrade_argv(), cwd=REPO, env=_env(N1), capture_output=True, text=True, timeout=1200)
+    (LOGS / "upgrade-2.log").write_text(out.stdout + out.stderr)
+    assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
+    recap = _recap(out.stdout)
+    print(f"upgrade: run 2 in {time.monotonic() - t0:.1f} s, {recap}")
+    assert recap["failed"] == 0 and recap["changed"] == 0, re.findall(r"^changed: .*$", out.stdout, re.M)
+    assert _agent_pid() == STATE["pid"]
+
+
+def test_a_drain_past_the_wait_fails_the_host_and_leaves_its_agent(hall: None) -> None:
+    h = SC.host(HOST)
+    _back_in_service()
+    _put_work("2")
+    log_path = LOGS / "upgrade-3.log"
+    t0 = time.monotonic()
+    # a changed setting (the log level) restarts the agent: its handler waits for the drain first
+    with open(log_path, "w") as log:
+        play = subprocess.Popen(
+            _upgrade_argv("-e", "node_agent_log_level=debug", "-e", "node_agent_drain_wait_s=6"),
+            cwd=REPO, env=_env(N1), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    pid = 0
+    try:
+        # the notice when the agents' batch begins (the hall's window is short of the whole run's time here)
+        def agents_batch() -> bool:
+            return "PLAY [Node agents, in batches]" in log_path.read_text(errors="replace") or play.poll() is not None
+
+        _wait(agents_batch, 1200, "the upgrade to reach the agents' batch")
+        assert play.poll() is None, log_path.read_text()[-6000:]
+        terminate_at = _notice("upgrade-2")
+        pid = _agent_pid()
+
+        def accepted() -> bool:
+            return any(e.get("type") == "notice.accepted" and e.get("notice") == "upgrade-2" for e in _local_events())
+
+        _wait(accepted, 30, "the agent to accept notice upgrade-2", every=0.1)
+        os.kill(pid, signal.SIGSTOP)  # the drain stays open (no outcome) until SIGCONT: longer than the wait
+        stopped_with = [e["type"] for e in _local_events() if e.get("notice") == "upgrade-2"]
+        print(f"upgrade: agent {pid} stopped in its drain of upgrade-2 after {stopped_with}")
+        assert not [t for t in stopped_with if t.startswith("drain.")], stopped_with  # still open
+        rc = play.wait(900)
+    finally:
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if play.poll() is None:
+            play.kill()
+    out = subprocess.CompletedProcess(play.args, rc, log_path.read_text(errors="replace"), "")
+    took = time.monotonic() - t0
+    assert out.returncode == 2, out.stdout[-8000:]
+    recap = _recap(out.stdout)
+    assert recap["failed"] == 1, recap
+    line = re.search(r"node_agent: the drain of notice upgrade-2 \(T [0-9.]+\) is still open on sco-local after 6 s "
+                     r"\(node_agent_drain_wait_s\): the agent is left as it is", out.stdout)  # fmt: skip
+    assert line, out.stdout[-6000:]
+    # max_fail_percentage 0: the play stopped with this batch
+    assert "NO MORE HOSTS LEFT" in out.stdout, out.stdout[-4000:]
+    # the agent was neither stopped nor restarted; its new settings are written for the next restart
+    assert _agent_pid() == pid
+    assert "debug" in h.file("/etc/sco/agent.toml").content_string
+    print(f"upgrade: run 3 (drain held open) failed as it should in {took:.1f} s: {line.group(0)}")
+
+    outcome = _wait(lambda: _outcome("upgrade-2"), WINDOW, "the held drain's outcome")
+    assert outcome["at"] < terminate_at, (outcome, terminate_at)
+    print(f"upgrade: the held drain ended ({outcome['type']}) {terminate_at - outcome['at']:.1f} s before T")
+    # once the drain has ended the same run passes and restarts the agent with its new settings
+    t0 = time.monotonic()
+    again = subprocess.run(_upgrade_argv("-e", "node_agent_log_level=debug"), cwd=REPO, env=_env(N1),
+                           capture_output=True, text=True, timeout=1200)  # fmt: skip
+    (LOGS / "upgrade-4.log").write_text(again.stdout + again.stderr)
+    assert again.returncode == 0, again.stdout[-8000:]
+    assert _agent_pid() != pid
+    print(f"upgrade: run 4 (after the drain) in {time.monotonic() - t0:.1f} s, {_recap(again.stdout)}")
