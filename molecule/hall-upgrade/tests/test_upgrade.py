@@ -63,6 +63,14 @@ KEPT = REPO / ".work" / "molecule" / "hall-upgrade-verify"  # LOGS, copied when 
 STATE: dict[str, Any] = {}
 
 
+def _say(line: str) -> None:
+    """A step's figure: printed, and kept in LOGS/steps.txt (pytest shows a passed test's output only with -s)."""
+    print(f"upgrade: {line}")
+    LOGS.mkdir(parents=True, exist_ok=True)
+    with open(LOGS / "steps.txt", "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+
+
 def _wait(pred: Any, timeout: float, what: str, every: float = 0.5) -> Any:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -315,7 +323,7 @@ def hall() -> Iterator[None]:
               "release N's agent to subscribe to its notices")  # fmt: skip
         _wait(lambda: h.run("ls /var/lib/sco/bundle").stdout.strip() != "", 90,
               "release N's agent to cache the bundle")  # fmt: skip
-        print(f"upgrade: release N's hall running in {time.monotonic() - t0:.1f} s")
+        _say(f"release N's hall running in {time.monotonic() - t0:.1f} s")
         yield
     finally:
         # what a failed run needs, kept past the scenario's destroy (which removes SC.work)
@@ -342,7 +350,7 @@ def test_release_n_runs_the_hall(hall: None) -> None:
     assert _version("/opt/sco-agent") == N_VERSION and _version("/opt/sco") == N_VERSION
     names = [n for _, n in STATE["migrations"]]
     assert names and len(names) == len(set(names)), STATE["migrations"]
-    print(f"upgrade: release N ({N_VERSION}): bundle serial {STATE['serial']}, migrations {names}")
+    _say(f"release N ({N_VERSION}): bundle serial {STATE['serial']}, migrations {names}")
     _put_work("1")
 
 
@@ -369,7 +377,7 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None) -> None:
         assert play.poll() is None, log_path.read_text()[-6000:]
         noticed_at = time.monotonic()
         terminate_at = _notice("upgrade-1")
-        print(f"upgrade: notice upgrade-1 sent {noticed_at - t0:.1f} s into the upgrade, T in {WINDOW} s")
+        _say(f"notice upgrade-1 sent {noticed_at - t0:.1f} s into the upgrade, T in {WINDOW} s")
         rc = play.wait(900)
     finally:
         if play.poll() is None:
@@ -379,15 +387,15 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None) -> None:
     assert rc == 0, out[-8000:]
     recap = _recap(out)
     assert recap["failed"] == 0 and recap["changed"] > 0, recap
-    waited = out.count("FAILED - RETRYING: [sco-local]: Ask the agent's spool whether a drain is open")
-    print(f"upgrade: run 1 in {took:.1f} s, {recap}; the agent's restart waited {waited} polls for its drain")
+    waited = out.count("FAILED - RETRYING: [sco-local]: Wait for the agent's drain to end")
+    _say(f"run 1 in {took:.1f} s, {recap}; the agent's restart waited {waited} polls for its drain")
 
     # the notice was not lost: accepted once, drained before T
     assert len(_of("upgrade-1", "notice.accepted")) == 1, _spool()[-10:]
     outcome = _wait(lambda: _outcome("upgrade-1"), WINDOW, "the drain's outcome")
     assert outcome["type"] == "drain.drained", outcome
     assert outcome["at"] < terminate_at, (outcome, terminate_at)
-    print(f"upgrade: drained {terminate_at - outcome['at']:.1f} s before T")
+    _say(f"drained {terminate_at - outcome['at']:.1f} s before T")
 
     # restarted only after its drain ended, as N+1, on N's spool
     pid = _agent_pid()
@@ -414,7 +422,7 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None) -> None:
     assert after == [[int(f.stem.split("_", 1)[0]), f.stem.split("_", 1)[1]] for f in files], after
     serial = _wait(lambda: _bundle_serial_or_none(), 60, "a cached bundle")
     assert serial >= STATE["serial"], (STATE["serial"], serial)
-    print(f"upgrade: {len(got)} events in SCO_EVENTS, each once; migrations {names}; bundle serial "
+    _say(f"{len(got)} events in SCO_EVENTS, each once; migrations {names}; bundle serial "
           f"{STATE['serial']} -> {serial}")  # fmt: skip
     STATE["pid"] = pid
 
@@ -425,7 +433,7 @@ def test_a_second_upgrade_changes_nothing(hall: None) -> None:
     (LOGS / "upgrade-2.log").write_text(out.stdout + out.stderr)
     assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
     recap = _recap(out.stdout)
-    print(f"upgrade: run 2 in {time.monotonic() - t0:.1f} s, {recap}")
+    _say(f"run 2 in {time.monotonic() - t0:.1f} s, {recap}")
     assert recap["failed"] == 0 and recap["changed"] == 0, re.findall(r"^changed: .*$", out.stdout, re.M)
     assert _agent_pid() == STATE["pid"]
 
@@ -459,7 +467,7 @@ def test_a_drain_past_the_wait_fails_the_host_and_leaves_its_agent(hall: None) -
         _wait(accepted, 30, "the agent to accept notice upgrade-2", every=0.1)
         os.kill(pid, signal.SIGSTOP)  # the drain stays open (no outcome) until SIGCONT: longer than the wait
         stopped_with = [e["type"] for e in _local_events() if e.get("notice") == "upgrade-2"]
-        print(f"upgrade: agent {pid} stopped in its drain of upgrade-2 after {stopped_with}")
+        _say(f"agent {pid} stopped in its drain of upgrade-2 after {stopped_with}")
         assert not [t for t in stopped_with if t.startswith("drain.")], stopped_with  # still open
         rc = play.wait(900)
     finally:
@@ -481,11 +489,11 @@ def test_a_drain_past_the_wait_fails_the_host_and_leaves_its_agent(hall: None) -
     # the agent was neither stopped nor restarted; its new settings are written for the next restart
     assert _agent_pid() == pid
     assert "debug" in h.file("/etc/sco/agent.toml").content_string
-    print(f"upgrade: run 3 (drain held open) failed as it should in {took:.1f} s: {line.group(0)}")
+    _say(f"run 3 (drain held open) failed as it should in {took:.1f} s: {line.group(0)}")
 
     outcome = _wait(lambda: _outcome("upgrade-2"), WINDOW, "the held drain's outcome")
     assert outcome["at"] < terminate_at, (outcome, terminate_at)
-    print(f"upgrade: the held drain ended ({outcome['type']}) {terminate_at - outcome['at']:.1f} s before T")
+    _say(f"the held drain ended ({outcome['type']}) {terminate_at - outcome['at']:.1f} s before T")
     # once the drain has ended the same run passes and restarts the agent with its new settings
     t0 = time.monotonic()
     again = subprocess.run(_upgrade_argv("-e", "node_agent_log_level=debug"), cwd=REPO, env=_env(N1),
@@ -493,4 +501,4 @@ def test_a_drain_past_the_wait_fails_the_host_and_leaves_its_agent(hall: None) -
     (LOGS / "upgrade-4.log").write_text(again.stdout + again.stderr)
     assert again.returncode == 0, again.stdout[-8000:]
     assert _agent_pid() != pid
-    print(f"upgrade: run 4 (after the drain) in {time.monotonic() - t0:.1f} s, {_recap(again.stdout)}")
+    _say(f"run 4 (after the drain) in {time.monotonic() - t0:.1f} s, {_recap(again.stdout)}")
