@@ -89,7 +89,13 @@ def lay_out(tmp: Path, extravars: dict[str, Any]) -> tuple[list[str], dict[str, 
         private_data_dir=str(pdd),
         playbook="play.yml",
         # the ConfigMap publisher is tested on its own (test_configmap_unit)
-        extravars={"control_loop_configmap_enabled": False, **extravars, "ansible_python_interpreter": sys.executable},
+        # sco_hall: what site.yml always has (role hall's defaults, which the role depends on, are made from it)
+        extravars={
+            "control_loop_configmap_enabled": False,
+            "sco_hall": extravars.get("control_loop_hall", "local"),
+            **extravars,
+            "ansible_python_interpreter": sys.executable,
+        },
         envvars={"ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"},
         quiet=True,
     )

@@ -19,7 +19,7 @@ import yaml
 from sco.contract.signing import generate, write_keypair
 from sco.provider import heartbeats
 from tests.control_loop_run import lay_out
-from tests.test_relay_jwt import start_jwt_relay
+from tests.relays import start_jwt_relay
 
 ROOT = Path(__file__).resolve().parents[1]
 

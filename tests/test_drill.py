@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,116 +17,10 @@ import pytest
 
 from sco.contract.signing import generate, write_keypair
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
-from tests.harness import AgentEnv, NatsServer, add_pod, free_port, wait_for
+from tests.harness import AgentEnv, add_pod, free_port, wait_for
+from tests.relays import REPO, RoleRelay, agent_identity, as_user, run_playbook, start_relay
 
-REPO = Path(__file__).resolve().parents[1]
-ROLE = REPO / "collections/ansible_collections/sco/orchestrator/roles/notice_relay"
 BIN = Path(sys.executable).parent
-
-RENDER = """
-- name: Render the relay's configuration with the role's template
-  hosts: localhost
-  gather_facts: false
-  vars_files: ["{{ role }}/defaults/main.yml", "{{ role }}/vars/main.yml"]
-  tasks:
-    - name: Render
-      ansible.builtin.template:
-        src: "{{ role }}/templates/nats-server.conf.j2"
-        dest: "{{ out }}"
-        mode: "0600"
-"""
-
-
-def run_playbook(
-    tmp: Path, play: str | Path, extravars: dict[str, Any], *flags: str
-) -> subprocess.CompletedProcess[str]:
-    """Run a playbook file, or a playbook text written to a file first."""
-    if isinstance(play, str):
-        text, play = play, tmp / f"play-{len(list(tmp.glob('play-*')))}.yml"
-        play.write_text(text)
-    # the hall's state directory (keys, credentials, drill reports) in the test's own directory, never $HOME
-    extravars = {"ansible_python_interpreter": sys.executable, "sco_state_dir": str(tmp), **extravars}
-    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "PATH": f"{BIN}:{os.environ['PATH']}"}
-    return subprocess.run(
-        [
-            str(BIN / "ansible-playbook"),
-            "-i",
-            "localhost,",
-            "-c",
-            "local",
-            str(play),
-            "-e",
-            json.dumps(extravars),
-            *flags,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=int(os.environ.get("DRILL_PLAY_TIMEOUT", "300")),
-        env=env,
-    )
-
-
-class RoleRelay(NatsServer):
-    """nats-server started with the configuration the notice_relay role renders."""
-
-    def __init__(self, workdir: Path, conf: Path, port: int) -> None:
-        super().__init__(workdir, port)
-        self.conf = conf
-
-    def start(self) -> RoleRelay:
-        self.proc = subprocess.Popen(
-            [str(BIN / "nats-server"), "-c", str(self.conf)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.dir / "nats.log", "ab"),  # noqa: SIM115
-        )
-
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return True
-            except OSError:
-                return False
-
-        # a relay with JetStream starting beside two others under CI's four workers took past 10 s once (its store
-        # recovery on a loaded disk): the test's own start, not a bound of the product
-        wait_for(up, 30, "nats-server")
-        return self
-
-
-def start_relay(tmp_path: Path, nodes: list[str]) -> tuple[RoleRelay, Path]:
-    """A relay for hall `local` with the role's users for `nodes`, the reclaimer and the control reader."""
-    creds = tmp_path / "credentials"
-    port = free_port()
-    conf = tmp_path / "nats.conf"
-    r = run_playbook(
-        tmp_path, RENDER,
-        {"role": str(ROLE), "out": str(conf), "notice_relay_hall": "local", "notice_relay_nodes": nodes,
-         "notice_relay_credentials_dir": str(creds), "notice_relay_listen": "127.0.0.1", "notice_relay_port": port,
-         "notice_relay_monitor_port": free_port(), "notice_relay_store_dir": str(tmp_path / "js")},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    srv = RoleRelay(tmp_path, conf, port).start()
-    stream = subprocess.run(
-        [sys.executable, str(ROLE / "files/sco-nats-stream.py"), "--server", srv.url,
-         "--nkey-seed", str(creds / "relay-admin.nk"), "--hall", "local"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert [json.loads(x) for x in stream.stdout.splitlines()] == [
-        {"stream": "SCO_EVENTS", "action": "created"},
-        {"stream": "SCO_HEARTBEATS", "action": "created"},
-    ], stream.stderr
-    return srv, creds
-
-
-def as_user(creds: Path, user: str) -> dict[str, Any]:
-    """nats.connect's arguments for relay user ``user``: its nkey seed, made by the role's lookup on rendering."""
-    return {"nkeys_seed": str(creds / f"{user}.nk")}
-
-
-def agent_identity(creds: Path, node: str) -> dict[str, Any]:
-    """agent.toml's relay identity of node ``node``, as the node_agent role writes it (the seed in a file)."""
-    return {"nats_nkey_seed_file": str(creds / f"node-{node}.nk")}
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from pathlib import Path
 from sco.contract.signing import write_keypair
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, add_pod
-from tests.test_drill import REPO, run_playbook
-from tests.test_relay_operator_role import Deployed
+from tests.relays import REPO, Deployed, run_playbook
 
 
 def test_the_drill_presents_creds_files_to_an_operator_mode_relay(tmp_path: Path, kube: KubeApiStandIn) -> None:

@@ -26,7 +26,7 @@ from sco.control.drill import COLORS, DrillReport, fold, render_html
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.browser import Chromium
 from tests.harness import AgentEnv, add_pod
-from tests.test_drill import agent_identity, start_relay
+from tests.relays import agent_identity, start_relay
 
 REPO = Path(__file__).resolve().parents[1]
 DRILL = ["-m", "sco.cli", "drill"]  # `sco drill`, as drill.yml runs it

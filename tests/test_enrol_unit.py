@@ -33,9 +33,9 @@ from sco.errors import ConfigError
 from sco.provider import relay_identity as ri
 from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+from tests.enrol_client import post, request
 from tests.harness import free_port, render_with_roles, wait_for
-from tests.test_enrolment import post, request
-from tests.test_relay_operator_role import HALL, Deployed, notices_reach
+from tests.relays import HALL, Deployed, notices_reach
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ROOT / "collections/ansible_collections/sco/orchestrator/roles"

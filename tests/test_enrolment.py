@@ -29,8 +29,9 @@ from sco.control.enrolment import EnrolmentServer, Issuer, KubeSettings, Setting
 from sco.provider import relay_identity as ri
 from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+from tests.enrol_client import post, request
 from tests.harness import AgentEnv, MetadataServer, free_port, wait_for
-from tests.test_relay_jwt import HALL, JwtRelay, _refusal, _stream_subjects, publish_until, start_jwt_relay
+from tests.relays import HALL, JwtRelay, publish_until, relay_refusal, start_jwt_relay, stream_subjects
 
 
 @pytest.fixture
@@ -81,20 +82,6 @@ class Hall:
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
         return {k: float(v) for k, v in re.findall(r"^(sco_enrol_\S+) (\S+)$", text, re.M)}
-
-
-def post(url: str, doc: Any, raw: bytes | None = None) -> tuple[int, bytes]:
-    data = raw if raw is not None else json.dumps(doc).encode()
-    req = urllib.request.Request(f"{url}/v1/enrol", data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def request(node: str, server_id: str, token: str, public: str) -> dict[str, str]:
-    return {"hall": HALL, "node": node, "instance_id": server_id, "token": token, "nkey_public": public}
 
 
 @pytest.fixture
@@ -175,7 +162,7 @@ def test_an_instance_enrols_once_and_speaks_for_itself_alone(make_hall: Callable
 
     got, stream = asyncio.run(speak())
     assert got and set(got) == {b"your notice"} and stream == ri.STREAM
-    assert f"sco.events.{HALL}.{node}" in asyncio.run(_stream_subjects(h.relay))
+    assert f"sco.events.{HALL}.{node}" in asyncio.run(stream_subjects(h.relay))
     # the Kubernetes token is the agent's service account's, bound to this node's Node
     issued = h.kube.issued[answer["kube_token"]]
     assert issued["node"] == node and issued["sa"] == ("sco-system", "sco-agent")
@@ -318,8 +305,8 @@ def test_a_deleted_instance_loses_its_identity(make_hall: Callable[..., Hall], t
         took = time.monotonic() - started
         return (
             took,
-            await _refusal(h.relay.url, user_credentials=str(files[node])),
-            await _refusal(h.relay.url, user_credentials=str(files[other])),
+            await relay_refusal(h.relay.url, user_credentials=str(files[node])),
+            await relay_refusal(h.relay.url, user_credentials=str(files[other])),
         )
 
     took, again, other_answer = asyncio.run(scenario())
@@ -609,9 +596,7 @@ def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Ha
         assert stat.S_IMODE(creds.stat().st_mode) == 0o600 and stat.S_IMODE(kube_token.stat().st_mode) == 0o600
         assert h.kube.issued[kube_token.read_text().strip()]["node"] == node
         # the agent's own events reach the stream through its own account
-        wait_for(
-            lambda: f"sco.events.{HALL}.{node}" in asyncio.run(_stream_subjects(h.relay)), 15, "the agent's events"
-        )
+        wait_for(lambda: f"sco.events.{HALL}.{node}" in asyncio.run(stream_subjects(h.relay)), 15, "the agent's events")
         assert [e["type"] for e in agent.of("enrol.done")] == ["enrol.done"]
     finally:
         agent.stop()
@@ -721,11 +706,11 @@ def test_a_launched_instances_agent_is_a_prometheus_target_until_its_delete(
     enrolment service keeps a file_sd of the live enrolled agents (the address each agent told when it enrolled), and
     the role's Prometheus (Debian's, from exactly the files the role writes) reads it: the agent appears as a
     target of job sco-agent, up, labelled with its node and pool, and leaves once the instance is deleted."""
-    from tests.test_metrics_deployed import Deployed
+    from tests.prom import MonitoringDeployment
 
     targets = tmp_path / "sd" / "agents.json"
     targets.parent.mkdir()
-    prom = Deployed(tmp_path / "deployed", monitoring_agent_file_sd=[str(targets)]).start()
+    prom = MonitoringDeployment(tmp_path / "deployed", monitoring_agent_file_sd=[str(targets)]).start()
     h = make_hall(scrape_targets_file=targets, revoke_every_s=0.2)
     h.issuer.start_sweeper()
     node, server_id, token = h.launch(0)

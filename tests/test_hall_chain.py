@@ -36,7 +36,7 @@ from sco.state.db import connect
 from sco.state.fleet import FleetState
 from sco_devkit.standins.kube_apiserver import ApiError, KubeApiStandIn
 from tests.harness import add_pod, free_port, hall_bundle, wait_for
-from tests.test_relay_jwt import HALL, JwtRelay, _refusal, start_jwt_relay
+from tests.relays import HALL, JwtRelay, relay_refusal, start_jwt_relay
 
 pytestmark = pytest.mark.slow
 
@@ -343,7 +343,7 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
             "SELECT extract(epoch FROM revoked_at) FROM enrolment WHERE instance_id = %s", (inst.id,)
         ).fetchone()
         assert revoked_at is not None
-        assert "authorization violation" in asyncio.run(_refusal(relay.url, user_credentials=str(creds))).lower()
+        assert "authorization violation" in asyncio.run(relay_refusal(relay.url, user_credentials=str(creds))).lower()
         assert enrol.metrics()["sco_enrol_revoked_total"] == 1 and enrol.metrics()["sco_enrol_issued_total"] == 1
         # and its Node is gone with it (no cloud controller manager here), so its bound Kubernetes token is refused
         wait_for(lambda: node not in api.cluster.nodes, 10, "the deleted instance's Node removed")

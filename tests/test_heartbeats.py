@@ -23,7 +23,7 @@ from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, free_port, wait_for
 from tests.prom import promtool_check, samples
-from tests.test_drill import start_relay
+from tests.relays import start_relay
 
 HALL = "local"
 

@@ -107,8 +107,7 @@ def test_in_operator_mode_the_relay_identity_is_the_nodes_creds_file(tmp_path: P
     # operator-mode relay and hears its own notices on it
     import asyncio
 
-    from tests.test_relay_jwt import start_jwt_relay
-    from tests.test_relay_operator_role import notices_reach
+    from tests.relays import notices_reach, start_jwt_relay
 
     relay = start_jwt_relay(tmp_path / "relay")
     try:
@@ -138,6 +137,10 @@ CONFIGURE = """
   hosts: localhost
   gather_facts: false
   tasks:
+    - name: Settle the agent's user (what configure.yml reads)
+      ansible.builtin.include_role:
+        name: sco.orchestrator.node_agent
+        tasks_from: user.yml
     - name: Configure
       ansible.builtin.include_role:
         name: sco.orchestrator.node_agent

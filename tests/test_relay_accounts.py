@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +21,7 @@ from sco.errors import ConfigError
 from sco.provider import heartbeats
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, add_pod, wait_for
-from tests.test_drill import BIN, REPO, agent_identity, as_user, run_playbook, start_relay
-
-ATTACKS = 200  # of each kind (17,300 in 10 s reached one agent before)
-
-
-def status(agent: AgentEnv) -> dict[str, Any]:
-    out = subprocess.run(
-        [str(BIN / "sco-agent"), "status", "--state-dir", str(agent.state)], capture_output=True, timeout=30
-    )
-    return dict(json.loads(out.stdout))
+from tests.relays import ATTACKS, REPO, agent_identity, as_user, run_playbook, start_relay, status
 
 
 def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
@@ -92,7 +82,7 @@ def test_the_relays_config_holds_no_secret_and_renders_the_same_twice(tmp_path: 
     a second render (the role's next run) changes nothing; each user's seed on the controller gets it in."""
     import nkeys
 
-    from tests.test_drill import RENDER, ROLE
+    from tests.relays import RENDER, ROLE
 
     srv, creds = start_relay(tmp_path, ["a"])
     try:

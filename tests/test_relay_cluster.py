@@ -21,7 +21,7 @@ from typing import Any
 import nats
 
 from tests.harness import free_port, wait_for
-from tests.test_drill import ROLE, RoleRelay, as_user, run_playbook
+from tests.relays import ROLE, RoleRelay, as_user, run_playbook
 
 # Every relay's configuration from the role's template in one playbook run: the hall's settings as extra vars, each
 # relay's own (name, ports, store, credentials) as the loop's task vars, which extra vars would override.

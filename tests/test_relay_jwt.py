@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,80 +21,17 @@ import pytest
 from sco.provider import heartbeats
 from sco.provider import relay_identity as ri
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
-from tests.harness import AgentEnv, NatsServer, add_pod, free_port, wait_for
-from tests.test_drill import BIN, RoleRelay
-from tests.test_relay_accounts import ATTACKS, status
-
-HALL = "local"
-
-
-@dataclass
-class JwtRelay:
-    """A relay in operator mode, its hall keys, and the hall users' creds files (reclaimer, control, relay-admin)."""
-
-    srv: NatsServer
-    keys: ri.HallKeys
-    dir: Path
-    conf: Path
-    users: dict[str, Path] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return self.srv.url
-
-    def creds_file(self, name: str, user_jwt: str, key: ri.NKey) -> Path:
-        path = self.dir / f"{name}.creds"
-        path.write_text(ri.creds(user_jwt, key.seed))
-        path.chmod(0o600)
-        return path
-
-    def enrol(self, node: str) -> tuple[ri.NodeIdentity, Path]:
-        """As the control loop would for a node it launched: the node makes its key (here), the issuer mints
-        from the public half and pushes the account to the running relay; the node writes its creds."""
-        key = ri.NKey.generate("user")
-
-        async def issue() -> ri.NodeIdentity:
-            admin = await ri.RelayAdmin.connect(self.url, self.keys)
-            try:
-                return await ri.issue(admin, self.keys, node, key.public)
-            finally:
-                await admin.close()
-
-        identity = asyncio.run(issue())
-        return identity, self.creds_file(f"node-{node}", identity.user_jwt, key)
-
-
-def start_jwt_relay(tmp_path: Path) -> JwtRelay:
-    keys = ri.HallKeys.ensure(tmp_path / "hall-keys", HALL)
-    port = free_port()
-    conf = tmp_path / "nats-jwt.conf"
-    conf.write_text(
-        ri.server_config(
-            keys, resolver_dir=tmp_path / "resolver", store_dir=tmp_path / "js", listen="127.0.0.1", port=port,
-            monitor_port=free_port(),
-        )
-    )  # fmt: skip
-    check = subprocess.run([str(BIN / "nats-server"), "-t", "-c", str(conf)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    relay = JwtRelay(RoleRelay(tmp_path, conf, port).start(), keys, tmp_path, conf)
-    for name, mint in (
-        ("reclaimer", ri.reclaimer_user_jwt), ("control", ri.reader_user_jwt), ("relay-admin", ri.stream_admin_user_jwt)
-    ):  # fmt: skip
-        key = ri.NKey.generate("user")
-        relay.users[name] = relay.creds_file(name, mint(keys, key.public), key)
-
-    async def streams() -> None:  # what the role's stream tool makes, as relay-admin
-        nc = await nats.connect(relay.url, user_credentials=str(relay.users["relay-admin"]))
-        try:
-            await nc.jetstream(timeout=5).add_stream(
-                name=ri.STREAM, subjects=[f"sco.events.{HALL}.>"], duplicate_window=120
-            )
-            assert await heartbeats.ensure_stream(nc, HALL) == "created"
-        finally:
-            await nc.close()
-
-    asyncio.run(streams())
-    return relay
+from tests.harness import AgentEnv, add_pod, wait_for
+from tests.relays import (
+    ATTACKS,
+    HALL,
+    JwtRelay,
+    publish_until,
+    relay_refusal,
+    start_jwt_relay,
+    status,
+    stream_subjects,
+)
 
 
 @pytest.fixture
@@ -109,48 +44,6 @@ def relay(tmp_path: Path) -> Iterator[JwtRelay]:
 async def _connect(url: str, creds: Path, node: str = "", **more: Any) -> Any:
     extra = {"inbox_prefix": ri.node_inbox(HALL, node)} if node else {}
     return await nats.connect(url, user_credentials=str(creds), connect_timeout=3, **extra, **more)
-
-
-async def publish_until(nc: Any, messages: list[tuple[str, bytes]], got: list[Any]) -> None:
-    """Publish ``messages`` again every 0.5 s until ``got`` holds something (at most 10 s). The relay loads a node's
-    account on its first connection and refreshes the notices account it imports from; on a loaded machine a
-    message published during that refresh was seen lost (CI, 1 run in ~15 under load, the shadow subscription in
-    place when looked at). The agent reads notices from the metadata service as well."""
-    for _ in range(20):
-        for subject, data in messages:
-            await nc.publish(subject, data)
-        await nc.flush(timeout=5)
-        for _ in range(5):
-            if got:
-                return
-            await asyncio.sleep(0.1)
-
-
-async def _refusal(url: str, **auth: Any) -> str:
-    """How the relay answers a connection with ``auth``: "connected" or its error."""
-    errors: list[str] = []
-
-    async def on_error(e: Exception) -> None:
-        errors.append(str(e))
-
-    try:
-        nc = await nats.connect(
-            url, connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False, error_cb=on_error, **auth
-        )
-    except Exception as e:
-        return errors[-1] if errors else str(e) or type(e).__name__
-    await nc.close()
-    return "connected"
-
-
-async def _stream_subjects(relay: JwtRelay) -> list[str]:
-    nc = await nats.connect(relay.url, user_credentials=str(relay.users["relay-admin"]))
-    js = nc.jetstream(timeout=5)
-    try:
-        last = (await js.stream_info(ri.STREAM)).state.last_seq
-        return [(await js.get_msg(ri.STREAM, seq)).subject for seq in range(1, last + 1)]
-    finally:
-        await nc.close()
 
 
 def test_the_config_is_operator_mode_and_holds_no_secret(relay: JwtRelay) -> None:
@@ -222,7 +115,7 @@ def test_a_node_enrolled_at_run_time_hears_only_its_notices_and_publishes_only_i
     violations = " ".join(errors).lower()
     for subject in (f"sco.notice.{HALL}.b", ">", f"sco.events.{HALL}.b", "elsewhere"):
         assert f'"{subject}"' in violations, (subject, errors)
-    assert asyncio.run(_stream_subjects(relay)) == [f"sco.events.{HALL}.a", f"sco.events.{HALL}.b"]
+    assert asyncio.run(stream_subjects(relay)) == [f"sco.events.{HALL}.a", f"sco.events.{HALL}.b"]
     assert folded == [f"sco.events.{HALL}.a", f"sco.events.{HALL}.b"]  # the reclaimer reads the accounts' events
     assert beats == ["a"]  # the control loop's reader hears node a's beat through a's account
 
@@ -270,7 +163,7 @@ def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
         wait_for(lambda: agent.of("drain.drained"), 30, "node a drained")
         # the agent's account of its drain reached the stream through its own account
         wait_for(
-            lambda: f"sco.events.{HALL}.a" in asyncio.run(_stream_subjects(relay)), 15, "node a's events in the stream"
+            lambda: f"sco.events.{HALL}.a" in asyncio.run(stream_subjects(relay)), 15, "node a's events in the stream"
         )
     finally:
         agent.stop()
@@ -313,14 +206,15 @@ def test_another_nodes_creds_name_or_a_self_made_identity_are_refused(relay: Jwt
             a_key,
         ),
     }
-    assert asyncio.run(_refusal(relay.url, user_credentials=str(a_creds))) == "connected"
+    assert asyncio.run(relay_refusal(relay.url, user_credentials=str(a_creds))) == "connected"
     for what, path in forged.items():
-        assert "authorization violation" in asyncio.run(_refusal(relay.url, user_credentials=str(path))).lower(), what
+        refused = asyncio.run(relay_refusal(relay.url, user_credentials=str(path)))
+        assert "authorization violation" in refused.lower(), what
     # the listed configuration's ways in (a bare nkey, a password) do not exist here
     seed_file = relay.dir / "a.nk"
     seed_file.write_bytes(a_key.seed)
     for auth in ({"nkeys_seed": str(seed_file)}, {"user": "node-a", "password": "anything"}):
-        assert "authorization violation" in asyncio.run(_refusal(relay.url, **auth)).lower(), auth
+        assert "authorization violation" in asyncio.run(relay_refusal(relay.url, **auth)).lower(), auth
 
 
 def test_a_revocation_closes_the_connected_node_and_refuses_it_after(relay: JwtRelay) -> None:
@@ -352,10 +246,10 @@ def test_a_revocation_closes_the_connected_node_and_refuses_it_after(relay: JwtR
             await ri.revoke(admin, relay.keys, a)
             await asyncio.wait_for(closed.wait(), 10)
             took = time.monotonic() - started
-            again = await _refusal(relay.url, user_credentials=str(a_creds))
+            again = await relay_refusal(relay.url, user_credentials=str(a_creds))
             # the account is then forgotten (allow_delete); the node stays refused
             await admin.forget(relay.keys, [a.account])
-            after_delete = await _refusal(relay.url, user_credentials=str(a_creds))
+            after_delete = await relay_refusal(relay.url, user_credentials=str(a_creds))
             reclaimer = await _connect(relay.url, relay.users["reclaimer"])
             await reclaimer.publish(f"sco.notice.{HALL}.b", b"still here")
             await reclaimer.flush(timeout=5)

@@ -26,9 +26,8 @@ import nats
 import yaml
 
 from sco.provider import relay_identity as ri
-from tests.harness import free_port, wait_for
-from tests.test_drill import BIN, REPO
-from tests.test_relay_operator_role import HALL, Deployed, event_acked, refusal
+from tests.harness import BIN, free_port, wait_for
+from tests.relays import HALL, REPO, Deployed, event_acked, relay_refusal
 
 NAMES = ("r1", "r2", "r3")
 RELAYS = """
@@ -227,26 +226,26 @@ def test_a_cluster_in_operator_mode_enrols_anywhere_and_revokes_everywhere(tmp_p
             assert any(w in e.lower() for e in told for w in ("revoked", "maximum account active connections")), told
             times[where.root.name] = took
             for other in relays:
-                refused = asyncio.run(refusal(other.url, user_credentials=str(path)))
+                refused = asyncio.run(relay_refusal(other.url, user_credentials=str(path)))
                 assert "authorization violation" in refused.lower(), (other.root.name, refused)
         print(f"revocation pushed to r1 -> connection closed: {json.dumps(times)}")
         assert max(times.values()) < 1.0, times
 
         # r3 is down when node d is revoked; r2 is up then and restarted after
         d, d_creds = enrol(r1, "d")
-        assert asyncio.run(refusal(r3.url, user_credentials=str(d_creds))) == "connected"
+        assert asyncio.run(relay_refusal(r3.url, user_credentials=str(d_creds))) == "connected"
         r3.stop()
         revoke(r1, d)
         r2.stop()
         r2.start()
-        assert "authorization violation" in asyncio.run(refusal(r2.url, user_credentials=str(d_creds))).lower()
+        assert "authorization violation" in asyncio.run(relay_refusal(r2.url, user_credentials=str(d_creds))).lower()
         # r3 comes back: its unit's catch-up takes the revocation from a peer before it serves
         r3.start()
         assert r3.caught_up["peer"] in (r1.url, r2.url) and r3.caught_up["written"] >= 1, r3.caught_up
-        refused = asyncio.run(refusal(r3.url, user_credentials=str(d_creds)))
+        refused = asyncio.run(relay_refusal(r3.url, user_credentials=str(d_creds)))
         assert "authorization violation" in refused.lower(), refused
         # the node enrolled before is still served by the relay that came back
-        assert asyncio.run(refusal(r3.url, user_credentials=str(b_creds))) == "connected"
+        assert asyncio.run(relay_refusal(r3.url, user_credentials=str(b_creds))) == "connected"
     finally:
         for r in relays:
             r.stop()

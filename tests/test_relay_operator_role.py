@@ -13,28 +13,15 @@ import asyncio
 import contextlib
 import json
 import re
-import shlex
-import socket
 import subprocess
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from sco import __version__
 from sco.provider import relay_identity as ri
-from tests.harness import free_port, wait_for
-from tests.test_drill import BIN, run_playbook
+from tests.relays import HALL, OPERATOR_PLAY, Deployed, event_acked, notices_reach, relay_refusal, run_playbook
 
-HALL = "local"
-PLAY = """
-- name: The notice relay of hall local, operator mode, on this machine
-  hosts: localhost
-  gather_facts: false
-  roles: [sco.orchestrator.notice_relay]
-"""
 SHOW = """
 - name: What role hall hands node a's agent
   hosts: localhost
@@ -45,138 +32,6 @@ SHOW = """
       ansible.builtin.debug:
         msg: "{{ {'creds': node_agent_nats_creds} | to_json }}"
 """
-
-
-class Deployed:
-    """The role's files for one relay host under ``root``: /etc/sco-nats, the unit directory, the store, the
-    stream tool, the nats-server binary; the controller's credentials directory beside them."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.creds = root / "controller" / "nats"
-        self.etc = root / "etc-sco-nats"
-        self.units = root / "units"
-        self.port, self.monitor = free_port(), free_port()
-        self.venv = root / "venv"
-        self.proc: subprocess.Popen[bytes] | None = None
-        # the relay's venv (the stream tool's Python) is this one; pip must never run in it
-        (self.venv / "bin").mkdir(parents=True)
-        python = self.venv / "bin" / "python"
-        python.write_text(
-            f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && {{ echo "no pip here" >&2; exit 1; }}\nexec {BIN / "python"} "$@"\n'
-        )
-        python.chmod(0o755)
-        self.units.mkdir()
-        (root / "bin").mkdir()  # /usr/local/bin
-
-    def vars(self, nodes: list[str]) -> dict[str, Any]:
-        package = f"spot-capacity-orchestrator=={__version__}"
-        return {
-            "sco_hall": HALL, "notice_relay_auth_mode": "operator", "notice_relay_nodes": nodes,
-            "notice_relay_credentials_dir": str(self.creds), "notice_relay_listen": "127.0.0.1",
-            "notice_relay_port": self.port, "notice_relay_monitor_port": self.monitor,
-            "notice_relay_store_dir": str(self.root / "store"), "notice_relay_server_binary": str(BIN / "nats-server"),
-            "notice_relay_venv": str(self.venv), "notice_relay_package": package,
-            "notice_relay_service_enabled": False,
-            # the role's own paths (vars/main.yml), here under the test's directory
-            "_notice_relay_conf_dir": str(self.etc), "_notice_relay_unit_dir": str(self.units),
-            "_notice_relay_bin": str(self.root / "bin" / "nats-server"),
-            "_notice_relay_stream_script": str(self.root / "lib" / "sco-nats-stream.py"),
-            # the venv is there already: node_agent's install steps (venv, pip) are done for it
-            "node_agent_installs_done": [f"{self.venv} {package} "],
-        }  # fmt: skip
-
-    def apply(self, nodes: list[str]) -> subprocess.CompletedProcess[str]:
-        out = run_playbook(self.root, PLAY, self.vars(nodes))
-        assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-        return out
-
-    def unit(self, key: str) -> list[str]:
-        """A setting of the unit the role installed, as systemd splits it ("-" and "+" prefixes dropped)."""
-        text = (self.units / "sco-nats.service").read_text()
-        (line,) = [x.split("=", 1)[1] for x in text.splitlines() if x.startswith(f"{key}=")]
-        return shlex.split(line.lstrip("-+@!"))
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        log = open(self.root / "nats.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.unit("ExecStart"), stdout=subprocess.DEVNULL, stderr=log)
-
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return True
-            except OSError:
-                return False
-
-        wait_for(up, 15, "the relay")
-
-    def varz(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor}/varz", timeout=3) as r:
-            return dict(json.loads(r.read()))
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-async def refusal(url: str, **auth: Any) -> str:
-    errors: list[str] = []
-
-    async def on_error(e: Exception) -> None:
-        errors.append(str(e))
-
-    try:
-        nc = await nats.connect(
-            url, connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False, error_cb=on_error, **auth
-        )
-    except Exception as e:
-        return errors[-1] if errors else str(e) or type(e).__name__
-    await nc.close()
-    return "connected"
-
-
-async def notices_reach(url: str, reclaimer: Path, nodes: dict[str, Path]) -> dict[str, list[bytes]]:
-    """Each node subscribes to its notice subject on its creds; the reclaimer publishes one notice per node."""
-    got: dict[str, list[bytes]] = {n: [] for n in nodes}
-    conns = []
-    try:
-        for node, creds in nodes.items():
-            nc = await nats.connect(url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node))
-            conns.append(nc)
-
-            async def take(msg: Any, node: str = node) -> None:
-                got[node].append(msg.data)
-
-            await nc.subscribe(f"sco.notice.{HALL}.{node}", cb=take)
-            await nc.flush(timeout=5)
-        rc = await nats.connect(url, user_credentials=str(reclaimer))
-        conns.append(rc)
-        for node in nodes:
-            await rc.publish(f"sco.notice.{HALL}.{node}", f"notice for {node}".encode())
-        await rc.flush(timeout=5)
-        for _ in range(50):
-            if all(got.values()):
-                break
-            await asyncio.sleep(0.1)
-        return got
-    finally:
-        for c in conns:
-            await c.close()
-
-
-async def event_acked(url: str, creds: Path, node: str) -> int:
-    """Node ``node`` puts an event into the hall's stream (JetStream's ack comes back on its own inbox)."""
-    nc = await nats.connect(url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node))
-    try:
-        ack = await nc.jetstream(timeout=5).publish(f"sco.events.{HALL}.{node}", b'{"event": "test"}')
-        return int(ack.seq)
-    finally:
-        await nc.close()
 
 
 async def cross_subscription(url: str, creds: Path, node: str, other: str) -> str:
@@ -297,7 +152,7 @@ def test_the_role_in_operator_mode_serves_inventory_and_run_time_nodes(tmp_path:
         refused = asyncio.run(cross_subscription(relay.url, node_c, "c", "a"))
         assert "permissions violation" in refused.lower() and f"sco.notice.{HALL}.a" in refused, refused
         # bare nkeys (static mode's identity) are refused in operator mode
-        bare = asyncio.run(refusal(relay.url, nkeys_seed=str(relay.creds / "node-b.nk")))
+        bare = asyncio.run(relay_refusal(relay.url, nkeys_seed=str(relay.creds / "node-b.nk")))
         assert "authorization violation" in bare.lower(), bare
 
         # the inventory grows while the relay runs: the role's next run pushes the new node's account, no restart
@@ -364,7 +219,7 @@ def test_a_static_relay_switched_to_operator_mode_keeps_its_stream(tmp_path: Pat
     for a hall with control hosts): the events already in the stream (the reclaimer may not have read them) are
     there after the switch, in the operator's events account, and the node goes on with its creds."""
     relay = Deployed(tmp_path)
-    static = run_playbook(tmp_path, PLAY, {**relay.vars(["a"]), "notice_relay_auth_mode": "static"})
+    static = run_playbook(tmp_path, OPERATOR_PLAY, {**relay.vars(["a"]), "notice_relay_auth_mode": "static"})
     assert static.returncode == 0, static.stdout[-6000:] + static.stderr[-3000:]
     relay.start()
     try:
@@ -394,7 +249,7 @@ def test_a_static_relay_switched_to_operator_mode_keeps_its_stream(tmp_path: Pat
         assert {"stream": "SCO_EVENTS", "action": "unchanged"} in [json.loads(x) for x in post.stdout.splitlines()]
         # the event from before the switch is the stream's first; the node's next, on its creds, the second
         assert asyncio.run(event_acked(relay.url, relay.creds / "node-a.creds", "a")) == 2
-        bare = asyncio.run(refusal(relay.url, nkeys_seed=str(relay.creds / "node-a.nk")))
+        bare = asyncio.run(relay_refusal(relay.url, nkeys_seed=str(relay.creds / "node-a.nk")))
         assert "authorization violation" in bare.lower(), bare
     finally:
         relay.stop()

@@ -1,0 +1,24 @@
+"""The node's side of the enrolment exchange in the tests: a request body and a POST to the service's /v1/enrol."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from tests.relays import HALL
+
+
+def post(url: str, doc: Any, raw: bytes | None = None) -> tuple[int, bytes]:
+    data = raw if raw is not None else json.dumps(doc).encode()
+    req = urllib.request.Request(f"{url}/v1/enrol", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def request(node: str, server_id: str, token: str, public: str) -> dict[str, str]:
+    return {"hall": HALL, "node": node, "instance_id": server_id, "token": token, "nkey_public": public}
