@@ -120,10 +120,11 @@ def check_agent_config(sc: Scenario, h: Any, node: str, hall: str, scheduler: st
     for line in (f'nats_url = "{nats_url}"', f'{setting} = "/etc/sco/{name}"'):
         assert line in cfg.content_string.splitlines(), line
     assert "password" not in cfg.content_string
-    # the node's own identity, root's, read by the agent's group: the one the relay knows the public key of
+    # the node's own identity, the agent user's alone (0600): the one the relay knows the public key of
     seed = h.file(f"/etc/sco/{name}")
-    assert seed.mode == 0o640 and seed.user == "root" and seed.group == "sco-agent"
-    assert cfg.user == "root" and cfg.group == "sco-agent"
+    user = h.file("/var/lib/sco").user  # the agent's user (sco-agent; a Slurm node's: its SlurmUser), check_agent_unit
+    assert seed.mode == 0o600 and seed.user == user and seed.group == user, (seed.mode, seed.user, seed.group)
+    assert cfg.user == "root" and cfg.group == user
     mine = sc.work / "credentials" / "nats" / f"node-{node}.{name.split('.')[1]}"
     assert seed.content_string.strip() == mine.read_text().strip()
     if operator_mode(sc):  # a bare seed beside the creds would be one more secret on the node, and refused anyway
