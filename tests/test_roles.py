@@ -110,6 +110,15 @@ def test_node_agent_role_check_real_again(tmp_path: Path, host: TestHost, wheelh
     dropin = host.ssh("cat", "/etc/systemd/system/sco-agent.service.d/10-ansible.conf").stdout
     assert "ExecStart=/opt/sco/bin/sco-agent run --config /etc/sco/agent.toml" in dropin
     assert host.ssh("stat", "-c", "%a", "/etc/sco/trusted/hall.pub").stdout.strip() == "644"
+    # a launched instance's first boot: cloud-init writes the launch's bundle as root; the unit's first
+    # ExecStartPre ("+", as root) gives it to the agent's user before check-config (systemd's "$$" is "$")
+    host.ssh("sh", "-c", "rm -rf /var/lib/sco/bundle; mkdir /var/lib/sco/bundle; echo {} >/var/lib/sco/bundle/b.json")
+    pre = [line.split("=", 1)[1] for line in dropin.splitlines() if line.startswith("ExecStartPre=+")]
+    assert len(pre) == 1 and dropin.index("ExecStartPre=+") < dropin.index("check-config"), dropin
+    script = pre[0].removeprefix("+").removeprefix("/bin/sh -c ").strip("'").replace("$$", "$")
+    host.ssh("sh", "-c", shlex.quote(script))  # ssh hands the remote shell one line: quoted once for it
+    owned = host.ssh("stat", "-c", "%U:%G", "/var/lib/sco/bundle", "/var/lib/sco/bundle/b.json").stdout.split()
+    assert owned == ["sco-agent:sco-agent"] * 2, owned
     # as the unit runs it: its user, no capability (systemd does not run in a test host)
     as_agent = ["setpriv", "--reuid=sco-agent", "--regid=sco-agent", "--init-groups", "--inh-caps=-all",
                 "--bounding-set=-all", "--no-new-privs"]  # fmt: skip
