@@ -127,6 +127,19 @@ def test_node_agent_role_check_real_again(tmp_path: Path, host: TestHost, wheelh
     assert run.returncode == 124, run.stderr  # still running when the timeout stopped it
     events = host.ssh("/opt/sco/bin/sco-agent", "events", "--state-dir", "/var/lib/sco").stdout
     assert '"type": "agent.started"' in events and "from-the-root-days" in events
+
+    # the agent's user owns the state directory, and the role works in it as root: links the user put there (to
+    # files it must never own) are not followed on the next run, neither at the top nor inside the spool
+    host.ssh("sh", "-c", shlex.quote(
+        "echo secret >/etc/victim-top; echo secret >/etc/victim-spool; chmod 600 /etc/victim-top /etc/victim-spool;"
+        " ln -s /etc/victim-top /var/lib/sco/scheduler.json; ln -s /etc/victim-spool /var/lib/sco/spool/link"
+    ))  # fmt: skip
+    r = play(tmp_path, host, ev)
+    assert r.rc == 0, r.stdout.read()
+    owned = host.ssh("stat", "-c", "%U:%G", "/etc/victim-top", "/etc/victim-spool").stdout.split()
+    assert owned == ["root:root"] * 2, owned
+    host.ssh("rm", "-f", "/etc/victim-top", "/etc/victim-spool", "/var/lib/sco/scheduler.json")
+    host.ssh("rm", "-f", "/var/lib/sco/spool/link")
     pkgs = host.ssh("/opt/sco/bin/python", "-m", "pip", "list", "--format=freeze").stdout.lower()
     # the pinned release of the collection, under the distribution's own name
     assert f"spot-capacity-orchestrator=={__version__}" in pkgs and "aiohttp" not in pkgs  # the agent's env stays lean
