@@ -375,6 +375,26 @@ def test_a_deleted_instances_node_goes_and_its_bound_token_with_it(make_hall: Ca
     assert h.issuer.revoke_deleted() == []  # idempotent: nothing more to do
 
 
+def test_nodes_the_api_keeps_refusing_to_delete_never_hold_back_a_relay_revocation(
+    make_hall: Callable[..., Hall],
+) -> None:
+    """The sweep takes a batch of gone instances; one whose relay identity is revoked but whose Node the API keeps
+    refusing to delete stays in it. Those must not fill the batch: an identity not revoked yet comes first."""
+    from sco.state import enrolment as rows
+
+    h = make_hall()
+    _, stuck_server, _ = enrolled(h, 0)
+    _, fresh_server, _ = enrolled(h, 1)
+    stuck, fresh = h.state.by_server(stuck_server), h.state.by_server(fresh_server)
+    assert stuck is not None and fresh is not None and stuck.id < fresh.id
+    for inst in (stuck, fresh):
+        h.state.transition(inst.id, "deleted", "instance.deleted", reason="reclaimed")
+    # the first: revoked on the relay, its Node still there (the API refused the delete)
+    h.state.conn.execute("UPDATE enrolment SET revoked_at = clock_timestamp() WHERE instance_id = %s", (stuck.id,))
+    (first,) = rows.to_revoke(h.state.conn, HALL, limit=1)
+    assert first.instance_id == fresh.id and not first.relay_done
+
+
 def test_a_node_registered_again_for_another_instance_is_left_alone(make_hall: Callable[..., Hall]) -> None:
     """The Node of the name may belong to someone else by the time the sweep runs: re-created by another kubelet
     (another object: another uid), or taken over by the instance launched into the same slot (the same object, a

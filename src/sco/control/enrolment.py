@@ -467,8 +467,10 @@ class Issuer:
             said = ""
             while not self._stop.wait(self.s.revoke_every_s):
                 try:
-                    self.write_targets()  # before the revocations: a gone instance's target leaves at once
-                    self.revoke_deleted()
+                    try:
+                        self.write_targets()  # before the revocations: a gone instance's target leaves at once
+                    finally:  # a target file that cannot be written never holds back a revocation
+                        self.revoke_deleted()
                 except Exception as e:  # the relay, the fleet state or the API away: the next sweep tries again
                     self.metrics.add("revoke_failures")
                     # said once while it stays the same (a sweep every few seconds), counted every time

@@ -149,7 +149,9 @@ def to_revoke(conn: Any, hall: str | None = None, limit: int = 500) -> list[Issu
     if hall is not None:
         q += " AND i.hall = %s"
         args.append(hall)
-    rows = conn.execute(q + " ORDER BY e.instance_id LIMIT %s", (*args, limit)).fetchall()
+    # relay identities not yet revoked first: Nodes the API keeps refusing to delete must not fill the batch
+    order = " ORDER BY e.revoked_at IS NOT NULL, e.instance_id LIMIT %s"
+    rows = conn.execute(q + order, (*args, limit)).fetchall()
     return [Issued(int(r[0]), r[1], r[2], r[3], int(r[4]), r[5], bool(r[6]), r[7]) for r in rows]
 
 
