@@ -460,6 +460,14 @@ def _acquire(
         leases = {p.name: p.lease or p.name for p in o.plan.document.pools if p.kind == "committed"}
         hints = reservation_hints(read_reservations(cloud), leases, time.time()) if leases else {}
     bundle = load_bundle(o.plan.hall)
+    if bundle.expired() and any(t.launch for t in targets):
+        # each launch's subset is dated now (sco.contract.userdata), so new nodes still take their budgets; but the
+        # contracts they get are those of a bundle nobody re-signed in its whole lifetime (or a stale copy)
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(bundle.expires_at or 0))
+        result["warnings"].append(
+            f"bundle serial {bundle.serial} expired at {when}: launches carry its contracts; re-sign it"
+            " (contract_distributor) or check where this host reads it"
+        )
     keys = [load_private(Path(k)) for k in o.signing_keys]
     if not keys and any(t.launch for t in targets):
         raise ConfigError("signing_keys: give the keys that sign each new instance's contract subset")
