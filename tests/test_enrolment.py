@@ -391,6 +391,8 @@ def test_nodes_the_api_keeps_refusing_to_delete_never_hold_back_a_relay_revocati
         h.state.transition(inst.id, "deleted", "instance.deleted", reason="reclaimed")
     # the first: revoked on the relay, its Node still there (the API refused the delete)
     h.state.conn.execute("UPDATE enrolment SET revoked_at = clock_timestamp() WHERE instance_id = %s", (stuck.id,))
+    both = rows.to_revoke(h.state.conn, HALL, limit=2)  # the stuck one is still due (its Node), the other wholly
+    assert {i.instance_id for i in both} == {stuck.id, fresh.id}, both
     (first,) = rows.to_revoke(h.state.conn, HALL, limit=1)
     assert first.instance_id == fresh.id and not first.relay_done
 
