@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness import AgentEnv, add_pod
-from tests.test_drill import REPO, run_playbook, start_relay
+from tests.relays import REPO, run_playbook, start_relay
 
 from sco.contract.signing import write_keypair
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn

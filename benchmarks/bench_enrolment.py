@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness import free_port
-from tests.test_relay_jwt import HALL, start_jwt_relay
+from tests.relays import HALL, start_jwt_relay
 
 from sco.contract.enrolment import creds_text
 from sco.control.acquirer import ENROL_TOKEN, Acquirer

@@ -601,7 +601,7 @@ def reads(dsn: str, counter: SqlCounter) -> dict[str, Any]:
 
 def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> list[dict[str, Any]]:
     from tests.harness import hall_bundle
-    from tests.test_drill import as_user, start_relay
+    from tests.relays import as_user, start_relay
 
     from sco.contract.signing import generate, write_keypair
 

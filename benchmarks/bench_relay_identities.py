@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.harness import free_port, wait_for
-from tests.test_drill import BIN, RENDER, ROLE, as_user, run_playbook
+from tests.harness import BIN, free_port, wait_for
+from tests.relays import RENDER, ROLE, as_user, run_playbook
 
 SIZES = (500, 1000, 5000)
 

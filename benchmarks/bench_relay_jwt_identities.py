@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.harness import free_port, wait_for
-from tests.test_drill import BIN
+from tests.harness import BIN, free_port, wait_for
 
 from sco.provider import relay_identity as ri
 

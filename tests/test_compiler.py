@@ -214,4 +214,5 @@ def test_parallel_and_serial_loading_give_the_same_payload(tmp_path: Path) -> No
         (repo / "contracts" / f"single-{i:02d}.yaml").write_text(
             contract_yaml(f"single-{i:02d}", selector=f"{{namespace: single-{i:02d}}}")
         )
-    assert compile_repo(repo, workers=1) == compile_repo(repo, workers=2)
+    now = 2_000_000_000.0  # the expiry is dated from the signing time: one for both
+    assert compile_repo(repo, workers=1, now=now) == compile_repo(repo, workers=2, now=now)

@@ -44,9 +44,11 @@ def userdata(tmp_path: Path):  # type: ignore[no-untyped-def]
     """Per-node cloud-init user-data from the contract layer: the signed subset and the trusted key."""
     key = generate()
     bundle = Bundle.from_bytes(hall_bundle(tmp_path / "ud", key), Keyring([key.public]))
+    launched_at = time.time()  # a subset is dated at its launch: one date, so a render again gives the same bytes
 
     def ud(name: str) -> str:
-        return render(bundle, [key], [key.public], node_env={"SCO_AGENT_HALL": "local", "SCO_AGENT_NODE": name})
+        env = {"SCO_AGENT_HALL": "local", "SCO_AGENT_NODE": name}
+        return render(bundle, [key], [key.public], node_env=env, now=launched_at)
 
     ud.key = key  # type: ignore[attr-defined]
     return ud
