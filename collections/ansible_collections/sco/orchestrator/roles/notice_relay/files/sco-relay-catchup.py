@@ -71,7 +71,7 @@ async def pack(server: str, creds: str, timeout: float) -> dict[str, str]:
                 done.set()
                 return
             for line in msg.data.decode().splitlines():
-                account, _, token = line.partition("|")
+                account, token = line.partition("|")[::2]
                 if ACCOUNT.fullmatch(account) and token:
                     got[account] = token
 

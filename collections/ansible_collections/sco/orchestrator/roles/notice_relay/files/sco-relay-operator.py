@@ -181,7 +181,7 @@ def route_password(path: Path, check: bool) -> str:
     lookup makes it (a static-mode hall's file is kept: both modes read the same one)."""
     if not path.exists():
         alphabet = string.ascii_letters + string.digits
-        made = "".join(secrets.choice(alphabet) for _ in range(32))
+        made = "".join(secrets.choice(alphabet) for position in range(32))
         if check:
             return made
         write(path, f"{made}\n".encode(), check, [])
