@@ -57,6 +57,10 @@ _HEAVY = {
 # worker, so the cluster starts once, not once per worker that picks up one of their tests.
 _ONE_WORKER = {"test_patroni"}
 
+# Modules that run the notice_relay role on this machine: each run sets the one sco-nats user's home to its own test's
+# store directory, so one module's run between another's two would make the second's idempotence check fail.
+_RELAY_ROLE = {"test_drill_operator", "test_enrol_unit", "test_relay_operator_role", "test_relay_operator_cluster"}
+
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups into node id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -76,6 +80,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             rank[item.nodeid] = 2
         elif module in _ONE_WORKER:
             item.add_marker(pytest.mark.xdist_group(name=module))
+            rank[item.nodeid] = 2
+        elif module in _RELAY_ROLE:
+            item.add_marker(pytest.mark.xdist_group(name="relay-role"))
             rank[item.nodeid] = 2
         elif module in _HEAVY:
             rank[item.nodeid] = 2
