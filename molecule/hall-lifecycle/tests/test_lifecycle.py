@@ -111,10 +111,10 @@ def _unit(run: Any, unit: str) -> dict[str, list[str]]:
     return out
 
 
-def _service_command(run: Any, unit: str, key: str = "ExecStart", user: str | None = None) -> str:
-    """The shell line that runs ``unit``'s ``key`` command as systemd would: as its User (DynamicUser: root, no
-    dynamic users here), its EnvironmentFile and Environment set, its LoadCredential files copied into
-    $CREDENTIALS_DIRECTORY."""
+def _service_command(run: Any, unit: str, key: str = "ExecStart", user: str | None = None, index: int = -1) -> str:
+    """The shell line that runs ``unit``'s ``key`` command (its ``index``-th) as systemd would: as its User
+    (DynamicUser: root, no dynamic users here), its EnvironmentFile and Environment set, its LoadCredential files
+    copied into $CREDENTIALS_DIRECTORY."""
     u = _unit(run, unit)
     pre = ["set -a"]
     for f in u.get("EnvironmentFile", []):
@@ -144,8 +144,9 @@ def _service_command(run: Any, unit: str, key: str = "ExecStart", user: str | No
             pre.append(f"cp {src} {d}/{name}")
         pre.append(f"export CREDENTIALS_DIRECTORY={d}")
     pre.append("set +a")
-    raw = u[key][-1]
-    cmd = raw.lstrip("+-@:!")
+    raw = u[key][index]
+    # systemd's "$$" is a literal "$" (a shell would read the pid)
+    cmd = raw.lstrip("+-@:!").replace("$$", "$")
     # "+": the command runs with full privileges (root), whatever User says
     user = "root" if "+" in raw[: len(raw) - len(cmd)] else user or (u.get("User") or ["root"])[-1]
     as_user = f"runuser -u {user} -- " if user != "root" else ""
@@ -167,6 +168,16 @@ class Host:
         return out.stdout
 
     def start(self, unit: str, log: str, user: str | None = None) -> None:
+        """``unit`` started as systemd starts it: each ExecStartPre in order (one failing stops the start unless its
+        line begins with "-"), then ExecStart in the background."""
+        LOGS.mkdir(parents=True, exist_ok=True)
+        for i, raw in enumerate(_unit(self.run, unit).get("ExecStartPre", [])):
+            line = _service_command(self.run, unit, "ExecStartPre", user=user, index=i)
+            out = self.th.ssh("bash", "-c", shlex.quote(line), check=False, timeout=120)
+            with open(LOGS / f"{log}-pre.log", "a") as f:
+                f.write(f"=== ExecStartPre {raw}\nexit {out.returncode}\n{out.stdout}{out.stderr}\n")
+            prefix = raw[: len(raw) - len(raw.lstrip("+-@:!"))]
+            assert out.returncode == 0 or "-" in prefix, f"{self.name}: {unit}: ExecStartPre={raw}\n{out.stderr[-2000:]}"
         line = _service_command(self.run, unit, user=user)
         self.run(f"setsid bash -c {shlex.quote(line)} > /var/log/{log}.log 2>&1 < /dev/null &")
 
@@ -445,6 +456,18 @@ def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: An
             kube.cluster.get_pod("ci", "runner-0")  # evicted
         _wait(lambda: conn.compute.find_server(server.id, ignore_missing=True, all_projects=True) is None, 120,
               "the server deleted")  # fmt: skip
+        t_gone = time.time()
+
+        def node_deleted() -> bool:
+            try:
+                kube.cluster.get_node(node)
+            except ApiError:
+                return True
+            return False
+
+        # the enrolment service's sweep deletes the Node of an instance Nova no longer has (its uid the precondition)
+        _wait(node_deleted, 60, "the Node deleted from Kubernetes", 1)
+        print(f"lifecycle: Node {node} deleted {time.time() - t_gone:.1f} s after the server was gone")
         # its identity revoked: the creds it enrolled with refused by the relay
         probe = (
             "import asyncio, nats\n"
@@ -467,9 +490,9 @@ def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: An
             r["metric"]["job"]: float(r["value"][1]) for r in _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]
         }
         print(f"lifecycle: Prometheus samples of up by job: {scraped}")
-        # job sco-agent: role monitoring's file_sd of the enrolled agents; sco-agent-launched: the inventory's static
-        # target at the instance's address
-        q = urllib.parse.quote('max(max_over_time(up{job=~"sco-agent|sco-agent-launched"}[30m]))')
+        # job sco-agent: role monitoring's file_sd of the enrolled agents (the enrolment service writes it), the only
+        # way this hall knows the instance's address
+        q = urllib.parse.quote(f'max(max_over_time(up{{job="sco-agent",instance="{INSTANCE_ADDR}:9469"}}[30m]))')
         agent_up = _get(f"{PROM}/api/v1/query?query={q}")["data"]["result"]
         assert agent_up and float(agent_up[0]["value"][1]) == 1, agent_up
 
