@@ -16,7 +16,7 @@ from sco_devkit.demo import sample_repo
 from sco_devkit.devcluster.slurm import SlurmCluster
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from sco_devkit.standins.logind import LogindStandIn, PrivateBus
-from tests.harness import AGENT_USER, NatsServer, hall_bundle, outside_pytest_tmp, wait_for
+from tests.harness import AGENT_USER, NatsServer, PodCgroups, hall_bundle, outside_pytest_tmp, wait_for
 from tests.slurm_hall import JOB, ROOT
 
 # torch's dynamo registers a substitute for sys.intern when first imported; ansible-core's module_utils replace
@@ -155,6 +155,15 @@ def kube():  # type: ignore[no-untyped-def]
     srv = KubeApiStandIn().start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def pod_cgroups():  # type: ignore[no-untyped-def]
+    """Real cgroups named as kubelet names pods' (tests.harness.PodCgroups): a checkpoint client is a pod's by its
+    cgroup; the agent is given ``pod_cgroups.root`` as kube_cgroup_root."""
+    cg = PodCgroups()
+    yield cg
+    cg.close()
 
 
 # --- fleet state and OpenStack (provider tests) ----------------------------------------------------------

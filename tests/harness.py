@@ -615,3 +615,59 @@ def run_sco_agent(*args: str, env: dict[str, str]) -> subprocess.CompletedProces
     return subprocess.run(
         [str(BIN / "sco-agent"), *args], capture_output=True, text=True, timeout=30, env={**clean, **env}
     )
+
+
+def cgroup2_mount() -> Path:
+    """Where the unified (v2) cgroup hierarchy is mounted: /sys/fs/cgroup, or /sys/fs/cgroup/unified on a hybrid."""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 2 and parts[2] == "cgroup2":
+            return Path(parts[1])
+    raise RuntimeError("no cgroup2 hierarchy is mounted (the pod cgroups these tests make need one)")
+
+
+class PodCgroups:
+    """Real cgroups named as kubelet names a pod's (systemd cgroup driver), under a root of this test's in the
+    unified hierarchy: ``<root>/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<uid>.slice/``.
+    ``root`` is what the agent's ``kube_cgroup_root`` (kubelet's --cgroup-root) is set to. A process is put into its
+    pod's cgroup by the kernel (written to cgroup.procs, as the container runtime does) before it execs the workload,
+    so what the agent reads in /proc/<pid>/cgroup is the kernel's, as for a real container."""
+
+    def __init__(self) -> None:
+        import uuid
+
+        self.mount = cgroup2_mount()
+        self.name = f"sco-test-{uuid.uuid4().hex[:12]}"
+        self.dir = self.mount / self.name
+        self.dir.mkdir()
+        self.root = "/" + self.name
+
+    def of(self, pod: dict[str, Any]) -> Path:
+        uid = pod["metadata"]["uid"].replace("-", "_")
+        d = (
+            self.dir / "kubepods.slice" / "kubepods-besteffort.slice"
+            / f"kubepods-besteffort-pod{uid}.slice" / "cri-containerd-test.scope"
+        )  # fmt: skip
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def argv(self, pod: dict[str, Any] | None, argv: list[str]) -> list[str]:
+        """``argv`` run inside ``pod``'s cgroup (None: in this test's root, in no pod)."""
+        d = self.of(pod) if pod is not None else self.dir
+        return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(d), *argv]
+
+    def close(self) -> None:
+        """Remove the cgroups, deepest first, once their processes are gone (a cgroup with a process cannot go)."""
+        dirs = sorted((p for p in self.dir.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+        deadline = time.monotonic() + 5
+        for d in [*dirs, self.dir]:
+            while True:
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)

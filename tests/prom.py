@@ -26,8 +26,8 @@ RULES = ROOT / "collections/ansible_collections/sco/orchestrator/roles/monitorin
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as r:
+def scrape(url: str, timeout: float = 5) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         return str(r.read().decode())
 

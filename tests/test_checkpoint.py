@@ -298,27 +298,32 @@ def test_refuses_to_replace_a_live_socket_or_a_file(sock_dir: Path) -> None:
         s.bind(str(path))
         s.close()
         b = await _server(path, Recorder())
-        assert oct(path.stat().st_mode & 0o777) == "0o666"
+        assert oct(path.stat().st_mode & 0o777) == "0o660"  # the agent's user and the workloads' group only
         await b.close()
 
     asyncio.run(main())
 
 
-def test_agent_tells_registered_workloads_at_once(tmp_path: Path, sock_dir: Path, kube: Any, nats_server: Any) -> None:
-    """The agent process serves the socket: a workload process registered under the ``web`` contract (6 s budget
-    in the test hall) is told of the notice with its budget, and its answer is in the agent's spool."""
+def test_agent_tells_registered_workloads_at_once(
+    tmp_path: Path, sock_dir: Path, kube: Any, nats_server: Any, pod_cgroups: Any
+) -> None:
+    """The agent process serves the socket: a workload process of pod web-0 (in its cgroup) registered under the
+    ``web`` contract (6 s budget in the test hall) is told of the notice with its budget, and its answer is in the
+    agent's spool."""
     import subprocess
 
     from tests.harness import AgentEnv, add_pod, wait_for
 
     path = sock_dir / "agent.sock"
-    env = AgentEnv(tmp_path / "agent", kube, nats_server, checkpoint_socket=str(path))
-    add_pod(kube, "web", "web-0", env.node, prestop=0.5)
+    env = AgentEnv(
+        tmp_path / "agent", kube, nats_server, checkpoint_socket=str(path), kube_cgroup_root=pod_cgroups.root
+    )
+    pod = add_pod(kube, "web", "web-0", env.node, prestop=0.5)
     proc = None
     try:
         env.start().wait_subscribed()
         argv = [sys.executable, "-m", "tests.checkpoint_workload", str(path), "web-0", "done:0.3", "web"]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(pod_cgroups.argv(pod, argv), stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         registered = json.loads(proc.stdout.readline())
         assert registered["kind"] == "registered" and registered["budget_s"] == 6.0
@@ -375,3 +380,32 @@ def test_slurm_job_of_reads_cgroup_then_environment(tmp_path: Path) -> None:
     assert slurm_job_of(12, tmp_path) is None
     assert slurm_job_of(13, tmp_path) is None  # gone
     assert slurm_job_of(-1, tmp_path) is None
+
+
+def test_bound_job_and_pod_come_only_from_where_the_scheduler_puts_them(tmp_path: Path) -> None:
+    """What a registration is bound to: a ``job_<id>`` or ``pod<uid>`` cgroup a user made in a subtree delegated to
+    it, or SLURM_JOB_ID in its environment, names nothing (the process chose them)."""
+    from sco.agent.checkpoint import slurm_job_bound
+    from sco.agent.owner import pod_cgroup, pod_uid_of
+
+    uid = "0f5e1c9a-1b2c-4d3e-8f90-123456789abc"
+    u_ = uid.replace("-", "_")  # the systemd cgroup driver's spelling
+    cgroups = {
+        10: "0::/system.slice/slurmstepd.scope/job_4242/step_batch/user/task_0\n",  # cgroup v2
+        11: "4:freezer:/slurm/uid_1000/job_77/step_0/task_0\n0::/\n",  # cgroup v1
+        12: "0::/user.slice/user-1000.slice/user@1000.service/job_99/x\n",  # delegated: forged
+        13: f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u_}.slice/cri-containerd-a.scope\n",
+        14: f"0::/kubepods/besteffort/pod{uid}/abc123\n",  # cgroupfs driver
+        15: f"0::/user.slice/user-1000.slice/user@1000.service/kubepods/pod{uid}/x\n",  # delegated: forged
+        16: f"0::/node-root/kubepods.slice/kubepods-pod{u_}.slice/c\n",  # --cgroup-root=/node-root
+    }
+    for pid, text in cgroups.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_text(text)
+        (tmp_path / str(pid) / "environ").write_bytes(b"SLURM_JOB_ID=5\0")
+        (tmp_path / str(pid) / "stat").write_bytes(f"{pid} (sh) S 1 1".encode())
+    assert slurm_job_bound(10, tmp_path) == 4242
+    assert slurm_job_bound(11, tmp_path) == 77
+    assert slurm_job_bound(12, tmp_path) is None  # neither the delegated job_99 nor its SLURM_JOB_ID=5
+    assert [pod_uid_of(p, tmp_path) for p in (13, 14, 15, 16)] == [uid, uid, None, None]
+    assert pod_uid_of(16, tmp_path, pod_cgroup("/node-root")) == uid

@@ -21,7 +21,7 @@ import pytest
 from sco.agent.inhibit import InhibitError, Logind
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from sco_devkit.standins.logind import LogindStandIn, PrivateBus
-from tests.harness import AgentEnv, KubeletDouble, NatsServer, add_pod, wait_for
+from tests.harness import AgentEnv, KubeletDouble, NatsServer, PodCgroups, add_pod, wait_for
 
 WINDOW = 20.0
 
@@ -200,7 +200,12 @@ def test_fallback_without_kubelet_shutdown_says_so(
 
 
 def test_shutdown_waits_for_the_workloads_final_write(
-    tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer, bus: PrivateBus, logind: LogindStandIn
+    tmp_path: Path,
+    kube: KubeApiStandIn,
+    nats_server: NatsServer,
+    bus: PrivateBus,
+    logind: LogindStandIn,
+    pod_cgroups: PodCgroups,
 ) -> None:
     """Around a silent API, the agent's lock holds the shutdown until the workload on the checkpoint socket has
     answered done (its final write), even after kubelet has let go."""
@@ -209,14 +214,22 @@ def test_shutdown_waits_for_the_workloads_final_write(
 
     with tempfile.TemporaryDirectory(prefix="sco-ck-") as d:
         sock = Path(d) / "ck.sock"
-        env = AgentEnv(tmp_path / "agent", kube, nats_server, logind_bus=bus.address, checkpoint_socket=str(sock))
-        add_pod(kube, "web", "web-0", env.node, prestop=0.3)
+        env = AgentEnv(
+            tmp_path / "agent",
+            kube,
+            nats_server,
+            logind_bus=bus.address,
+            checkpoint_socket=str(sock),
+            kube_cgroup_root=pod_cgroups.root,
+        )
+        pod = add_pod(kube, "web", "web-0", env.node, prestop=0.3)
         kubelet = KubeletDouble(bus.address, kube, env.node)
         client = None
         try:
             env.start().wait_subscribed()
-            argv = [sys.executable, "-m", "tests.checkpoint_workload", str(sock), "trainer", "done:2.5", "batch"]
-            client = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+            # the pod's own process (its cgroup), under the pod's contract
+            argv = [sys.executable, "-m", "tests.checkpoint_workload", str(sock), "trainer", "done:2.5", "web"]
+            client = subprocess.Popen(pod_cgroups.argv(pod, argv), stdout=subprocess.PIPE, text=True)
             assert client.stdout is not None
             assert json.loads(client.stdout.readline())["kind"] == "registered"
             kube.go_silent(30)

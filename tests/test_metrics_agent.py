@@ -3,6 +3,7 @@ nats-server, then the exposition read back, checked by `promtool check metrics`,
 
 from __future__ import annotations
 
+import contextlib
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,3 +136,55 @@ def test_a_port_in_use_is_recorded_and_the_agent_still_drains(
             assert env.outcome(15)["type"] == "drain.drained"
         finally:
             env.stop()
+
+
+def test_idle_connections_cannot_starve_a_scrape(agent: AgentEnv) -> None:
+    """Issue 29: 16 idle connections took every slot of /metrics (before: each scrape below was closed unanswered).
+    A sleeper keeps 100 connections open that never send a request, opening a new one whenever one is closed;
+    every scrape meanwhile answers within 2 s (well inside Prometheus' 10 s scrape timeout)."""
+    import socket
+    import threading
+    import time
+
+    agent.start()
+    wait_for(lambda: "metrics on http" in agent.logtext(), 10, "the metrics endpoint")
+    host, port = parse_listen(agent.metrics_url.split("/")[2])
+    stop = threading.Event()
+    opened = [0]
+
+    def sleeper() -> None:
+        conns: list[socket.socket] = []
+        while not stop.is_set():
+            for s in list(conns):  # closed by the agent: reopen, as an attacker would
+                s.setblocking(False)
+                try:
+                    if s.recv(1) == b"":
+                        conns.remove(s)
+                        s.close()
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    conns.remove(s)
+                    s.close()
+            while len(conns) < 100 and not stop.is_set():
+                with contextlib.suppress(OSError):
+                    conns.append(socket.create_connection((host, port), timeout=2))
+                    opened[0] += 1
+            stop.wait(0.05)
+        for s in conns:
+            s.close()
+
+    t = threading.Thread(target=sleeper, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: opened[0] >= 100, 10, "100 idle connections")
+        took = []
+        for _ in range(6):  # over 3 s: across the agent's 2 s deadline for a request
+            t0 = time.monotonic()
+            assert "sco_agent_drains_total" in scrape(agent.metrics_url, timeout=2)
+            took.append(time.monotonic() - t0)
+            time.sleep(0.5)
+        assert max(took) < 2
+    finally:
+        stop.set()
+        t.join(10)

@@ -26,6 +26,7 @@ from tests.harness import (
     AgentEnv,
     KubeletDouble,
     NatsServer,
+    PodCgroups,
     add_pod,
     wait_for,
 )
@@ -112,7 +113,7 @@ def _argv(bucket: str, run: str, out: Path) -> list[str]:
 
 def _through_a_reclaim(
     tmp_path: Path, kube: KubeApiStandIn, env: AgentEnv, ceph: CephCluster, sock: Path, run: str, silent: bool,
-    bus_address: str | None = None,
+    cgroups: PodCgroups, bus_address: str | None = None,
 ) -> None:  # fmt: skip
     creds = provision(ceph, "batch")
     wenv = {**workload_env(ceph, creds), "SCO_CHECKPOINT_SOCKET": str(sock)}
@@ -122,7 +123,8 @@ def _through_a_reclaim(
     w = None
     try:
         env.start().wait_subscribed()
-        w = PodProcess(kube, pod, _argv(creds["bucket"], run, tmp_path / "unused.pt"), wenv)
+        # the pod's process in the pod's cgroup: the agent binds its registration to the pod (and its contract)
+        w = PodProcess(kube, pod, cgroups.argv(pod, _argv(creds["bucket"], run, tmp_path / "unused.pt")), wenv)
         w.wait("registered")
         w.wait("checkpoint")  # its first periodic one
         time.sleep(0.35)  # a step in progress
@@ -165,12 +167,14 @@ def _through_a_reclaim(
 
 
 def test_checkpoints_on_the_socket_notice_on_the_scheduler_path(
-    tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer, ceph: CephCluster
+    tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer, ceph: CephCluster, pod_cgroups: PodCgroups
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="sco-ck-") as d:
         sock = Path(d) / "ck.sock"
-        env = AgentEnv(tmp_path / "agent", kube, nats_server, checkpoint_socket=str(sock))
-        _through_a_reclaim(tmp_path, kube, env, ceph, sock, "kube-api", silent=False)
+        env = AgentEnv(
+            tmp_path / "agent", kube, nats_server, checkpoint_socket=str(sock), kube_cgroup_root=pod_cgroups.root
+        )
+        _through_a_reclaim(tmp_path, kube, env, ceph, sock, "kube-api", silent=False, cgroups=pod_cgroups)
 
 
 def test_checkpoints_before_kubelet_shutdown_when_the_api_is_silent(
@@ -180,8 +184,18 @@ def test_checkpoints_before_kubelet_shutdown_when_the_api_is_silent(
     ceph: CephCluster,
     bus: PrivateBus,
     logind: LogindStandIn,
+    pod_cgroups: PodCgroups,
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="sco-ck-") as d:
         sock = Path(d) / "ck.sock"
-        env = AgentEnv(tmp_path / "agent", kube, nats_server, checkpoint_socket=str(sock), logind_bus=bus.address)
-        _through_a_reclaim(tmp_path, kube, env, ceph, sock, "kube-around", silent=True, bus_address=bus.address)
+        env = AgentEnv(
+            tmp_path / "agent",
+            kube,
+            nats_server,
+            checkpoint_socket=str(sock),
+            logind_bus=bus.address,
+            kube_cgroup_root=pod_cgroups.root,
+        )
+        _through_a_reclaim(
+            tmp_path, kube, env, ceph, sock, "kube-around", silent=True, cgroups=pod_cgroups, bus_address=bus.address
+        )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,17 @@ from sco.agent.deadline import Deadline
 
 log = logging.getLogger("sco.agent.checkpoint")
 _JOB_CGROUP = re.compile(r"/job_(\d+)(/|$)", re.M)
+# Only where slurmstepd makes jobs' cgroups (cgroup v2: system.slice/[<node>_]slurmstepd.scope; v1:
+# slurm[_<node>]/uid_<n>): a "job_<id>" a user made in a subtree delegated to it is not a job.
+_JOB_CGROUP_BOUND = re.compile(
+    r"^\d+:[^:\n]*:/(?:system\.slice/(?:[^/\n]+_)?slurmstepd\.scope|slurm(?:_[^/\n]+)?/uid_\d+)/job_(\d+)(?:/|$)", re.M
+)
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 64 * 1024  # a registration is a few hundred bytes; anything longer is not a client of ours
 MAX_CLIENTS = 1024
+MAX_PER_UID = 128  # one uid cannot hold the node's slots (pods sharing a uid share this cap)
+REGISTER_WITHIN_S = 10.0  # a connection that has not registered by then is closed: idle ones hold no slot
 NAME_MAX = 253
 
 # States a registration goes through. "settled" ones need no more waiting.
@@ -45,6 +53,39 @@ BudgetFn = Callable[[str | None], float | None]
 """contract name (or None) -> the contract's drain budget in seconds, None when the bundle has no such contract."""
 EventFn = Callable[..., None]
 """(event type, **fields): where the server records what happened (the agent's spool)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The pod or Slurm job a client process runs in, as the node sees it (its cgroup, then the scheduler)."""
+
+    kind: str  # "pod" or "job"
+    name: str  # namespace/name, or the job id
+    contract: str | None  # the contract the bundle puts it under; None: none covers it
+    job: int | None = None
+
+
+class NotAWorkload(Exception):
+    """The client process is in no pod or job of this node (the message says what was looked at)."""
+
+
+class OwnerUnknown(Exception):
+    """The process's pod or job could not be checked now (the scheduler did not answer): the client may retry."""
+
+
+OwnerFn = Callable[[int, int], Awaitable[Owner]]
+"""(pid, uid) from SO_PEERCRED -> the pod or job the process runs in; raises NotAWorkload or OwnerUnknown."""
+RefusedFn = Callable[[str], None]
+"""reason -> counted (the agent's sco_agent_checkpoint_refusals_total)."""
+REFUSAL_REASONS = ("not_a_workload", "wrong_contract", "unverified", "uid_cap", "full")
+
+
+class Refused(Exception):
+    """A registration refused: ``reason`` one of REFUSAL_REASONS, the message one line for the client."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ProtocolError(Exception):
@@ -153,11 +194,29 @@ def slurm_job_of(pid: int, proc: Path = Path("/proc")) -> int | None:
 _STEPD_CMD = re.compile(rb"^slurmstepd: \[(\d+)\.")
 
 
-def _stepd_ancestor_job(pid: int, proc: Path) -> int | None:
+def slurm_job_bound(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The Slurm job a process runs in, from what the process cannot choose: its cgroup (``job_<id>``,
+    proctrack/cgroup), else the root-owned ``slurmstepd: [<job>.<step>]`` it descends from (proctrack/linuxproc).
+    Never its environment (SLURM_JOB_ID is the process's own to set)."""
+    if pid <= 0:
+        return None
+    try:
+        m = _JOB_CGROUP_BOUND.search((proc / str(pid) / "cgroup").read_text())
+    except (OSError, ValueError):
+        return None
+    if m:
+        return int(m.group(1))
+    return _stepd_ancestor_job(pid, proc, root_only=True)
+
+
+def _stepd_ancestor_job(pid: int, proc: Path, root_only: bool = False) -> int | None:
     for _ in range(64):  # a job's process tree is shallow; a loop guard, not a limit anyone meets
         try:
             ppid = int((proc / str(pid) / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
             m = _STEPD_CMD.match((proc / str(ppid) / "cmdline").read_bytes())
+            # any process may rename itself "slurmstepd: [...]": only root's (slurmstepd runs as root) counts
+            if m and root_only and (proc / str(ppid)).stat().st_uid != 0:
+                m = None
         except (OSError, ValueError, IndexError):
             return None
         if m:
@@ -213,15 +272,29 @@ class CheckpointServer:
         budget_for: BudgetFn,
         on_event: EventFn | None = None,
         clock: Callable[[], float] = time.time,
-        mode: int = 0o666,
+        mode: int = 0o660,
+        group: str = "",
         max_clients: int = MAX_CLIENTS,
+        max_per_uid: int = MAX_PER_UID,
+        owner_of: OwnerFn | None = None,
+        on_refused: RefusedFn | None = None,
+        register_within: float = REGISTER_WITHIN_S,
     ) -> None:
         self.path = Path(path)
         self.budget_for = budget_for
         self.on_event = on_event or (lambda *a, **k: None)
         self.clock = clock
         self.mode = mode
+        self.group = group
         self.max_clients = max_clients
+        self.max_per_uid = max_per_uid
+        # None: a client's word on its contract is taken (library use, tests of the protocol); the agent always
+        # binds a registration to the caller's pod or job.
+        self.owner_of = owner_of
+        self.on_refused = on_refused or (lambda reason: None)
+        self.register_within = register_within
+        self.refusals: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
+        self._said: dict[str, float] = {}  # refusal reason -> when last logged (a flood is one line a minute)
         self.workloads: dict[str, Workload] = {}
         self.notice: ActiveNotice | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -240,10 +313,25 @@ class CheckpointServer:
             if self._live(self.path):
                 raise FileExistsError(f"{self.path}: another process is listening on it")
             self.path.unlink()  # a stale socket from a previous run
+        gid = -1
+        if self.group:
+            try:
+                gid = grp.getgrnam(self.group).gr_gid
+            except KeyError:
+                raise FileNotFoundError(f"checkpoint_group: no group {self.group!r} on this node") from None
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=MAX_LINE)
-        # Workloads run as other users (Slurm jobs, containers): anyone on the node may connect. What a
-        # client can do is bounded by its contract's budget and the deadline, never beyond.
-        os.chmod(self.path, self.mode)
+        # Only the workloads' users connect: the socket's group (the workloads' users are its members, pods get
+        # it as a supplemental group), never every local process. Whoever connects is still bound to the pod or
+        # job its process runs in (owner_of).
+        try:
+            if gid >= 0:
+                os.chown(self.path, -1, gid)
+            os.chmod(self.path, self.mode)
+        except OSError:
+            self._server.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            raise
         log.info("checkpoint socket listening on %s", self.path)
 
     @staticmethod
@@ -392,10 +480,20 @@ class CheckpointServer:
         self._conns.add(task)
         pid, uid = _peercred(writer.get_extra_info("socket"))
         w: Workload | None = None
+        registered_by = time.monotonic() + self.register_within
         try:
             while True:
                 try:
-                    line = await reader.readuntil(b"\n")
+                    if w is None:  # an idle connection that never registers holds nothing for long
+                        async with asyncio.timeout_at(
+                            asyncio.get_running_loop().time() + max(0.0, registered_by - time.monotonic())
+                        ):
+                            line = await reader.readuntil(b"\n")
+                    else:
+                        line = await reader.readuntil(b"\n")
+                except TimeoutError:
+                    self._error(writer, f"no registration within {self.register_within:g} s; closing")
+                    return
                 except asyncio.IncompleteReadError:
                     return  # EOF (a partial last line is dropped: it was never a whole message)
                 except asyncio.LimitOverrunError:
@@ -407,11 +505,15 @@ class CheckpointServer:
                     msg = json.loads(line)
                     if not isinstance(msg, dict):
                         raise ProtocolError("expected a JSON object per line")
-                    w = self._handle(msg, w, writer, pid, uid)
+                    w = await self._handle(msg, w, writer, pid, uid)
+                except Refused as e:
+                    self._refused(e, pid, uid)
+                    self._error(writer, str(e))
+                    if e.reason in ("full", "uid_cap", "not_a_workload", "wrong_contract"):
+                        await writer.drain()
+                        return  # nothing more to say to it: the slot and the connection go back at once
                 except (ValueError, ProtocolError) as e:  # JSONDecodeError is a ValueError
                     self._error(writer, str(e))
-                    if w is None and len(self.workloads) >= self.max_clients:
-                        return
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -425,7 +527,15 @@ class CheckpointServer:
         with contextlib.suppress(ConnectionError, RuntimeError):
             writer.write(json.dumps({"v": PROTOCOL_VERSION, "op": "error", "error": message}).encode() + b"\n")
 
-    def _handle(
+    def _refused(self, e: Refused, pid: int, uid: int) -> None:
+        self.refusals[e.reason] = self.refusals.get(e.reason, 0) + 1
+        self.on_refused(e.reason)
+        now = time.monotonic()
+        if now - self._said.get(e.reason, -math.inf) >= 60:  # counted always, logged once a minute a reason
+            self._said[e.reason] = now
+            log.warning("checkpoint registration refused (pid %d, uid %d): %s", pid, uid, e)
+
+    async def _handle(
         self, msg: dict[str, Any], w: Workload | None, writer: asyncio.StreamWriter, pid: int, uid: int
     ) -> Workload | None:
         op = msg.get("op")
@@ -435,7 +545,7 @@ class CheckpointServer:
         if op == "register":
             if w is not None:
                 raise ProtocolError("register: this connection is already registered as " + w.id)
-            return self._register(msg, writer, pid, uid)
+            return await self._register(msg, writer, pid, uid)
         if w is None:
             raise ProtocolError(f"op {op!r}: register first")
         if op == "done":
@@ -448,16 +558,43 @@ class CheckpointServer:
             raise ProtocolError(f"op: unknown operation {op!r} (register, done, need, ping)")
         return w
 
-    def _register(self, msg: dict[str, Any], writer: asyncio.StreamWriter, pid: int, uid: int) -> Workload:
+    async def _owner(self, pid: int, uid: int, contract: str | None) -> tuple[str | None, int | None]:
+        """(the contract the registration is under, the Slurm job) as the node sees the caller's process."""
+        if self.owner_of is None:
+            return contract, slurm_job_of(pid)
+        try:
+            owner = await self.owner_of(pid, uid)
+        except NotAWorkload as e:
+            why = f"register: refused: {e}; only a pod's or job's process may register"
+            raise Refused("not_a_workload", why) from None
+        except OwnerUnknown as e:
+            raise Refused("unverified", f"register: refused for now: {e}; try again") from None
+        if contract is not None and contract != owner.contract:
+            theirs = f"contract {owner.contract!r}" if owner.contract else "no contract"
+            raise Refused(
+                "wrong_contract",
+                f"register: refused: contract {contract!r} is not this process's: {owner.kind} {owner.name} is under "
+                f"{theirs}",
+            )
+        return owner.contract, owner.job
+
+    def _room(self, uid: int) -> None:
         if len(self._unsettled()) >= self.max_clients:
-            raise ProtocolError(f"register: {self.max_clients} workloads already registered on this node")
+            raise Refused("full", f"register: {self.max_clients} workloads already registered on this node")
+        if sum(1 for w in self._unsettled() if w.uid == uid) >= self.max_per_uid:
+            raise Refused("uid_cap", f"register: uid {uid} already holds {self.max_per_uid} registrations on this node")
+
+    async def _register(self, msg: dict[str, Any], writer: asyncio.StreamWriter, pid: int, uid: int) -> Workload:
+        self._room(uid)
         name = _name(msg, "workload", True)
         contract = _name(msg, "contract", False)
         assert name is not None
         resume = _figures(msg, "resume", _RESUME_KEYS)
+        contract, job = await self._owner(pid, uid, contract)
+        self._room(uid)  # again: others may have registered while the scheduler was asked
         budget = self.budget_for(contract)
         self._seq += 1
-        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer, slurm_job_of(pid), resume=resume)
+        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer, job, resume=resume)
         self.workloads[w.id] = w
         self._send(
             w,

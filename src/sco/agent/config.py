@@ -138,6 +138,13 @@ class AgentConfig:
     checkpoint_socket: str = "/run/sco/checkpoint.sock"
     """Unix socket workloads register on to be told of a notice (agent/CHECKPOINT-PROTOCOL.md); empty: none.
     Pods reach it by mounting its directory as a hostPath."""
+    checkpoint_group: str = ""
+    """The group the checkpoint socket is given (mode 0660): the workloads' users are its members, pods run with
+    it as a supplemental group. Empty: the agent's own group (only its own user and group connect)."""
+    checkpoint_max_per_uid: int = 128
+    """Registrations one uid may hold at once (of the node's 1,024): one user cannot fill the slots."""
+    kube_cgroup_root: str = "/"
+    """kubelet's --cgroup-root: a checkpoint client is a pod's when its cgroup is under <root>/kubepods."""
 
     @property
     def enrols(self) -> bool:
@@ -347,6 +354,18 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
             p.append(Problem(where, "agent.metrics_listen", f"{e} (empty turns the endpoint off)"))
     if cfg.checkpoint_socket and len(cfg.checkpoint_socket.encode()) > 107:
         p.append(Problem(where, "agent.checkpoint_socket", "a Unix socket path must be at most 107 bytes"))
+    if cfg.checkpoint_group:
+        import grp
+
+        try:
+            grp.getgrnam(cfg.checkpoint_group)
+        except KeyError:
+            p.append(Problem(where, "agent.checkpoint_group", f"no group {cfg.checkpoint_group!r} on this node"))
+    if not cfg.kube_cgroup_root.startswith("/"):
+        got = cfg.kube_cgroup_root
+        p.append(Problem(where, "agent.kube_cgroup_root", f"expected an absolute cgroup path, got {got!r}"))
+    if not 1 <= cfg.checkpoint_max_per_uid <= 1024:
+        p.append(Problem(where, "agent.checkpoint_max_per_uid", "expected 1 to 1024"))
     # Intervals: 0 means "from the bundle"; anything else near 0 (or negative) would be a busy loop.
     for name, lo, hi in (
         ("metadata_poll_seconds", 0.5, 300),
@@ -563,6 +582,8 @@ taint_key = "sco.dev/reclaim"
 spool_max_bytes = 67108864          # 64 MiB
 kube_fallback = "poweroff"          # API silent 800 ms: logind inhibitor + kubelet graceful node shutdown
 checkpoint_socket = "/run/sco/checkpoint.sock"  # workloads register here (pods: hostPath /run/sco); "" disables
+checkpoint_group = ""               # socket mode 0660 with this group (the workloads' users); "": the agent's own
+checkpoint_max_per_uid = 128        # registrations one uid may hold at once (of 1,024)
 metrics_listen = "127.0.0.1:9469"  # Prometheus /metrics (docs/METRICS.md); "" turns it off
 bundle_max_bytes = 33554432         # larger bundle responses are refused (the last good bundle stays)
 bundle_fetch_deadline_seconds = 30  # one bundle request, connect to last byte

@@ -26,7 +26,7 @@ from sco.agent import heartbeat
 from sco.agent import metrics as agent_metrics
 from sco.agent.boot import boot_id
 from sco.agent.bundle_cache import BundleCache, BundleFetcher
-from sco.agent.checkpoint import CheckpointServer
+from sco.agent.checkpoint import CheckpointServer, Owner, OwnerUnknown
 from sco.agent.config import AgentConfig
 from sco.agent.drains import DrainSupervisor
 from sco.agent.enrol import Enrolment
@@ -321,7 +321,21 @@ class Agent:
             notice = self.checkpoint.notice.id if self.checkpoint and self.checkpoint.notice else None
             self.spool.append(type_, ROUTINE, notice=notice, **fields)
 
-        srv = CheckpointServer(Path(self.cfg.checkpoint_socket), budget_for=budget_for, on_event=on_event)
+        async def owner_of(pid: int, uid: int) -> Owner:
+            # every registration is bound to the caller's pod or job (sco.agent.owner), checked by the scheduler
+            if self.scheduler is None or self.scheduler.owner_of is None:
+                raise OwnerUnknown("the agent is starting")
+            return await self.scheduler.owner_of(pid, uid)
+
+        srv = CheckpointServer(
+            Path(self.cfg.checkpoint_socket),
+            budget_for=budget_for,
+            on_event=on_event,
+            group=self.cfg.checkpoint_group,
+            max_per_uid=self.cfg.checkpoint_max_per_uid,
+            owner_of=owner_of,
+            on_refused=self.metrics.checkpoint_refused,
+        )
         try:
             await srv.start()
         except OSError as e:

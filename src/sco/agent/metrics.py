@@ -149,7 +149,18 @@ class AgentMetrics:
             "sco_agent_fallback_engagements_total",
             "Drains that went around a silent scheduler API (logind inhibitor and kubelet graceful shutdown).",
         )
+        self.checkpoint_refusals = Counter(
+            "sco_agent_checkpoint_refusals_total",
+            "Checkpoint socket registrations refused, by reason (not_a_workload: the caller is in no pod or job "
+            "of this node; wrong_contract: it named a contract not its pod's or job's; unverified: the scheduler "
+            "could not be asked; uid_cap: its uid holds checkpoint_max_per_uid already; full: 1,024 registered).",
+            ("reason",),
+            initial=[("not_a_workload",), ("wrong_contract",), ("unverified",), ("uid_cap",), ("full",)],
+        )
         self.gauges: Callable[[], list[tuple[str, str, float | None]]] = list
+
+    def checkpoint_refused(self, reason: str) -> None:
+        self.checkpoint_refusals.inc(reason)
 
     def notice(self, channel: str, verdict: str) -> None:
         self.notices.inc(channel if channel in CHANNELS else "other", verdict)
@@ -182,6 +193,7 @@ class AgentMetrics:
             self.evictions,
             self.forced,
             self.fallbacks,
+            self.checkpoint_refusals,
         ):
             lines += m.render()
         for name, help_, value in self.gauges():
@@ -212,30 +224,59 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 
 class MetricsServer:
-    """GET /metrics over HTTP/1.0 (one request a connection); everything else 404/405. Bounded: a 5 s
-    deadline to read the request, 8 KiB of it at most, a cap on connections at once."""
+    """GET /metrics over HTTP/1.0 (one request a connection); everything else 404/405.
 
-    MAX_CONNECTIONS = 16
+    Idle clients cannot starve a scrape: every connection is accepted and served on its own task (no fixed pool a
+    sleeper holds); its request must arrive within HEADER_TIMEOUT_S (a scraper sends it within milliseconds);
+    and with MAX_CONNECTIONS open, a new connection takes the place of the one that has waited longest for its
+    request (never one being answered). No cap by address: on loopback the scraper and a local sleeper share
+    one, and a cap there would refuse the scraper."""
+
+    MAX_CONNECTIONS = 64
+    HEADER_TIMEOUT_S = 2.0
+    WRITE_TIMEOUT_S = 5.0
 
     def __init__(self, metrics: AgentMetrics, listen: str) -> None:
         self.metrics = metrics
         self.host, self.port = parse_listen(listen)
         self.server: asyncio.Server | None = None
+        self._waiting: dict[asyncio.StreamWriter, float] = {}  # connections not yet sent their request -> since
         self._open = 0
+        self.refused = 0  # every slot answering: closed at once
+        self.shed = 0  # closed to make room for a new connection
+        self.timed_out = 0  # no request within header_timeout
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._handle, self.host, self.port, limit=8192)
         self.port = self.server.sockets[0].getsockname()[1]
 
+    def _admit(self) -> bool:
+        if self._open >= self.MAX_CONNECTIONS:
+            if not self._waiting:
+                self.refused += 1
+                return False  # every slot writes an answer: a few milliseconds each, and this one is refused
+            oldest = min(self._waiting, key=self._waiting.__getitem__)
+            del self._waiting[oldest]
+            self.shed += 1
+            oldest.transport.abort()  # its read returns at once; its handler gives the slot back
+        return True
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._admit():
+            writer.transport.abort()
+            return
         self._open += 1
+        self._waiting[writer] = asyncio.get_running_loop().time()
         try:
-            if self._open > self.MAX_CONNECTIONS:
-                return
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.HEADER_TIMEOUT_S)
+            except TimeoutError:
+                self.timed_out += 1
                 return
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                return
+            finally:
+                self._waiting.pop(writer, None)
             method, _, rest = head.decode("latin-1").partition(" ")
             path = rest.split(" ", 1)[0].split("?", 1)[0]
             if method not in ("GET", "HEAD"):
@@ -256,7 +297,7 @@ class MetricsServer:
             if method != "HEAD":
                 writer.write(body)
             with contextlib.suppress(TimeoutError, ConnectionError):
-                await asyncio.wait_for(writer.drain(), 5)
+                await asyncio.wait_for(writer.drain(), self.WRITE_TIMEOUT_S)
         finally:
             self._open -= 1
             writer.close()
@@ -264,6 +305,8 @@ class MetricsServer:
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
+            for w in list(self._waiting):
+                w.transport.abort()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 2)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sco.agent.bundle_cache import BundleCache
-from sco.agent.checkpoint import CheckpointServer
+from sco.agent.checkpoint import CheckpointServer, OwnerFn
 from sco.agent.config import AgentConfig
 from sco.agent.drain import DrainPath
 from sco.agent.metrics import token_expiry
@@ -35,6 +35,8 @@ class NodeScheduler:
     """The bound token's renewal, when the agent renews it (a root task of its own)."""
     signature: Callable[[], Any] = lambda: None
     """Changes when the credential file does: the preflight checks a rotated credential at once."""
+    owner_of: OwnerFn | None = None
+    """pid -> the pod or job it runs in and that one's contract: what a checkpoint registration is bound to."""
 
     def credential_state(self) -> dict[str, Any] | None:
         """For ``scheduler.json``: the token file, its expiry and its renewal."""
@@ -63,6 +65,7 @@ def node_scheduler(
 def _slurm(
     cfg: AgentConfig, spool: Spool, cache: BundleCache, checkpoint: CheckpointServer | None, api_timeout: float
 ) -> NodeScheduler:
+    from sco.agent.owner import SlurmOwners
     from sco.agent.slurm.drain import SlurmPath
     from sco.schedulers.slurm import SlurmClient
 
@@ -81,7 +84,8 @@ def _slurm(
         state = await slurm.node_state(cfg.node)
         return "DRAIN" not in state.upper()
 
-    return NodeScheduler(path, back_in_service)
+    owners = SlurmOwners(slurm, cfg.node, lambda: cache.bundle, api_timeout)
+    return NodeScheduler(path, back_in_service, owner_of=owners)
 
 
 def _kubernetes(
@@ -95,6 +99,7 @@ def _kubernetes(
     from sco.agent.inhibit import Logind
     from sco.agent.kube.drain import KubePath
     from sco.agent.kube.node import KubeNodePath
+    from sco.agent.owner import KubeOwners
     from sco.schedulers.kube import KubeClient, KubeConfigError
 
     try:
@@ -133,6 +138,12 @@ def _kubernetes(
         tainted = any(t.get("key") == cfg.taint_key for t in spec.get("taints") or [])
         return not tainted and not spec.get("unschedulable")
 
+    owners = KubeOwners(kube, cfg.node, lambda: cache.bundle, max(2.0, api_timeout), cfg.kube_cgroup_root)
     return NodeScheduler(
-        path, back_in_service, token_file=kube.creds.token_file, renewer=renewer, signature=kube.token_file_signature
+        path,
+        back_in_service,
+        token_file=kube.creds.token_file,
+        renewer=renewer,
+        signature=kube.token_file_signature,
+        owner_of=owners,
     )
