@@ -102,3 +102,85 @@ BENCHES = {"checkpoint_socket": bench_checkpoint_socket}
 
 if __name__ == "__main__":
     client_group(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+REGISTRATIONS, NODE_PODS = 200, 110
+
+# One client process in a pod's cgroup: REGISTRATIONS sequential connect-register-close, each timed to the reply.
+_REGISTER_LOOP = """
+import json, socket, sys, time
+path, n, contract = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out = []
+for i in range(n):
+    t0 = time.perf_counter()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(json.dumps({"op": "register", "workload": f"w-{i}", "contract": contract}).encode() + b"\\n")
+    reply = json.loads(s.makefile("rb").readline())
+    out.append((time.perf_counter() - t0) * 1000)
+    assert reply["op"] == "registered", reply
+    s.close()
+print(json.dumps(out))
+"""
+
+
+async def _registrations(bound: bool) -> list[float]:
+    from tests.harness import PodCgroups, add_pod, hall_bundle
+
+    from sco.agent.bundle_cache import BundleCache
+    from sco.agent.owner import KubeOwners
+    from sco.contract.signing import Keyring, generate, write_keypair
+    from sco.schedulers.kube import KubeClient
+    from sco_devkit.standins.kube_apiserver import KubeApiStandIn
+
+    kube = KubeApiStandIn().start()
+    cg = PodCgroups()
+    client = KubeClient(kube.url)
+    try:
+        kube.cluster.add_node("node-1")
+        pods = [add_pod(kube, "web", f"web-{i}", "node-1") for i in range(NODE_PODS)]  # a full node's pods
+        with tempfile.TemporaryDirectory(prefix="sco-bench-ck-") as d:
+            key, root = generate(), Path(d)
+            (root / "trusted").mkdir()
+            (root / "bundle").mkdir()
+            write_keypair(key, root / "signing.key", root / "trusted" / "signing.pub")
+            (root / "bundle" / "bundle.json").write_bytes(hall_bundle(root, key))  # the tests' hall: web is 6 s
+            cache = BundleCache(root / "bundle", Keyring.from_dir(root / "trusted"), time.time)
+            owners = KubeOwners(client, "node-1", lambda: cache.bundle, timeout=2.0, cgroup_root=cg.root)
+            path = root / "ck.sock"
+            srv = CheckpointServer(
+                path, budget_for=lambda c: 6.0, owner_of=owners if bound else None, max_per_uid=REGISTRATIONS
+            )
+            await srv.start()
+            try:
+                argv = [sys.executable, "-c", _REGISTER_LOOP, str(path), str(REGISTRATIONS), "web"]
+                p = await asyncio.create_subprocess_exec(
+                    *cg.argv(pods[NODE_PODS // 2], argv), stdout=asyncio.subprocess.PIPE
+                )
+                out, _ = await p.communicate()
+                assert p.returncode == 0
+                return list(json.loads(out))
+            finally:
+                await srv.close()
+    finally:
+        await client.close()
+        kube.stop()
+        cg.close()
+
+
+def bench_checkpoint_register() -> Iterator[dict[str, Any]]:
+    """Registration latency (connect to ``registered``), the client's word taken (before issue 29) against the
+    registration bound to its pod (its cgroup read, the node's 110 pods listed from the Kubernetes API stand-in
+    over loopback HTTP, the pod's contract from the bundle)."""
+    for bound in (False, True):
+        ms = sorted(asyncio.run(_registrations(bound)))
+        yield {
+            "binding": "pod (cgroup + pod list, 110 pods)" if bound else "none (client's word)",
+            "registrations": len(ms),
+            "p50_ms": round(statistics.median(ms), 2),
+            "p99_ms": round(ms[int(len(ms) * 0.99) - 1], 2),
+            "max_ms": round(ms[-1], 2),
+        }
+
+
+BENCHES["checkpoint_register"] = bench_checkpoint_register

@@ -199,3 +199,46 @@ def test_an_idle_connection_that_never_registers_is_closed(sock_dir: Path) -> No
         assert json.loads(got)["error"] == "no registration within 0.5 s; closing"
 
     asyncio.run(main())
+
+
+def test_a_pod_seen_before_the_api_went_silent_still_registers(tmp_path: Path, kube: KubeApiStandIn) -> None:
+    """Around a silent API (the fallback path's drain), a pod the API had bound to this node at its last answer is
+    still bound to its contract; a pod never seen is "unverified" (retry), not taken on its word."""
+    from sco.agent.bundle_cache import BundleCache
+    from sco.agent.checkpoint import OwnerUnknown
+    from sco.agent.owner import KubeOwners
+    from sco.contract.signing import Keyring, generate, write_keypair
+    from sco.schedulers.kube import KubeClient
+    from tests.harness import hall_bundle
+
+    key = generate()
+    (tmp_path / "trusted").mkdir()
+    (tmp_path / "bundle").mkdir()
+    write_keypair(key, tmp_path / "signing.key", tmp_path / "trusted" / "signing.pub")
+    (tmp_path / "bundle" / "bundle.json").write_bytes(hall_bundle(tmp_path, key))
+    cache = BundleCache(tmp_path / "bundle", Keyring.from_dir(tmp_path / "trusted"), lambda: 0.0)
+    kube.cluster.add_node("node-1")
+    seen = add_pod(kube, "batch", "batch-0", "node-1")
+    later = add_pod(kube, "web", "web-1", "node-1")
+    proc = tmp_path / "proc"
+    for pid, pod in ((10, seen), (11, later)):
+        (proc / str(pid)).mkdir(parents=True)
+        uid = pod["metadata"]["uid"]
+        (proc / str(pid) / "cgroup").write_text(f"0::/kubepods/besteffort/pod{uid}/c0\n")
+
+    async def main() -> None:
+        client = KubeClient(kube.url)
+        owners = KubeOwners(client, "node-1", lambda: cache.bundle, timeout=0.5, proc=proc)
+        try:
+            assert (await owners(10, 0)).contract == "batch"
+            owners._known.pop(later["metadata"]["uid"])  # web-1 was bound after the last list that answered
+            kube.go_silent(30)
+            owner = await owners(10, 0)
+            assert (owner.kind, owner.name, owner.contract) == ("pod", "batch/batch-0", "batch")
+            with pytest.raises(OwnerUnknown, match="the pods of node node-1 could not be listed"):
+                await owners(11, 0)
+        finally:
+            kube.latency_s, kube.silent = 0, False
+            await client.close()
+
+    asyncio.run(main())

@@ -19,7 +19,7 @@ import pwd
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sco.agent.budget import KubeBudgets, SlurmBudgets
 from sco.agent.checkpoint import NotAWorkload, Owner, OwnerUnknown, slurm_job_bound
@@ -27,7 +27,7 @@ from sco.contract.bundle import Bundle
 
 if TYPE_CHECKING:
     from sco.schedulers.kube import KubeClient
-    from sco.schedulers.slurm import SlurmClient
+    from sco.schedulers.slurm import Job, SlurmClient
 
 _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
 
@@ -63,6 +63,7 @@ class KubeOwners:
     ) -> None:
         self.kube, self.node, self.bundle, self.timeout, self.proc = kube, node, bundle, timeout, proc
         self.cgroup_root, self.pattern = cgroup_root, pod_cgroup(cgroup_root)
+        self._known: dict[str, dict[str, Any]] = {}  # the node's pods at the last list that answered, by UID
 
     async def __call__(self, pid: int, peer_uid: int) -> Owner:
         uid = pod_uid_of(pid, self.proc, self.pattern)
@@ -71,13 +72,18 @@ class KubeOwners:
             raise NotAWorkload(f"pid {pid} is in no pod's cgroup (under {where})")
         try:
             pods, _ = await self.kube.pods_on_node(self.node, timeout=self.timeout)
+            self._known = {str((p.get("metadata") or {}).get("uid")): p for p in pods}
         except Exception as e:  # any failure to ask (timeout, 5xx, refused): not verified, not a verdict
-            raise OwnerUnknown(f"the pods of node {self.node} could not be listed ({type(e).__name__}: {e})") from None
-        for pod in pods:
+            # a pod the API bound here at its last answer is still this one (a UID is never reused): a workload
+            # registering while the API is silent (the fallback path's drain) is not turned away for it
+            if uid not in self._known:
+                why = f"{type(e).__name__}: {e}"
+                raise OwnerUnknown(f"the pods of node {self.node} could not be listed ({why})") from None
+        pod = self._known.get(uid)
+        if pod is not None:
             md = pod.get("metadata") or {}
-            if md.get("uid") == uid:
-                b = KubeBudgets(self.bundle()).contract_for(pod)
-                return Owner("pod", f"{md.get('namespace')}/{md.get('name')}", b.contract if b else None)
+            b = KubeBudgets(self.bundle()).contract_for(pod)
+            return Owner("pod", f"{md.get('namespace')}/{md.get('name')}", b.contract if b else None)
         raise NotAWorkload(f"pid {pid} is in pod {uid}'s cgroup, and no such pod is bound to node {self.node}")
 
 
@@ -93,21 +99,24 @@ class SlurmOwners:
         proc: Path = Path("/proc"),
     ) -> None:
         self.slurm, self.node, self.bundle, self.timeout, self.proc = slurm, node, bundle, timeout, proc
+        self._known: dict[int, Job] = {}  # the node's jobs at the last squeue that answered
 
     async def __call__(self, pid: int, peer_uid: int) -> Owner:
         jid = slurm_job_bound(pid, self.proc)
         if jid is None:
             raise NotAWorkload(f"pid {pid} is in no Slurm job (no job_<id> cgroup, no slurmstepd it descends from)")
         try:
-            jobs = await self.slurm.jobs_on_node(self.node)
+            self._known = {j.id: j for j in await self.slurm.jobs_on_node(self.node)}
         except Exception as e:  # slurmctld silent or refusing: not verified, not a verdict
-            raise OwnerUnknown(f"the jobs on node {self.node} could not be listed ({type(e).__name__}: {e})") from None
-        for job in jobs:
-            if job.id == jid:
-                if not _is_user(peer_uid, job.user):
-                    raise NotAWorkload(f"pid {pid} runs as uid {peer_uid}, and job {jid} is {job.user}'s")
-                b, *_ = SlurmBudgets(self.bundle()).for_job(job.account, job.partition, job.comment, 0.0)
-                return Owner("job", str(jid), b.contract if b else None, job=jid)
+            if jid not in self._known:  # a job it listed here at its last answer is still this one
+                why = f"{type(e).__name__}: {e}"
+                raise OwnerUnknown(f"the jobs on node {self.node} could not be listed ({why})") from None
+        job = self._known.get(jid)
+        if job is not None:
+            if not _is_user(peer_uid, job.user):
+                raise NotAWorkload(f"pid {pid} runs as uid {peer_uid}, and job {jid} is {job.user}'s")
+            b, *_ = SlurmBudgets(self.bundle()).for_job(job.account, job.partition, job.comment, 0.0)
+            return Owner("job", str(jid), b.contract if b else None, job=jid)
         raise NotAWorkload(f"pid {pid} is in job {jid}, which is not running on node {self.node}")
 
 
