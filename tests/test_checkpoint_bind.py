@@ -242,3 +242,52 @@ def test_a_pod_seen_before_the_api_went_silent_still_registers(tmp_path: Path, k
             await client.close()
 
     asyncio.run(main())
+
+
+def test_a_pod_cannot_fill_the_slots_with_many_uids(
+    tmp_path: Path, sock_dir: Path, kube: KubeApiStandIn, pod_cgroups: PodCgroups
+) -> None:
+    """The cap holds per pod too: a root container can take any uid, so a second uid of the same pod is refused
+    once the pod holds checkpoint_max_per_uid (1 here); another pod's process still registers."""
+    from sco.agent.bundle_cache import BundleCache
+    from sco.agent.owner import KubeOwners
+    from sco.contract.signing import Keyring, generate, write_keypair
+    from sco.schedulers.kube import KubeClient
+    from tests.harness import hall_bundle
+
+    key = generate()
+    (tmp_path / "trusted").mkdir()
+    (tmp_path / "bundle").mkdir()
+    write_keypair(key, tmp_path / "signing.key", tmp_path / "trusted" / "signing.pub")
+    (tmp_path / "bundle" / "bundle.json").write_bytes(hall_bundle(tmp_path, key))
+    cache = BundleCache(tmp_path / "bundle", Keyring.from_dir(tmp_path / "trusted"), lambda: 0.0)
+    kube.cluster.add_node("node-1")
+    greedy = add_pod(kube, "batch", "batch-0", "node-1")
+    other = add_pod(kube, "batch", "batch-1", "node-1")
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+    async def main() -> list[dict[str, Any]]:
+        client = KubeClient(kube.url)
+        owners = KubeOwners(client, "node-1", lambda: cache.bundle, timeout=2.0, cgroup_root=pod_cgroups.root)
+        path = sock_dir / "ck.sock"
+        srv = CheckpointServer(path, budget_for={"batch": 12.0}.get, owner_of=owners, max_per_uid=1, group="nogroup")
+        await srv.start()
+        try:
+            first = asyncio.to_thread(_register, pod_cgroups.argv(greedy, []), path, "a", "batch", 3)
+            task = asyncio.ensure_future(first)  # holds its registration 3 s
+            await asyncio.to_thread(wait_for, lambda: len(srv.workloads) == 1, 10, "the first registration")
+            second = await asyncio.to_thread(_register, pod_cgroups.argv(greedy, as_nobody), path, "b", "batch")
+            third = await asyncio.to_thread(_register, pod_cgroups.argv(other, as_nobody), path, "c", "batch")
+            return [await task, second, third]
+        finally:
+            await srv.close()
+            await client.close()
+
+    first, second, third = asyncio.run(main())
+    assert first["op"] == "registered"
+    assert second == {
+        "v": 1,
+        "op": "error",
+        "error": "register: pod batch/batch-0 already holds 1 registrations on this node",
+    }
+    assert third["op"] == "registered"

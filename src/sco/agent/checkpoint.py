@@ -77,7 +77,7 @@ OwnerFn = Callable[[int, int], Awaitable[Owner]]
 """(pid, uid) from SO_PEERCRED -> the pod or job the process runs in; raises NotAWorkload or OwnerUnknown."""
 RefusedFn = Callable[[str], None]
 """reason -> counted (the agent's sco_agent_checkpoint_refusals_total)."""
-REFUSAL_REASONS = ("not_a_workload", "wrong_contract", "unverified", "uid_cap", "full")
+REFUSAL_REASONS = ("not_a_workload", "wrong_contract", "unverified", "uid_cap", "owner_cap", "full")
 
 
 class Refused(Exception):
@@ -102,6 +102,7 @@ class Workload:
     uid: int
     writer: asyncio.StreamWriter
     slurm_job: int | None = None  # the Slurm job the client process belongs to (from the kernel, not the client)
+    owner: str | None = None  # "pod ns/name" or "job N": what the registration is bound to (None: not bound)
     state: str = REGISTERED
     budget_end: float = 0.0  # absolute time; set when notified
     granted_until: float = 0.0  # absolute time of the last "need" granted
@@ -509,7 +510,7 @@ class CheckpointServer:
                 except Refused as e:
                     self._refused(e, pid, uid)
                     self._error(writer, str(e))
-                    if e.reason in ("full", "uid_cap", "not_a_workload", "wrong_contract"):
+                    if e.reason != "unverified":
                         await writer.drain()
                         return  # nothing more to say to it: the slot and the connection go back at once
                 except (ValueError, ProtocolError) as e:  # JSONDecodeError is a ValueError
@@ -558,10 +559,10 @@ class CheckpointServer:
             raise ProtocolError(f"op: unknown operation {op!r} (register, done, need, ping)")
         return w
 
-    async def _owner(self, pid: int, uid: int, contract: str | None) -> tuple[str | None, int | None]:
+    async def _owner(self, pid: int, uid: int, contract: str | None) -> tuple[str | None, int | None, str | None]:
         """(the contract the registration is under, the Slurm job) as the node sees the caller's process."""
         if self.owner_of is None:
-            return contract, slurm_job_of(pid)
+            return contract, slurm_job_of(pid), None
         try:
             owner = await self.owner_of(pid, uid)
         except NotAWorkload as e:
@@ -576,13 +577,16 @@ class CheckpointServer:
                 f"register: refused: contract {contract!r} is not this process's: {owner.kind} {owner.name} is under "
                 f"{theirs}",
             )
-        return owner.contract, owner.job
+        return owner.contract, owner.job, f"{owner.kind} {owner.name}"
 
-    def _room(self, uid: int) -> None:
+    def _room(self, uid: int, owner: str | None = None) -> None:
         if len(self._unsettled()) >= self.max_clients:
             raise Refused("full", f"register: {self.max_clients} workloads already registered on this node")
         if sum(1 for w in self._unsettled() if w.uid == uid) >= self.max_per_uid:
             raise Refused("uid_cap", f"register: uid {uid} already holds {self.max_per_uid} registrations on this node")
+        # a pod or job is held to the same cap whatever uids its processes take (a root container may take many)
+        if owner is not None and sum(1 for w in self._unsettled() if w.owner == owner) >= self.max_per_uid:
+            raise Refused("owner_cap", f"register: {owner} already holds {self.max_per_uid} registrations on this node")
 
     async def _register(self, msg: dict[str, Any], writer: asyncio.StreamWriter, pid: int, uid: int) -> Workload:
         self._room(uid)
@@ -590,11 +594,11 @@ class CheckpointServer:
         contract = _name(msg, "contract", False)
         assert name is not None
         resume = _figures(msg, "resume", _RESUME_KEYS)
-        contract, job = await self._owner(pid, uid, contract)
-        self._room(uid)  # again: others may have registered while the scheduler was asked
+        contract, job, owner = await self._owner(pid, uid, contract)
+        self._room(uid, owner)  # again, and its pod's or job's: others may have registered meanwhile
         budget = self.budget_for(contract)
         self._seq += 1
-        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer, job, resume=resume)
+        w = Workload(f"w-{self._seq}", name, contract, budget, pid, uid, writer, job, owner=owner, resume=resume)
         self.workloads[w.id] = w
         self._send(
             w,

@@ -153,9 +153,17 @@ class AgentMetrics:
             "sco_agent_checkpoint_refusals_total",
             "Checkpoint socket registrations refused, by reason (not_a_workload: the caller is in no pod or job "
             "of this node; wrong_contract: it named a contract not its pod's or job's; unverified: the scheduler "
-            "could not be asked; uid_cap: its uid holds checkpoint_max_per_uid already; full: 1,024 registered).",
+            "could not be asked; uid_cap, owner_cap: its uid, or its pod or job, holds checkpoint_max_per_uid already; "
+            "full: 1,024 registered).",
             ("reason",),
-            initial=[("not_a_workload",), ("wrong_contract",), ("unverified",), ("uid_cap",), ("full",)],
+            initial=[
+                ("not_a_workload",),
+                ("wrong_contract",),
+                ("unverified",),
+                ("uid_cap",),
+                ("owner_cap",),
+                ("full",),
+            ],
         )
         self.gauges: Callable[[], list[tuple[str, str, float | None]]] = list
 
