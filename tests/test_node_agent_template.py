@@ -43,9 +43,6 @@ HALL = {
     "node_agent_metadata_url": "",
     "node_agent_kube_url": "http://127.0.0.1:6443",
     "node_agent_kube_ca_file": "",
-    # the role makes its group (sco-checkpoint) before it writes agent.toml; rendering alone makes none, so a group
-    # this machine has (the agent's check-config names a group the node lacks)
-    "node_agent_checkpoint_group": "daemon",
 }
 
 
@@ -90,11 +87,10 @@ def test_a_preflight_period_the_agent_refuses_is_named_by_check_config(tmp_path:
 
 
 def test_the_checkpoint_sockets_group_cap_and_cgroup_root_reach_the_agents_config(tmp_path: Path) -> None:
-    cfg = load(render(tmp_path, node_agent_checkpoint_max_per_uid=16, node_agent_kube_cgroup_root="/k8s"), env={})
-    assert (cfg.checkpoint_group, cfg.checkpoint_max_per_uid, cfg.kube_cgroup_root) == ("daemon", 16, "/k8s")
-    with pytest.raises(ConfigError) as e:
-        load(render(tmp_path / "none", node_agent_checkpoint_group="sco-no-such-group"), env={})
-    assert [p.message for p in e.value.problems] == ["no group 'sco-no-such-group' on this node"]
+    cfg = load(render(tmp_path), env={})
+    assert (cfg.checkpoint_group, cfg.checkpoint_max_per_uid, cfg.kube_cgroup_root) == ("sco-checkpoint", 128, "/")
+    cfg = load(render(tmp_path / "b", node_agent_checkpoint_max_per_uid=16, node_agent_kube_cgroup_root="/k8s"), env={})
+    assert (cfg.checkpoint_max_per_uid, cfg.kube_cgroup_root) == (16, "/k8s")
 
 
 def test_the_relay_identity_is_the_nodes_nkey_seed_in_a_file(tmp_path: Path) -> None:
@@ -176,6 +172,8 @@ def test_the_relay_password_is_not_in_the_diff_of_agent_toml(tmp_path: Path) -> 
             "node_agent_state_dir": str(tmp_path / "state"),
             "node_agent_venv": str(BIN.parent),
             "node_agent_trusted_keys": [str(tmp_path / "trusted/hall.pub")],
+            # the role's tasks run on this machine for real: no group made, no user changed for the socket
+            "node_agent_checkpoint_group": "",
         }
         r = subprocess.run(
             [str(BIN / "ansible-playbook"), "-vvv", "--diff", "-i", "localhost,", "-c", "local", "play.yml",
