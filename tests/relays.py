@@ -384,3 +384,99 @@ OPERATOR_PLAY = """
   gather_facts: false
   roles: [sco.orchestrator.notice_relay]
 """
+
+
+# --- TLS: the hall's CA and the relays' certificates, as role notice_relay makes them (tasks/tls.yml) ----------
+
+
+@dataclass
+class Pki:
+    """A CA (its certificate and key under ``dir``) and the certificates it signs; the relays' are for 127.0.0.1 and
+    localhost (where the tests' relays listen), a server's and a client's (routes present them), as the role's."""
+
+    dir: Path
+
+    @property
+    def ca(self) -> Path:
+        return self.dir / "ca.crt"
+
+    def __post_init__(self) -> None:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.ca.exists():
+            self._key = serialization.load_pem_private_key((self.dir / "ca.key").read_bytes(), None)
+            self._cert = x509.load_pem_x509_certificate(self.ca.read_bytes())
+            return
+        key = ec.generate_private_key(ec.SECP384R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"test CA {self.dir.name}")])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+            .sign(key, hashes.SHA256())
+        )  # fmt: skip
+        (self.dir / "ca.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        self.ca.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        self._key, self._cert = key, cert
+
+    def issue(self, name: str, sans: tuple[str, ...] = ("127.0.0.1", "localhost")) -> tuple[Path, Path]:
+        """A key and a certificate for ``name`` (``<name>.crt``, ``<name>.key``), signed by this CA."""
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        alt: list[x509.GeneralName] = []
+        for s in sans:
+            try:
+                alt.append(x509.IPAddress(ipaddress.ip_address(s)))
+            except ValueError:
+                alt.append(x509.DNSName(s))
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(self._cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=7))
+            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(self._key, hashes.SHA256())
+        )  # fmt: skip
+        crt, pem = self.dir / f"{name}.crt", self.dir / f"{name}.key"
+        pem.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        pem.chmod(0o600)
+        crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return crt, pem
+
+    def relay_tls(self, name: str = "relay") -> ri.RelayTls:
+        """A relay's TLS (relay_identity.RelayTls): its certificate, signed here, and this CA."""
+        crt, key = self.issue(name) if not (self.dir / f"{name}.crt").exists() else (
+            self.dir / f"{name}.crt", self.dir / f"{name}.key")  # fmt: skip
+        return ri.RelayTls(str(crt), str(key), str(self.ca))
+
+    def client(self) -> dict[str, Any]:
+        """nats.connect's TLS argument for a client that trusts this CA (as sco._nats makes it)."""
+        from sco import _nats
+
+        return {"tls": _nats.tls_context(str(self.ca))}

@@ -64,6 +64,9 @@ class AgentConfig:
     nats_token: str = ""
     nats_nkey_seed_file: str = ""
     nats_creds_file: str = ""
+    nats_ca_file: str = ""
+    """The hall's CA (PEM) the relay's TLS certificate must chain to (the hall's relays speak TLS only); empty: the
+    system's trust store."""
     enrol_token: str = ""
     """A one-time enrolment token (the acquirer writes it into agent.env at launch): with enrol_url, an agent whose
     nats_creds_file does not exist yet exchanges it at start for its relay identity (the creds file, from a key
@@ -437,7 +440,7 @@ def _check_nats_auth(cfg: AgentConfig, where: str) -> list[Problem]:
         p.append(Problem(where, "agent.nats_user", f"give one NATS identity, not {', '.join(methods)}"))
     if cfg.nats_password and not cfg.nats_user:
         p.append(Problem(where, "agent.nats_password", "a password needs nats_user"))
-    for name in ("nats_nkey_seed_file", "nats_creds_file"):
+    for name in ("nats_nkey_seed_file", "nats_creds_file", "nats_ca_file"):
         value = getattr(cfg, name)
         if name == "nats_creds_file" and cfg.enrols and not Path(value or "-").exists():
             continue  # enrolment writes it
@@ -565,6 +568,7 @@ bundle_url = "http://127.0.0.1:8470/v1/halls/local/bundle.json"
 nats_url = "nats://127.0.0.1:4222"
 # The node's own NATS identity (one of): nats_user + nats_password, nats_token, nats_nkey_seed_file, nats_creds_file
 nats_creds_file = ""                # e.g. /etc/sco/nats/node-1.creds
+nats_ca_file = ""                   # the hall's CA the relay's certificate must chain to, e.g. /etc/sco/nats/ca.crt
 metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
 # enrol_token / enrol_url: written into agent.env by the acquirer at launch (SCO_AGENT_ENROL_*), never here
 kube_url = "https://127.0.0.1:6443"

@@ -27,13 +27,15 @@ CLOSE_TIMEOUT_S = 2
 
 
 def nats_auth(c: AgentConfig) -> dict[str, Any]:
-    """The node's own relay identity (the first of creds file, nkey seed file, token, user and password)."""
+    """The node's own relay identity (the first of creds file, nkey seed file, token, user and password), and the
+    hall's CA the relay's certificate must chain to (nats_ca_file)."""
     return _nats.auth_options(
         creds_file=c.nats_creds_file,
         nkey_seed_file=c.nats_nkey_seed_file,
         token=c.nats_token,
         user=c.nats_user,
         password=c.nats_password,
+        ca_file=c.nats_ca_file or None,
     )
 
 

@@ -14,7 +14,12 @@ from sco.errors import ConfigError, FetchError
 
 def _nats_auth(args: argparse.Namespace) -> dict[str, Any]:
     return auth_options(
-        creds_file=args.creds, nkey_seed_file=args.nkey_seed, token=args.token, user=args.user, password=args.password
+        creds_file=args.creds,
+        nkey_seed_file=args.nkey_seed,
+        token=args.token,
+        user=args.user,
+        password=args.password,
+        ca_file=getattr(args, "nats_ca_file", None),
     )
 
 
@@ -29,6 +34,10 @@ def _add_nats_auth(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=_env("SCO_NATS_TOKEN"), help="[$SCO_NATS_TOKEN]")
     p.add_argument("--nkey-seed", default=_env("SCO_NATS_NKEY_SEED"), help="nkey seed file [$SCO_NATS_NKEY_SEED]")
     p.add_argument("--creds", default=_env("SCO_NATS_CREDS"), help="NATS creds file [$SCO_NATS_CREDS]")
+    p.add_argument(
+        "--nats-ca-file", default=_env("SCO_NATS_CA_FILE"),
+        help="the hall's CA the relay's TLS certificate must chain to [$SCO_NATS_CA_FILE]",
+    )  # fmt: skip
 
 
 def _nats_why(e: BaseException) -> str:

@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         notice_seconds=args.notice_seconds, grace_seconds=args.grace_seconds, observe=args.observe,
         signing_keys=list(args.signing_key or []), reader=args.reader,
         reader_credentials=args.reader_credentials, reclaimer=args.reclaimer,
-        reclaimer_credentials=args.reclaimer_credentials or "",
+        reclaimer_credentials=args.reclaimer_credentials or "", ca_file=args.ca_file or "",
     )  # fmt: skip
     settings.check()
     settings.report_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +125,7 @@ def register(sub: Any) -> None:
     r.add_argument("--reader", default="control")
     r.add_argument("--reader-credentials", "--reader-password-file", dest="reader_credentials", required=True)
     r.add_argument("--signing-key", action="append", help="notice key file (repeatable)")
+    r.add_argument("--ca-file", default="", help="the hall's CA the relay's TLS certificate must chain to")
     r.add_argument("--notice-seconds", type=float, default=120)
     r.add_argument("--grace-seconds", type=float, default=10)
     r.set_defaults(func=_guarded, drill_func=cmd_run)

@@ -36,6 +36,7 @@ def _settings(args: argparse.Namespace) -> Any:
         )  # fmt: skip
     return Settings(
         hall=args.hall, dsn=dsn, relay_keys=Path(args.relay_keys), nats_url=args.nats, kube=kube,
+        nats_ca_file=getattr(args, "nats_ca_file", None) or "",
         rate_per_s=getattr(args, "rate", RATE_PER_S), burst=getattr(args, "burst", BURST),
         revoke_every_s=getattr(args, "revoke_every", 5.0),
         scrape_targets_file=Path(args.scrape_targets_file) if getattr(args, "scrape_targets_file", None) else None,
@@ -99,6 +100,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         " [$SCO_RELAY_KEYS]",
     )  # fmt: skip
     p.add_argument("--nats-url", dest="nats", default=_env("SCO_NATS_URL"), help="the relay(s) [$SCO_NATS_URL]")
+    p.add_argument(
+        "--nats-ca-file", default=_env("SCO_NATS_CA_FILE"),
+        help="the hall's CA the relay's TLS certificate must chain to [$SCO_NATS_CA_FILE]",
+    )  # fmt: skip
 
 
 def register(sub: Any) -> None:

@@ -15,7 +15,7 @@ FLAGS = {
     "hall": "--hall", "nodes": "node", "window": "--window", "nats_url": "--nats", "notice_keys": "--notice-key",
     "lock_wait": "--lock-wait", "retry_for": "--retry-for", "call_timeout": "--call-timeout",
     "reconnect_for": "--reconnect-for", "nats_nkey_seed": "--nkey-seed", "bundle": "--bundle", "trust": "--trust",
-    "trust_dir": "--trust-dir",
+    "trust_dir": "--trust-dir", "nats_ca_file": "--nats-ca-file",
 }  # fmt: skip
 
 
@@ -30,7 +30,7 @@ def options(args: argparse.Namespace) -> Any:
         "cloud": args.os_cloud, "api_timeout": args.call_timeout, "call_timeout": args.call_timeout,
         "lock_wait": args.lock_wait, "reconnect_for": args.reconnect_for, "retry_for": args.retry_for,
         "wait": not args.no_wait, "finish": args.finish, "bundle": args.bundle, "trust": args.trust,
-        "trust_dir": args.trust_dir,
+        "trust_dir": args.trust_dir, "nats_ca_file": args.nats_ca_file,
     }  # fmt: skip
     return ReclaimOptions.from_params(params, names=FLAGS)
 

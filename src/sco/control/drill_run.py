@@ -107,10 +107,10 @@ def find_keys(paths: list[str], make: bool, bundle_url: str | None, trusted: lis
 # --- following the agents --------------------------------------------------------------------------------
 
 
-async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
+async def connect(servers: list[str], user: str, credentials_file: str, ca_file: str = "") -> Any:
     """Connect as relay user ``user`` (``sco._nats``): its creds file (user JWT and seed: the notice_relay role's
     ``<user>.creds`` in operator mode, where a bare seed is refused), its nkey seed file (``<user>.nk``, SU...) or a
-    password file; 10 s at most."""
+    password file; 10 s at most. ``ca_file``: the hall's CA the relay's TLS certificate must chain to."""
     from sco import _nats
 
     try:
@@ -118,11 +118,11 @@ async def connect(servers: list[str], user: str, credentials_file: str) -> Any:
     except OSError as e:
         raise DrillError(f"the credentials of relay user {user}: {credentials_file}: {e.strerror}") from None
     if "-----BEGIN NATS USER JWT-----" in secret:
-        auth = _nats.auth_options(creds_file=credentials_file)
+        auth = _nats.auth_options(creds_file=credentials_file, ca_file=ca_file or None)
     elif secret.startswith("SU"):
-        auth = _nats.auth_options(nkey_seed_file=credentials_file)
+        auth = _nats.auth_options(nkey_seed_file=credentials_file, ca_file=ca_file or None)
     else:
-        auth = _nats.auth_options(user=user, password=secret)
+        auth = _nats.auth_options(user=user, password=secret, ca_file=ca_file or None)
     errors: list[str] = []
 
     async def on_error(e: Exception) -> None:  # the last attempt's reason is the drill's line
@@ -158,6 +158,8 @@ class DrillSettings:
     reader_credentials: str = ""
     reclaimer: str = "reclaimer"
     reclaimer_credentials: str = ""
+    ca_file: str = ""
+    """The hall's CA the relay's TLS certificate must chain to."""
 
     def check(self) -> None:
         if not self.observe and not (self.signing_keys and self.reclaimer_credentials):
@@ -210,8 +212,8 @@ class Drill:
         a = self.s
         servers = [s.strip() for s in a.server.split(",") if s.strip()]
         keys = [load_private(Path(k)) for k in a.signing_keys]  # checked by `keys` first; again, cheaply
-        reader = await connect(servers, a.reader, a.reader_credentials)
-        sender = None if a.observe else await connect(servers, a.reclaimer, a.reclaimer_credentials)
+        reader = await connect(servers, a.reader, a.reader_credentials, a.ca_file)
+        sender = None if a.observe else await connect(servers, a.reclaimer, a.reclaimer_credentials, a.ca_file)
         prefix = f"sco.events.{a.hall}."
 
         async def on_msg(msg: Any) -> None:

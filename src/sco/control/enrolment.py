@@ -87,6 +87,8 @@ class Settings:
     call_timeout_s: float = 10.0
     """One relay push, one Kubernetes call."""
     revoke_every_s: float = 5.0
+    nats_ca_file: str = ""
+    """The hall's CA the relay's TLS certificate must chain to (the relay admin's connection)."""
     scrape_targets_file: Path | None = None
     """Prometheus file_sd: the live enrolled instances' agent metrics addresses, rewritten (atomically, when they
     change) after each enrolment and each sweep."""
@@ -348,7 +350,9 @@ class Issuer:
                     with contextlib.suppress(Exception):
                         await self._admin.close()
                 urls = [u.strip() for u in self.s.nats_url.split(",") if u.strip()]
-                self._admin = await ri.RelayAdmin.connect(urls, self.keys, timeout=self.s.call_timeout_s)
+                self._admin = await ri.RelayAdmin.connect(
+                    urls, self.keys, timeout=self.s.call_timeout_s, tls_ca_file=self.s.nats_ca_file or None
+                )
             return self._admin
 
     # --- enrolment --------------------------------------------------------------------------------------

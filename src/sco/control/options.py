@@ -378,8 +378,12 @@ def refused(lines: list[str]) -> ConfigError:
 
 
 def nats_auth(p: Params, said: Any = str) -> dict[str, Any]:
-    """The reclaimer's relay identity (nats_creds, nats_nkey_seed, nats_token, or nats_user and nats_password) for
-    nats.connect; ``said`` spells an option as the caller does."""
+    """The reclaimer's relay identity (nats_creds, nats_nkey_seed, nats_token, or nats_user and nats_password) and
+    the CA the relay's certificate must chain to (nats_ca_file) for sco._nats.connect; ``said`` spells an option as
+    the caller does."""
+    ca = p.get("nats_ca_file")
+    if ca and not (os.access(Path(str(ca)), os.R_OK) and Path(str(ca)).is_file()):
+        raise ConfigError(f"{said('nats_ca_file')}: {ca}: no readable CA certificate file there")
     seed = p.get("nats_nkey_seed")
     if seed and not p.get("nats_creds"):
         path = Path(str(seed))
@@ -391,6 +395,7 @@ def nats_auth(p: Params, said: Any = str) -> dict[str, Any]:
         token=str(p["nats_token"]) if p.get("nats_token") else None,
         user=str(p["nats_user"]) if p.get("nats_user") else None,
         password=str(p.get("nats_password") or ""),
+        ca_file=str(p["nats_ca_file"]) if p.get("nats_ca_file") else None,
     )
 
 

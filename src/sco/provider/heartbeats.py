@@ -185,7 +185,8 @@ def collect(reader: RelayReader, conn: Any, hall: str) -> int:
 def reader_from_env(env: Mapping[str, str]) -> RelayReader | None:
     """The control loop's reader (``sco-control-loop``'s unit): ``$SCO_NATS_URL`` and one identity,
     ``$SCO_NATS_CREDS``, ``$SCO_NATS_NKEY_SEED`` (a seed file: the relay role's users are nkeys) or
-    ``$SCO_NATS_USER`` with ``$SCO_NATS_PASSWORD_FILE``; None without a URL."""
+    ``$SCO_NATS_USER`` with ``$SCO_NATS_PASSWORD_FILE``, and ``$SCO_NATS_CA_FILE``, the hall's CA the relay's
+    certificate must chain to; None without a URL."""
     url = env.get("SCO_NATS_URL", "").strip()
     if not url:
         return None
@@ -202,7 +203,8 @@ def reader_from_env(env: Mapping[str, str]) -> RelayReader | None:
             password = open(pw_file, encoding="utf-8").read().strip() if pw_file else ""  # noqa: SIM115
         except OSError as e:
             raise ConfigError(f"$SCO_NATS_PASSWORD_FILE {pw_file}: {e.strerror or e}") from None
-    auth = _nats.auth_options(creds_file=creds, nkey_seed_file=seed, user=user, password=password)
+    ca = env.get("SCO_NATS_CA_FILE", "").strip() or None
+    auth = _nats.auth_options(creds_file=creds, nkey_seed_file=seed, user=user, password=password, ca_file=ca)
     return RelayReader(url, auth)
 
 

@@ -489,16 +489,42 @@ def delete_request_jwt(keys: HallKeys, accounts: Sequence[str]) -> str:
 
 # --- the relay's configuration ---------------------------------------------------------------------------------
 
-_ROUTE_USER = re.compile(r"[A-Za-z0-9_-]+")
-_ROUTE_PASSWORD = re.compile(r"[A-Za-z0-9]{16,}")
 _ROUTE = re.compile(r"[A-Za-z0-9.:\[\]-]+:[0-9]+")
+_TLS_TIMEOUT_S = 2  # a TLS handshake's deadline, clients' and routes'
+
+
+@dataclass(frozen=True)
+class RelayTls:
+    """The relay's TLS: its certificate and key (signed by the hall's CA, naming every address it is reached at)
+    and the CA it trusts. Clients must speak TLS (a plaintext connection is refused) and check the relay's
+    certificate against the CA; routes present the relay's certificate and must be shown one the CA signed."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "ca_file"):
+            value = getattr(self, name)
+            if not value or '"' in value or "\n" in value:
+                raise ConfigError(f"relay TLS: {name} {value!r} must be a path (no quotes, no newline)")
+
+    def block(self, indent: str, *, verify: bool) -> str:
+        """A ``tls {}`` block; ``verify``: the other side must present a certificate the CA signed (routes)."""
+        inner = indent + "  "
+        return (
+            f'{indent}tls {{\n{inner}cert_file: "{self.cert_file}"\n{inner}key_file: "{self.key_file}"\n'
+            f'{inner}ca_file: "{self.ca_file}"\n{inner}timeout: {_TLS_TIMEOUT_S}\n'
+            f"{inner + 'verify: true' + chr(10) if verify else ''}{indent}}}\n"
+        )
 
 
 @dataclass(frozen=True)
 class Cluster:
     """One relay's place in the hall's NATS cluster: every relay routes to every other (``routes``, host:port; a
-    route to itself is dropped by the server) and logs in as ``user`` with ``password``, so nothing without it
-    joins and reads or injects the hall's traffic. The system account's traffic crosses the routes like any other:
+    route to itself is dropped by the server) over TLS, and a route is let in only with a certificate the hall's CA
+    signed (``tls``, verify): no shared secret, nothing in a route's URL, and nothing without such a certificate joins
+    to read or inject the hall's traffic. The system account's traffic crosses the routes like any other:
     an account JWT pushed to one relay reaches every relay's full resolver at once. A relay that was down (or cut
     off) when a JWT was pushed does not learn it from its peers: the resolver's own sync (``interval``) asks a
     queue group that the asking server itself answers first (nats-server 2.15: seen here, the revoked node still
@@ -508,27 +534,24 @@ class Cluster:
     name: str
     listen: str
     routes: Sequence[str]
-    user: str
-    password: str
+    tls: RelayTls
 
     def __post_init__(self) -> None:
         _check_name("cluster", self.name)
-        if not _ROUTE_USER.fullmatch(self.user):
-            raise ConfigError(f"cluster {self.name}: route user {self.user!r}: letters, digits, '-' and '_' only")
-        if not _ROUTE_PASSWORD.fullmatch(self.password):
-            raise ConfigError(f"cluster {self.name}: the route password must be 16 or more letters and digits")
         for route in [self.listen, *self.routes]:
             if not _ROUTE.fullmatch(route):
                 raise ConfigError(f"cluster {self.name}: {route!r} is not host:port")
         if len(self.routes) < 2:
             raise ConfigError(f"cluster {self.name}: {len(self.routes)} route(s); list every relay, two or more")
+        if not isinstance(self.tls, RelayTls):
+            raise ConfigError(f"cluster {self.name}: routes need the relay's TLS (a RelayTls)")
 
     def block(self) -> str:
-        """The ``cluster {}`` block (holds the password: the configuration is then a secret)."""
-        routes = "".join(f'    "nats-route://{self.user}:{self.password}@{r}"\n' for r in self.routes)
+        """The ``cluster {}`` block (no secret: routes prove themselves by certificate)."""
+        routes = "".join(f'    "nats-route://{r}"\n' for r in self.routes)
         return (
             f'cluster {{\n  name: "{self.name}"\n  listen: "{self.listen}"\n'
-            f'  authorization {{\n    user: "{self.user}"\n    password: "{self.password}"\n    timeout: 2\n  }}\n'
+            f"{self.tls.block('  ', verify=True)}"
             # clients get every relay's URL from the roles; the addresses a server sees on its own interfaces may
             # not be reachable for them
             f"  no_advertise: true\n  routes: [\n{routes}  ]\n}}\n\n"
@@ -548,11 +571,15 @@ def server_config(
     max_memory_store: str = "64M",
     max_file_store: str = "1G",
     cluster: Cluster | None = None,
+    tls: RelayTls | None = None,
 ) -> str:
     """nats-server.conf in operator mode for the hall: the operator JWT, the system account, a full resolver
     (the relay stores every pushed account JWT in ``resolver_dir`` and keeps it across restarts;
-    ``allow_delete`` lets ``forget`` remove one) with the hall's accounts preloaded. Holds no secret, unless
-    ``cluster`` (one relay of several) gives the routes' password."""
+    ``allow_delete`` lets ``forget`` remove one) with the hall's accounts preloaded. ``tls``: clients over TLS
+    only (the role's default; a ``cluster`` takes its routes' TLS from it). Holds no secret (the key stays in its
+    file)."""
+    if cluster and tls is None:
+        tls = cluster.tls
     preload = "\n".join(f"  {pub}: {jwt}" for pub, jwt in hall_account_jwts(keys).items())
     name = server_name or f"{keys.hall}-relay"
     return (
@@ -561,6 +588,7 @@ def server_config(
         f'server_name: "{name}"\nlisten: "{listen}:{port}"\nhttp: "127.0.0.1:{monitor_port}"\nmax_payload: 1MB\n\n'
         f'jetstream {{\n  store_dir: "{store_dir}"\n  max_memory_store: {max_memory_store}\n'
         f"  max_file_store: {max_file_store}\n}}\n\n"
+        f"{tls.block('', verify=False) + chr(10) if tls else ''}"
         f"{cluster.block() if cluster else ''}"
         f"operator: {operator_jwt(keys)}\nsystem_account: {keys.system.public}\n\n"
         f'resolver {{\n  type: full\n  dir: "{resolver_dir}"\n  allow_delete: true\n  interval: "2m"\n'
@@ -580,8 +608,11 @@ class RelayAdmin:
         self.timeout = timeout
 
     @classmethod
-    async def connect(cls, servers: str | Sequence[str], keys: HallKeys, timeout: float = 5.0) -> RelayAdmin:
-        """Connect as the system account's admin user, from the keys (no creds file on disk)."""
+    async def connect(
+        cls, servers: str | Sequence[str], keys: HallKeys, timeout: float = 5.0, tls_ca_file: str | None = None
+    ) -> RelayAdmin:
+        """Connect as the system account's admin user, from the keys (no creds file on disk); ``tls_ca_file``: the
+        hall's CA, which the relay's certificate must chain to."""
         token = system_admin_user_jwt(keys).encode()
         admin = keys.system_admin
 
@@ -595,7 +626,7 @@ class RelayAdmin:
         try:
             nc = await _nats.connect(
                 urls, auth={"user_jwt_cb": lambda: token, "signature_cb": signature}, deadline_s=timeout * 2,
-                connect_timeout=timeout, error_cb=quiet,
+                connect_timeout=timeout, error_cb=quiet, tls_ca_file=tls_ca_file,
             )  # fmt: skip
         except Exception as e:
             what = str(e) or type(e).__name__

@@ -89,7 +89,10 @@ async def ensure(args: argparse.Namespace) -> list[tuple[str, str]]:
     if args.creds and not Path(args.creds).is_file():  # nats-py would only say so once --wait has run out
         raise SystemExit(f"sco-nats-stream: {args.creds}: no creds file")
     password = Path(args.password_file).read_text().strip() if args.password_file else None
-    auth = auth_options(creds_file=args.creds, nkey_seed_file=args.nkey_seed, user=args.user, password=password)
+    auth = auth_options(
+        creds_file=args.creds, nkey_seed_file=args.nkey_seed, user=args.user, password=password,
+        ca_file=args.ca_file or None,
+    )  # fmt: skip
     loop = asyncio.get_running_loop()
     end = loop.time() + args.wait
     backoff = Backoff(0.2, 2.0)
@@ -171,6 +174,7 @@ def main() -> None:
     who.add_argument("--nkey-seed", help="the user's nkey seed file")
     who.add_argument("--creds", help="the user's creds file (a relay in operator mode)")
     who.add_argument("--password-file", help="the user's password file (with --user)")
+    p.add_argument("--ca-file", default="", help="the hall's CA the relay's TLS certificate must chain to")
     p.add_argument("--hall", required=True)
     p.add_argument("--stream", default="SCO_EVENTS")
     p.add_argument("--max-age", type=float, default=14 * 86400)

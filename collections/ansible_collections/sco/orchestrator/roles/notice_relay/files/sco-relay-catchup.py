@@ -12,6 +12,9 @@ it loads it: a forged one is refused there, whatever lies in the directory.
 One peer's whole store is enough (each holds every pushed JWT it saw); peers are asked in turn until one answers, each
 within --timeout. None answering (the first relay of a cluster starting, every relay down) is said and is not an
 error: the relay starts with what it has. Prints one JSON line: {"peer": url or "", "written": n, "kept": n}.
+
+The peers serve TLS only: --ca-file is the hall's CA their certificates must chain to (the connection is the
+product's, sco._nats, run with the relay's venv).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import nats
+from sco import _nats
 
 PACK = "$SYS.REQ.CLAIMS.PACK"
 ACCOUNT = re.compile(r"A[A-Z2-7]{55}")
@@ -50,16 +53,15 @@ def newer(token: str, path: Path) -> bool:
     return have.get("jti") != new.get("jti") and int(have.get("iat", 0)) <= int(new.get("iat", 0))
 
 
-async def pack(server: str, creds: str, timeout: float) -> dict[str, str]:
+async def pack(server: str, creds: str, timeout: float, ca_file: str | None = None) -> dict[str, str]:
     """Every account JWT ``server`` holds: one message per JWT (``<account>|<jwt>``), an empty one ends them."""
 
     async def quiet(e: Exception) -> None:  # said once, by the caller
         pass
 
-    nc = await asyncio.wait_for(
-        nats.connect(server, user_credentials=creds, connect_timeout=timeout, max_reconnect_attempts=0,
-                     allow_reconnect=False, error_cb=quiet),
-        timeout,
+    nc = await _nats.connect(
+        [server], auth=_nats.auth_options(creds_file=creds, ca_file=ca_file), deadline_s=timeout,
+        connect_timeout=timeout, error_cb=quiet,
     )  # fmt: skip
     got: dict[str, str] = {}
     done = asyncio.Event()
@@ -91,6 +93,7 @@ def main() -> None:
     p.add_argument("--peer", action="append", default=[], help="a peer relay's client URL (repeat)")
     p.add_argument("--owner", default="", help="the user the server runs as (the files are made its own)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds for each peer")
+    p.add_argument("--ca-file", default="", help="the hall's CA the peers' TLS certificates must chain to")
     args = p.parse_args()
     if not Path(args.creds).is_file():
         sys.exit(f"sco-relay-catchup: {args.creds}: no creds file")
@@ -99,7 +102,7 @@ def main() -> None:
     owner = pwd.getpwnam(args.owner) if args.owner else None
     for peer in args.peer:
         try:
-            store = asyncio.run(pack(peer, args.creds, args.timeout))
+            store = asyncio.run(pack(peer, args.creds, args.timeout, args.ca_file or None))
         except Exception as e:  # a peer down or starting too: the next one
             print(f"sco-relay-catchup: {peer}: {e or type(e).__name__}", file=sys.stderr)
             continue

@@ -16,8 +16,9 @@ spot-capacity-orchestrator: everything signed here is minted by ``sco.provider.r
   on stdin: a JWT whose claims did not change is kept as it is there (same ``iat``), so a second run renders the
   same file. Prints ``{"config": text, "restart_digest": sha256 of what only a restart applies}``: everything but
   the preloaded accounts, which a push applies to the running relay. ``--route`` (two or more, every relay of the
-  hall's cluster): a ``cluster {}`` block whose routes log in with ``<dir>/route.password`` (the static mode's,
-  made here on first use as its password lookup makes it): the configuration then holds that secret.
+  hall's cluster): a ``cluster {}`` block whose routes are TLS, each side showing a certificate the hall's CA signed
+  (``--tls-cert``, ``--tls-key``, ``--tls-ca``: paths on the relay); no shared secret. ``--tls-*`` alone: clients
+  over TLS only.
 - ``push``: the accounts preloaded in the configuration on stdin, pushed to the running relay
   (``$SYS.REQ.CLAIMS.UPDATE``, as the system account's issuer user, from the keys here): no restart, no reload.
   ``--if-running``: a relay that refuses the TCP connection (not started yet) is skipped; it loads them from its
@@ -35,9 +36,7 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import socket
-import string
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,33 +175,24 @@ def issue(args: argparse.Namespace) -> dict[str, Any]:
     return {"changed": changed}
 
 
-def route_password(path: Path, check: bool) -> str:
-    """The routes' password (letters and digits), made on first use as the role's ``ansible.builtin.password``
-    lookup makes it (a static-mode hall's file is kept: both modes read the same one)."""
-    if not path.exists():
-        alphabet = string.ascii_letters + string.digits
-        made = "".join(secrets.choice(alphabet) for position in range(32))
-        if check:
-            return made
-        write(path, f"{made}\n".encode(), check, [])
-    # the lookup's file may carry " salt=..." after the password when it was made for a hash: the password is first
-    words = path.read_text().split()
-    return words[0] if words else ""
-
-
 def config(args: argparse.Namespace) -> dict[str, Any]:
     keys = hall_keys(args, [])
     d = Path(args.dir)
     cluster = None
+    tls = ri.RelayTls(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
     if args.route:
+        if tls is None:
+            sys.exit(
+                "sco-relay-operator: a cluster's routes prove themselves by certificate: "
+                "give --tls-cert, --tls-key and --tls-ca"
+            )
         cluster = ri.Cluster(
-            name=args.cluster_name or args.hall, listen=args.cluster_listen, routes=args.route,
-            user=args.cluster_user, password=route_password(d / "route.password", args.check),
-        )  # fmt: skip
+            name=args.cluster_name or args.hall, listen=args.cluster_listen, routes=args.route, tls=tls
+        )
     text = ri.server_config(
         keys, resolver_dir=Path(args.resolver_dir), store_dir=Path(args.store_dir), listen=args.listen,
         port=args.port, monitor_port=args.monitor_port, server_name=args.server_name,
-        max_memory_store=args.max_memory_store, max_file_store=args.max_file_store, cluster=cluster,
+        max_memory_store=args.max_memory_store, max_file_store=args.max_file_store, cluster=cluster, tls=tls,
     )  # fmt: skip
     head, sep, preload = text.partition(PRELOAD)
     if not sep or not preload.endswith("\n}\n"):
@@ -231,7 +221,7 @@ def push(args: argparse.Namespace) -> dict[str, Any]:
     keys = hall_keys(args, [])
 
     async def run() -> int:
-        admin = await ri.RelayAdmin.connect(args.server, keys, timeout=args.timeout)
+        admin = await ri.RelayAdmin.connect(args.server, keys, timeout=args.timeout, tls_ca_file=args.ca_file or None)
         try:
             return await admin.push_many(token for _account, token in accounts)
         finally:
@@ -261,7 +251,12 @@ def main() -> None:
     p.add_argument("--route", action="append", default=[], help="config: a relay of the cluster, host:port (repeat)")
     p.add_argument("--cluster-name", default="", help="config: the cluster's name (default: the hall)")
     p.add_argument("--cluster-listen", default="0.0.0.0:6222", help="config: where routes connect, host:port")
-    p.add_argument("--cluster-user", default="sco-route", help="config: the user routes log in as")
+    p.add_argument(
+        "--tls-cert", default="", help="config: the relay's certificate (on the relay); clients over TLS only"
+    )
+    p.add_argument("--tls-key", default="", help="config: the relay's key (on the relay)")
+    p.add_argument("--tls-ca", default="", help="config: the CA the relay trusts for routes (on the relay)")
+    p.add_argument("--ca-file", default="", help="push: the hall's CA the relay's certificate must chain to (here)")
     p.add_argument("--server", default="nats://127.0.0.1:4222", help="push: the relay's client URL")
     p.add_argument("--if-running", action="store_true", help="push: skip a relay that is not running")
     p.add_argument("--timeout", type=float, default=5.0)

@@ -1,0 +1,223 @@
+"""The notice relay's TLS (issue 29, defect 3): real nats-servers configured as role notice_relay configures them.
+
+Clients: a relay serves TLS only, so a plaintext client is refused, a client that trusts another CA refuses the relay,
+and a client with the hall's CA (sco._nats) connects. Routes: a cluster's relays route to each other over TLS, each
+showing a certificate the hall's CA signed; a relay with a certificate from another CA, a relay routing in plaintext
+(the old password in its route URL) and a bare TLS connection without a certificate all fail to join. The role's
+own template (static mode) renders the same: TLS for clients and routes, no password anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sco import _nats
+from sco.provider import relay_identity as ri
+from tests.harness import BIN, free_port, wait_for
+from tests.relays import HALL, ROLE, Pki, RoleRelay, relay_refusal, run_playbook
+
+
+def routes(monitor: int) -> int:
+    """The servers this one has routes to (nats-server pools several connections per peer)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/routez", timeout=3) as r:
+        return len({x.get("remote_name") or x["remote_id"] for x in json.loads(r.read()).get("routes") or []})
+
+
+def operator_relay(
+    tmp: Path, keys: ri.HallKeys, name: str, *, tls: ri.RelayTls | None, cluster: ri.Cluster | None = None,
+    port: int | None = None, monitor: int | None = None,
+) -> tuple[RoleRelay, int]:  # fmt: skip
+    """A relay in operator mode (relay_identity.server_config, as the role renders it) started under ``tmp/name``."""
+    d = tmp / name
+    d.mkdir(parents=True)
+    port, monitor = port or free_port(), monitor or free_port()
+    conf = d / "nats.conf"
+    conf.write_text(
+        ri.server_config(
+            keys, resolver_dir=d / "resolver", store_dir=d / "js", listen="127.0.0.1", port=port, monitor_port=monitor,
+            server_name=name, cluster=cluster, tls=tls,
+        )
+    )  # fmt: skip
+    check = subprocess.run([str(BIN / "nats-server"), "-t", "-c", str(conf)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    return RoleRelay(d, conf, port).start(), monitor
+
+
+def test_a_relay_refuses_plaintext_and_clients_check_its_certificate(tmp_path: Path) -> None:
+    keys = ri.HallKeys.ensure(tmp_path / "keys", HALL)
+    pki, stranger = Pki(tmp_path / "pki"), Pki(tmp_path / "other-ca")
+    relay, _ = operator_relay(tmp_path, keys, "r1", tls=pki.relay_tls())
+    try:
+        admin = ri.NKey.generate("user")
+        creds = tmp_path / "admin.creds"
+        creds.write_text(ri.creds(ri.stream_admin_user_jwt(keys, admin.public), admin.seed))
+        # plaintext: the relay asks for TLS and nats-py without a context refuses to go on in the clear
+        plain = asyncio.run(relay_refusal(relay.url, user_credentials=str(creds)))
+        assert plain != "connected"
+        # a client that trusts another CA refuses the relay's certificate before it sends its identity
+        wrong = asyncio.run(relay_refusal(relay.url, user_credentials=str(creds), **stranger.client()))
+        assert "certificate verify failed" in wrong, wrong
+        # the hall's CA, through the one connect helper (sco._nats), as every SCO client connects
+        assert asyncio.run(relay_refusal(relay.url, user_credentials=str(creds), **pki.client())) == "connected"
+
+        async def via_helper() -> bool:
+            auth = _nats.auth_options(creds_file=str(creds), ca_file=str(pki.ca))
+            nc = await _nats.connect(relay.url, auth=auth, deadline_s=5)
+            ok = bool(nc.is_connected)
+            await nc.close()
+            return ok
+
+        assert asyncio.run(via_helper())
+    finally:
+        relay.stop()
+
+
+def test_a_raw_plaintext_client_gets_no_service(tmp_path: Path) -> None:
+    """A client that ignores the server's INFO and speaks the protocol in the clear (CONNECT, PING) gets no PONG:
+    the relay waits for a TLS handshake and drops it."""
+    keys = ri.HallKeys.ensure(tmp_path / "keys", HALL)
+    relay, _ = operator_relay(tmp_path, keys, "r1", tls=Pki(tmp_path / "pki").relay_tls())
+    try:
+        with socket.create_connection(("127.0.0.1", relay.port), 3) as s:
+            s.settimeout(3)
+            info = s.recv(4096)
+            assert b'"tls_required":true' in info, info
+            s.sendall(b'CONNECT {"verbose":false,"tls_required":false}\r\nPING\r\n')
+            seen = b""
+            try:
+                while chunk := s.recv(4096):
+                    seen += chunk
+            except (TimeoutError, ConnectionResetError):
+                pass
+            assert b"PONG" not in seen, seen
+    finally:
+        relay.stop()
+
+
+def cluster_of(pki: Pki, ports: list[int], name: str) -> ri.Cluster:
+    return ri.Cluster(
+        name=HALL, listen=f"127.0.0.1:{ports[0]}", routes=[f"127.0.0.1:{p}" for p in ports], tls=pki.relay_tls(name)
+    )
+
+
+def test_routes_are_authenticated_by_certificate(tmp_path: Path) -> None:
+    keys = ri.HallKeys.ensure(tmp_path / "keys", HALL)
+    pki, stranger = Pki(tmp_path / "pki"), Pki(tmp_path / "other-ca")
+    c1, c2 = free_port(), free_port()
+    r1, m1 = operator_relay(tmp_path, keys, "r1", tls=pki.relay_tls("r1"), cluster=cluster_of(pki, [c1, c2], "r1"))
+    r2, m2 = operator_relay(tmp_path, keys, "r2", tls=pki.relay_tls("r2"), cluster=cluster_of(pki, [c2, c1], "r2"))
+    started: list[RoleRelay] = [r1, r2]
+    try:
+        for conf in (r1.conf, r2.conf):
+            text = conf.read_text()
+            assert "password" not in text and "authorization" not in text.split("cluster {")[1]
+            assert "verify: true" in text.split("cluster {")[1]
+        wait_for(lambda: routes(m1) == 1 and routes(m2) == 1, 20, "the two relays' route")
+
+        # a relay whose certificate another CA signed (it trusts the hall's CA, so only its own certificate is wrong)
+        cx = free_port()
+        foreign = ri.Cluster(
+            name=HALL, listen=f"127.0.0.1:{cx}", routes=[f"127.0.0.1:{cx}", f"127.0.0.1:{c1}"],
+            tls=ri.RelayTls(*map(str, stranger.issue("intruder")), str(pki.ca)),
+        )  # fmt: skip
+        intruder, mx = operator_relay(tmp_path, keys, "intruder", tls=None, cluster=foreign)
+        started.append(intruder)
+        # a relay routing in plaintext, the old shared password in its route URL
+        cp, plain_port = free_port(), free_port()
+        plain_conf = tmp_path / "plain.conf"
+        plain_conf.write_text(
+            f'server_name: "plain"\nlisten: "127.0.0.1:{plain_port}"\n'
+            f'cluster {{\n  name: "{HALL}"\n  listen: "127.0.0.1:{cp}"\n'
+            f'  routes: ["nats-route://sco-route:guessed0password0@127.0.0.1:{c1}"]\n}}\n'
+        )
+        (tmp_path / "plain").mkdir()
+        plain = RoleRelay(tmp_path / "plain", plain_conf, plain_port)
+        plain.start()
+        started.append(plain)
+        time.sleep(4)  # several route attempts (nats-server retries a route every second)
+        assert routes(m1) == 1 and routes(m2) == 1 and routes(mx) == 0
+        log = (tmp_path / "r1" / "nats.log").read_text()
+        assert "TLS route handshake error" in log or "tls: " in log, log[-3000:]
+
+        # a bare TLS connection to the route port, trusting the hall's CA but showing no certificate: refused
+        ctx = ssl.create_default_context(cafile=str(pki.ca))
+        with socket.create_connection(("127.0.0.1", c1), 3) as s:
+            s.settimeout(3)
+            s.recv(4096)  # the route's INFO, in the clear, before the handshake
+            with pytest.raises((ssl.SSLError, ConnectionResetError, TimeoutError)), ctx.wrap_socket(
+                s, server_hostname="127.0.0.1"
+            ) as t:  # fmt: skip
+                t.sendall(b"PING\r\n")
+                assert t.recv(4096) != b"", "the route port served a client without a certificate"
+    finally:
+        for r in started:
+            r.stop()
+
+
+RENDER_CLUSTER = """
+- name: Render the relay's configuration with the role's template (a cluster of two)
+  hosts: localhost
+  gather_facts: false
+  vars_files: ["{{ role }}/defaults/main.yml", "{{ role }}/vars/main.yml"]
+  tasks:
+    - name: Render
+      ansible.builtin.template:
+        src: "{{ role }}/templates/nats-server.conf.j2"
+        dest: "{{ out }}"
+        mode: "0600"
+"""
+
+
+def render(tmp: Path, name: str, pki: Pki, extra: dict[str, Any]) -> tuple[Path, int, int]:
+    tls_dir = tmp / f"{name}-tls"
+    tls_dir.mkdir()
+    crt, key = pki.issue(name)
+    (tls_dir / "relay.crt").write_bytes(crt.read_bytes())
+    (tls_dir / "relay.key").write_bytes(key.read_bytes())
+    (tls_dir / "ca.crt").write_bytes(pki.ca.read_bytes())
+    port, monitor = free_port(), free_port()
+    out = tmp / f"{name}.conf"
+    r = run_playbook(
+        tmp, RENDER_CLUSTER,
+        {"role": str(ROLE), "out": str(out), "notice_relay_hall": HALL, "notice_relay_nodes": ["a"],
+         "notice_relay_credentials_dir": str(tmp / "credentials"), "notice_relay_listen": "127.0.0.1",
+         "notice_relay_port": port, "notice_relay_monitor_port": monitor, "notice_relay_store_dir": str(tmp / name),
+         "notice_relay_server_name": name, "notice_relay_tls_member_dir": str(tls_dir), **extra},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out, port, monitor
+
+
+def test_the_roles_template_serves_tls_and_routes_by_certificate(tmp_path: Path) -> None:
+    pki = Pki(tmp_path / "pki")
+    c1, c2 = free_port(), free_port()
+    peers = [f"127.0.0.1:{c1}", f"127.0.0.1:{c2}"]
+    confs = [
+        render(tmp_path, "s1", pki, {"notice_relay_cluster_peers": peers, "notice_relay_cluster_port": c1}),
+        render(tmp_path, "s2", pki, {"notice_relay_cluster_peers": peers, "notice_relay_cluster_port": c2}),
+    ]
+    started = []
+    try:
+        for conf, port, _ in confs:
+            text = conf.read_text()
+            assert "password" not in text and "sco-route" not in text, text
+            assert "nats-route://127.0.0.1:" in text
+            started.append(RoleRelay(conf.parent, conf, port).start())
+        wait_for(lambda: all(routes(m) == 1 for _, _, m in confs), 20, "the role's relays' route")
+        creds = tmp_path / "credentials"
+        seed = {"nkeys_seed": str(creds / "node-a.nk")}
+        url = started[0].url
+        assert asyncio.run(relay_refusal(url, **seed)) != "connected"
+        assert asyncio.run(relay_refusal(url, **seed, **pki.client())) == "connected"
+    finally:
+        for r in started:
+            r.stop()
