@@ -383,7 +383,7 @@ class AgentEnv:
             reachable(Path(str(lines["checkpoint_socket"])).parent, user=self.user)
         if str(lines.get("kube_token_file", "")).startswith("/"):  # its own, as role node_agent makes it
             reachable(Path(str(lines["kube_token_file"])), user=self.user)
-        for k in ("kube_ca_file", "kube_kubeconfig", "logind_bus"):
+        for k in ("kube_ca_file", "kube_kubeconfig", "logind_bus", "nats_ca_file"):
             where = str(lines.get(k, "")).removeprefix("unix:path=")
             if where.startswith("/"):
                 reachable(Path(where).parent, owner=False, user=self.user)

@@ -21,7 +21,7 @@ from typing import Any
 
 import nats
 
-from sco import __version__
+from sco import __version__, _nats
 from sco.provider import heartbeats
 from sco.provider import relay_identity as ri
 from tests.harness import BIN, AgentEnv, NatsServer, free_port, wait_for
@@ -103,22 +103,46 @@ class RoleRelay(NatsServer):
         return self
 
 
+# The CA each test relay's certificate chains to, by client URL (the tests' clients connect over TLS, as SCO's do)
+_CA_OF: dict[str, Path] = {}
+
+
+def tls_for(url: str) -> dict[str, Any]:
+    """nats.connect's TLS argument for a client of the test relay at ``url`` (its CA); {} for a relay without TLS."""
+    cas = {_CA_OF[u] for u in _nats.servers_of(url) if u in _CA_OF}
+    return {"tls": _nats.tls_context(str(cas.pop()))} if cas else {}
+
+
+def deploy_tls(pki: Pki, member_dir: Path, name: str = "relay") -> Path:
+    """The relay's certificate, key and CA where the role's template points (notice_relay_tls_member_dir)."""
+    member_dir.mkdir(parents=True, exist_ok=True)
+    crt, key = pki.issue(name)
+    for src, dest in ((crt, "relay.crt"), (key, "relay.key"), (pki.ca, "ca.crt")):
+        (member_dir / dest).write_bytes(src.read_bytes())
+    return member_dir
+
+
 def start_relay(tmp_path: Path, nodes: list[str]) -> tuple[RoleRelay, Path]:
-    """A relay for hall `local` with the role's users for `nodes`, the reclaimer and the control reader."""
+    """A relay for hall `local` with the role's users for `nodes`, the reclaimer and the control reader; TLS on,
+    its certificate signed by the test's CA (``tmp_path/tls``, role hall's sco_tls_ca_cert), for 127.0.0.1."""
     creds = tmp_path / "credentials"
     port = free_port()
     conf = tmp_path / "nats.conf"
+    pki = Pki(tmp_path / "tls")  # the hall's CA where role hall keeps it (sco_state_dir/tls)
+    member = deploy_tls(pki, tmp_path / "relay-tls")
     r = run_playbook(
         tmp_path, RENDER,
         {"role": str(ROLE), "out": str(conf), "notice_relay_hall": "local", "notice_relay_nodes": nodes,
          "notice_relay_credentials_dir": str(creds), "notice_relay_listen": "127.0.0.1", "notice_relay_port": port,
-         "notice_relay_monitor_port": free_port(), "notice_relay_store_dir": str(tmp_path / "js")},
+         "notice_relay_monitor_port": free_port(), "notice_relay_store_dir": str(tmp_path / "js"),
+         "notice_relay_tls_member_dir": str(member)},
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     srv = RoleRelay(tmp_path, conf, port).start()
+    _CA_OF[srv.url] = pki.ca
     stream = subprocess.run(
         [sys.executable, str(ROLE / "files/sco-nats-stream.py"), "--server", srv.url,
-         "--nkey-seed", str(creds / "relay-admin.nk"), "--hall", "local"],
+         "--nkey-seed", str(creds / "relay-admin.nk"), "--hall", "local", "--ca-file", str(pki.ca)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert [json.loads(x) for x in stream.stdout.splitlines()] == [
@@ -129,13 +153,18 @@ def start_relay(tmp_path: Path, nodes: list[str]) -> tuple[RoleRelay, Path]:
 
 
 def as_user(creds: Path, user: str) -> dict[str, Any]:
-    """nats.connect's arguments for relay user ``user``: its nkey seed, made by the role's lookup on rendering."""
-    return {"nkeys_seed": str(creds / f"{user}.nk")}
+    """nats.connect's arguments for relay user ``user``: its nkey seed, made by the role's lookup on rendering, and
+    the TLS context trusting start_relay's CA."""
+    ca = creds.parent / "tls" / "ca.crt"
+    tls = {"tls": _nats.tls_context(str(ca))} if ca.exists() else {}
+    return {"nkeys_seed": str(creds / f"{user}.nk"), **tls}
 
 
 def agent_identity(creds: Path, node: str) -> dict[str, Any]:
-    """agent.toml's relay identity of node ``node``, as the node_agent role writes it (the seed in a file)."""
-    return {"nats_nkey_seed_file": str(creds / f"node-{node}.nk")}
+    """agent.toml's relay identity of node ``node``, as the node_agent role writes it (the seed in a file), and the
+    CA the relay's certificate chains to (nats_ca_file)."""
+    ca = creds.parent / "tls" / "ca.crt"
+    return {"nats_nkey_seed_file": str(creds / f"node-{node}.nk"), **({"nats_ca_file": str(ca)} if ca.exists() else {})}
 
 
 HALL = "local"
@@ -181,12 +210,14 @@ def start_jwt_relay(tmp_path: Path) -> JwtRelay:
     keys = ri.HallKeys.ensure(tmp_path / "hall-keys", HALL)
     port = free_port()
     conf = tmp_path / "nats-jwt.conf"
+    pki = Pki(tmp_path / "pki")
     conf.write_text(
         ri.server_config(
             keys, resolver_dir=tmp_path / "resolver", store_dir=tmp_path / "js", listen="127.0.0.1", port=port,
-            monitor_port=free_port(),
+            monitor_port=free_port(), tls=pki.relay_tls(),
         )
     )  # fmt: skip
+    _CA_OF[f"nats://127.0.0.1:{port}"] = pki.ca
     check = subprocess.run([str(BIN / "nats-server"), "-t", "-c", str(conf)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     relay = JwtRelay(RoleRelay(tmp_path, conf, port).start(), keys, tmp_path, conf)
@@ -197,7 +228,7 @@ def start_jwt_relay(tmp_path: Path) -> JwtRelay:
         relay.users[name] = relay.creds_file(name, mint(keys, key.public), key)
 
     async def streams() -> None:  # what the role's stream tool makes, as relay-admin
-        nc = await nats.connect(relay.url, user_credentials=str(relay.users["relay-admin"]))
+        nc = await nats.connect(relay.url, user_credentials=str(relay.users["relay-admin"]), **tls_for(relay.url))
         try:
             await nc.jetstream(timeout=5).add_stream(
                 name=ri.STREAM, subjects=[f"sco.events.{HALL}.>"], duplicate_window=120
@@ -225,8 +256,11 @@ async def publish_until(nc: Any, messages: list[tuple[str, bytes]], got: list[An
             await asyncio.sleep(0.1)
 
 
-async def relay_refusal(url: str, **auth: Any) -> str:
-    """How the relay answers a connection with ``auth``: "connected" or its error."""
+async def relay_refusal(url: str, plaintext: bool = False, **auth: Any) -> str:
+    """How the relay answers a connection with ``auth`` (over TLS with the relay's CA unless ``plaintext`` or
+    ``auth`` has its own ``tls``): "connected" or its error."""
+    if not plaintext and "tls" not in auth:
+        auth = {**auth, **tls_for(url)}
     errors: list[str] = []
 
     async def on_error(e: Exception) -> None:
@@ -243,7 +277,7 @@ async def relay_refusal(url: str, **auth: Any) -> str:
 
 
 async def stream_subjects(relay: JwtRelay) -> list[str]:
-    nc = await nats.connect(relay.url, user_credentials=str(relay.users["relay-admin"]))
+    nc = await nats.connect(relay.url, user_credentials=str(relay.users["relay-admin"]), **tls_for(relay.url))
     js = nc.jetstream(timeout=5)
     try:
         last = (await js.stream_info(ri.STREAM)).state.last_seq
@@ -297,6 +331,8 @@ class Deployed:
             "_notice_relay_conf_dir": str(self.etc), "_notice_relay_unit_dir": str(self.units),
             "_notice_relay_bin": str(self.root / "bin" / "nats-server"),
             "_notice_relay_stream_script": str(self.root / "lib" / "sco-nats-stream.py"),
+            # the relay's certificate (the role makes it, signed by the hall's CA it makes under sco_state_dir/tls)
+            "notice_relay_tls_member_dir": str(self.root / "relay-tls"), "notice_relay_tls_textfile_dir": "",
             # the venv is there already: node_agent's install steps (venv, pip) are done for it
             "node_agent_installs_done": [f"{self.venv} {package} "],
         }  # fmt: skip
@@ -316,7 +352,13 @@ class Deployed:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def ca(self) -> Path:
+        """The hall's CA the role made on the controller (sco_state_dir/tls: run_playbook's sco_state_dir)."""
+        return self.root / "tls" / "ca.crt"
+
     def start(self) -> None:
+        _CA_OF[self.url] = self.ca
         log = open(self.root / "nats.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(self.unit("ExecStart"), stdout=subprocess.DEVNULL, stderr=log)
 
@@ -345,7 +387,9 @@ async def notices_reach(url: str, reclaimer: Path, nodes: dict[str, Path]) -> di
     conns = []
     try:
         for node, creds in nodes.items():
-            nc = await nats.connect(url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node))
+            nc = await nats.connect(
+                url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node), **tls_for(url)
+            )
             conns.append(nc)
 
             async def take(msg: Any, node: str = node) -> None:
@@ -353,7 +397,7 @@ async def notices_reach(url: str, reclaimer: Path, nodes: dict[str, Path]) -> di
 
             await nc.subscribe(f"sco.notice.{HALL}.{node}", cb=take)
             await nc.flush(timeout=5)
-        rc = await nats.connect(url, user_credentials=str(reclaimer))
+        rc = await nats.connect(url, user_credentials=str(reclaimer), **tls_for(url))
         conns.append(rc)
         for node in nodes:
             await rc.publish(f"sco.notice.{HALL}.{node}", f"notice for {node}".encode())
@@ -370,7 +414,7 @@ async def notices_reach(url: str, reclaimer: Path, nodes: dict[str, Path]) -> di
 
 async def event_acked(url: str, creds: Path, node: str) -> int:
     """Node ``node`` puts an event into the hall's stream (JetStream's ack comes back on its own inbox)."""
-    nc = await nats.connect(url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node))
+    nc = await nats.connect(url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node), **tls_for(url))
     try:
         ack = await nc.jetstream(timeout=5).publish(f"sco.events.{HALL}.{node}", b'{"event": "test"}')
         return int(ack.seq)
@@ -477,6 +521,4 @@ class Pki:
 
     def client(self) -> dict[str, Any]:
         """nats.connect's TLS argument for a client that trusts this CA (as sco._nats makes it)."""
-        from sco import _nats
-
         return {"tls": _nats.tls_context(str(self.ca))}

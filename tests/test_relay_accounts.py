@@ -21,7 +21,7 @@ from sco.errors import ConfigError
 from sco.provider import heartbeats
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, add_pod, wait_for
-from tests.relays import ATTACKS, REPO, agent_identity, as_user, run_playbook, start_relay, status
+from tests.relays import ATTACKS, REPO, agent_identity, as_user, run_playbook, start_relay, status, tls_for
 
 
 def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
@@ -101,7 +101,8 @@ def test_the_relays_config_holds_no_secret_and_renders_the_same_twice(tmp_path: 
             {"role": str(ROLE), "out": str(again), "notice_relay_hall": "local", "notice_relay_nodes": ["a"],
              "notice_relay_credentials_dir": str(creds), "notice_relay_listen": "127.0.0.1",
              "notice_relay_port": srv.port, "notice_relay_monitor_port": int(conf.split('http: "127.0.0.1:')[1][:5]),
-             "notice_relay_store_dir": str(tmp_path / "js")},
+             "notice_relay_store_dir": str(tmp_path / "js"),
+             "notice_relay_tls_member_dir": str(tmp_path / "relay-tls")},
         )  # fmt: skip
         assert r.returncode == 0, r.stdout + r.stderr
         assert again.read_text() == conf  # the same seeds: the role's template task reports no change
@@ -126,7 +127,7 @@ def test_the_relays_config_holds_no_secret_and_renders_the_same_twice(tmp_path: 
         foreign = tmp_path / "foreign.nk"
         foreign.write_bytes(nkeys.encode_seed(b"\x01" * 32, nkeys.PREFIX_BYTE_USER))
         for auth in ({"nkeys_seed": str(foreign)}, {"user": "node-a", "password": "anything"}):
-            assert "authorization violation" in asyncio.run(connect(**auth)).lower(), auth
+            assert "authorization violation" in asyncio.run(connect(**auth, **tls_for(srv.url))).lower(), auth
     finally:
         srv.stop()
 
@@ -144,7 +145,10 @@ def test_the_control_loops_heartbeat_reader_reads_the_role_relay_with_its_seed(t
             await nc.close()
 
         asyncio.run(beat())
-        reader = heartbeats.reader_from_env({"SCO_NATS_URL": srv.url, "SCO_NATS_NKEY_SEED": str(creds / "control.nk")})
+        reader = heartbeats.reader_from_env(
+            {"SCO_NATS_URL": srv.url, "SCO_NATS_NKEY_SEED": str(creds / "control.nk"),
+             "SCO_NATS_CA_FILE": str(tmp_path / "tls" / "ca.crt")}
+        )  # fmt: skip
         assert reader is not None
         beats = asyncio.run(heartbeats.read(reader, "local"))
         assert set(beats) == {"a"} and beats["a"][1] == {"drain": "idle"}, beats

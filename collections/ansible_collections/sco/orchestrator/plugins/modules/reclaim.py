@@ -65,6 +65,11 @@ options:
       - The reclaimer's nkey seed file (the notice_relay role's C(<credentials_dir>/nats/reclaimer.nk); the relay
         knows only its public key), instead of O(nats_user) and O(nats_password).
     type: path
+  nats_ca_file:
+    description:
+      - The hall's CA (PEM) the relay's TLS certificate must chain to (role hall's C(sco_relay_ca_file), the hall's
+        CA on the controller); the hall's relays serve TLS only.
+    type: path
   window:
     description:
       - Seconds from the notice to the delete (120 in production); at least 3 and at most 3600.
@@ -199,6 +204,7 @@ def main() -> None:
         "nats_creds": {"type": "path"},
         "nats_token": {"type": "str", "no_log": True},
         "nats_nkey_seed": {"type": "path"},
+        "nats_ca_file": {"type": "path"},
         "window": {"type": "float", "default": 120},
         "notice_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
         "wait": {"type": "bool", "default": True},
