@@ -33,6 +33,9 @@ def _env_problem(name: str, value: str) -> str | None:
     return None
 
 
+RELAY_CA_PATH = "/etc/sco/relay-ca.crt"  # as role node_agent writes it (node_agent_nats_ca)
+
+
 def render(
     bundle: Bundle,
     signing_keys: list[PrivateKey],
@@ -42,10 +45,18 @@ def render(
     names: list[str] | None = None,
     node_env: dict[str, str] | None = None,
     now: float | None = None,
+    relay_ca: str = "",
 ) -> str:
     """The instance's user-data. Its subset bundle is dated from ``now`` (the launch) for the hall's bundle
     lifetime, not the full bundle's ``expiresAt``: the launch signs it, and a hall whose full bundle was last
-    re-signed days ago must still boot nodes that take their budgets (a node never takes up an expired bundle)."""
+    re-signed days ago must still boot nodes that take their budgets (a node never takes up an expired bundle).
+    ``relay_ca``: the CA (PEM) the hall's relays' TLS certificates chain to, written to RELAY_CA_PATH and named by
+    agent.env's SCO_AGENT_NATS_CA_FILE (unless the operator's node_env names another), so the new instance checks
+    the relay before it enrols or sends anything."""
+    if relay_ca:
+        if "-----BEGIN CERTIFICATE-----" not in relay_ca:
+            raise ConfigError("relay CA: not a PEM certificate (-----BEGIN CERTIFICATE-----)")
+        node_env = {"SCO_AGENT_NATS_CA_FILE": RELAY_CA_PATH, **(node_env or {})}
     bad = [f"{k!r}: {why}" for k, v in sorted((node_env or {}).items()) if (why := _env_problem(k, v))]
     if bad:
         raise ConfigError(f"node environment: {'; '.join(bad)}")
@@ -68,6 +79,8 @@ def render(
             "content": base64.b64encode(subset).decode("ascii"),
         }
     )
+    if relay_ca:
+        files.append({"path": RELAY_CA_PATH, "permissions": "0644", "content": relay_ca.strip() + "\n"})
     if node_env:
         files.append(
             {

@@ -217,11 +217,19 @@ class AcquireOptions:
     signing_keys: tuple[str, ...] = ()
     node_env: Mapping[str, str] = field(default_factory=dict)
     concurrency: int = 8
+    relay_ca: str = ""
+    """The relays' CA (PEM text, read from relay_ca_file): each new instance's user-data carries it."""
 
     @classmethod
     def from_params(cls, p: Params) -> AcquireOptions:
         # the acquirer plans nothing: the pools' configuration is read, no demand or fleet
         base = PlanOptions.from_params({**p, "demand": {}, "fleet": []})
+        relay_ca = ""
+        if p.get("relay_ca_file"):
+            try:
+                relay_ca = Path(str(p["relay_ca_file"])).read_text()
+            except OSError as e:
+                raise ConfigError(f"relay_ca_file: {p['relay_ca_file']}: {e.strerror or e}") from None
         return cls(
             base,
             _result(p.get("plan"), "plan", "plan"),
@@ -229,6 +237,7 @@ class AcquireOptions:
             tuple(str(k) for k in p.get("signing_keys") or ()),
             {str(k): str(v) for k, v in (p.get("node_env") or {}).items()},
             int(_positive(p, "concurrency", 8)),
+            relay_ca,
         )
 
 

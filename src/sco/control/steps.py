@@ -482,7 +482,9 @@ def _acquire(
 
         def render(name: str, own: Mapping[str, str] | None = None, contracts: tuple[str, ...] = t.contracts) -> str:
             env = node_environment(o.node_env, hall, name, own)
-            return userdata.render(bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env)
+            return userdata.render(
+                bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env, relay_ca=o.relay_ca
+            )
 
         # node_env naming the enrolment service: each instance gets a one-time token of its own (the acquirer)
         acq = Acquirer(

@@ -45,6 +45,11 @@ options:
       - C(SCO_AGENT_HALL) and C(SCO_AGENT_NODE) are always the hall's and the server's name, whatever this says.
     type: dict
     default: {}
+  relay_ca_file:
+    description:
+      - The CA (PEM) the hall's relays' TLS certificates chain to, on the host the module runs on; every new
+        instance's user-data carries it (C(/etc/sco/relay-ca.crt), named by C(SCO_AGENT_NATS_CA_FILE)).
+    type: path
   concurrency:
     description: Creates (and deletes) sent at once.
     type: int
@@ -153,6 +158,7 @@ def main() -> None:
         "signing_keys": {"type": "list", "elements": "path", "default": [], "no_log": False},
         # user-data of every new instance: enrolment tokens, relay credentials
         "node_env": {"type": "dict", "default": {}, "no_log": True},
+        "relay_ca_file": {"type": "path"},
         "concurrency": {"type": "int", "default": 8},
     }
     run_step(AnsibleModule(argument_spec=spec, supports_check_mode=True), "acquire")
