@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from sco import _nats
 from sco.cli import main
 from sco.control import metrics
 from sco.provider import heartbeats as relay_beats
@@ -23,7 +24,7 @@ from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.harness import AgentEnv, NatsServer, free_port, wait_for
 from tests.prom import promtool_check, samples
-from tests.relays import start_relay
+from tests.relays import agent_identity, as_user, start_relay
 
 HALL = "local"
 
@@ -42,7 +43,11 @@ def _fleet(dsn: str, names: list[str], age_h: float = 1) -> None:
 
 
 def _reader(srv: NatsServer, creds: Path, user: str = "control") -> RelayReader:
-    return RelayReader(srv.url, {"nkeys_seed": str(creds / f"{user}.nk")}, timeout_s=10)
+    # the relay's CA beside its credentials (start_relay's, as role hall keeps it)
+    return RelayReader(
+        srv.url, _nats.auth_options(nkey_seed_file=str(creds / f"{user}.nk"), ca_file=str(creds.parent / "tls/ca.crt")),
+        timeout_s=10,
+    )  # fmt: skip
 
 
 def test_an_agent_beats_through_the_role_relay_and_the_silent_one_is_listed(
@@ -52,7 +57,7 @@ def test_an_agent_beats_through_the_role_relay_and_the_silent_one_is_listed(
     srv, creds = start_relay(tmp_path / "relay", ["node-1", "node-2"])
     agent = AgentEnv(
         tmp_path / "agent", kube, srv, node="node-1", heartbeat_seconds=1,
-        nats_nkey_seed_file=str(creds / "node-node-1.nk"),
+        **agent_identity(creds, "node-1"),
     )  # fmt: skip
     try:
         _fleet(fleet_dsn, ["node-1", "node-2"])
@@ -68,7 +73,7 @@ def test_an_agent_beats_through_the_role_relay_and_the_silent_one_is_listed(
             async def on_error(e: Exception) -> None:
                 errors.append(str(e))
 
-            nc = await nats.connect(srv.url, nkeys_seed=str(creds / "node-node-1.nk"), error_cb=on_error)
+            nc = await nats.connect(srv.url, **as_user(creds, "node-node-1"), error_cb=on_error)
             await nc.publish("sco.heartbeat.local.node-2", b'{"drain":"idle"}')
             await nc.flush(timeout=2)
             await asyncio.sleep(0.3)  # the permissions violation comes back asynchronously
@@ -90,7 +95,8 @@ def test_an_agent_beats_through_the_role_relay_and_the_silent_one_is_listed(
             assert collect(reader, conn, HALL) == 1
         # what the on-call engineer runs, reading the relay itself as the same reader
         argv = ["hall", "status", "--json", "--dsn", fleet_dsn, "--nats", srv.url, "--user", "control"]
-        assert main([*argv, "--nkey-seed", str(creds / "control.nk")]) == 0
+        ca = str(creds.parent / "tls/ca.crt")
+        assert main([*argv, "--nkey-seed", str(creds / "control.nk"), "--nats-ca-file", ca]) == 0
         st = json.loads(capsys.readouterr().out)
         assert [(a["instance"], a["heard_at"]) for a in st["stale_agents"]] == [("node-2", None)]
         assert st["heartbeats"]["nodes"] == 1 and st["heartbeats"]["last_error"] is None
