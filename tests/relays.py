@@ -113,6 +113,12 @@ def tls_for(url: str) -> dict[str, Any]:
     return {"tls": _nats.tls_context(str(cas.pop()))} if cas else {}
 
 
+def ca_for(url: str) -> str | None:
+    """The CA file of the test relay at ``url`` (sco._nats's tls_ca_file); None for a relay without TLS."""
+    cas = {_CA_OF[u] for u in _nats.servers_of(url) if u in _CA_OF}
+    return str(cas.pop()) if cas else None
+
+
 def deploy_tls(pki: Pki, member_dir: Path, name: str = "relay") -> Path:
     """The relay's certificate, key and CA where the role's template points (notice_relay_tls_member_dir)."""
     member_dir.mkdir(parents=True, exist_ok=True)
@@ -196,7 +202,7 @@ class JwtRelay:
         key = ri.NKey.generate("user")
 
         async def issue() -> ri.NodeIdentity:
-            admin = await ri.RelayAdmin.connect(self.url, self.keys)
+            admin = await ri.RelayAdmin.connect(self.url, self.keys, tls_ca_file=ca_for(self.url))
             try:
                 return await ri.issue(admin, self.keys, node, key.public)
             finally:

@@ -26,11 +26,13 @@ from tests.relays import (
     ATTACKS,
     HALL,
     JwtRelay,
+    ca_for,
     publish_until,
     relay_refusal,
     start_jwt_relay,
     status,
     stream_subjects,
+    tls_for,
 )
 
 
@@ -43,7 +45,7 @@ def relay(tmp_path: Path) -> Iterator[JwtRelay]:
 
 async def _connect(url: str, creds: Path, node: str = "", **more: Any) -> Any:
     extra = {"inbox_prefix": ri.node_inbox(HALL, node)} if node else {}
-    return await nats.connect(url, user_credentials=str(creds), connect_timeout=3, **extra, **more)
+    return await nats.connect(url, user_credentials=str(creds), connect_timeout=3, **extra, **tls_for(url), **more)
 
 
 def test_the_config_is_operator_mode_and_holds_no_secret(relay: JwtRelay) -> None:
@@ -101,7 +103,11 @@ def test_a_node_enrolled_at_run_time_hears_only_its_notices_and_publishes_only_i
             await node_b.jetstream(timeout=5).publish(f"sco.events.{HALL}.b", b'{"type": "agent.started"}')
             await asyncio.sleep(0.5)
             reader = heartbeats.reader_from_env(
-                {"SCO_NATS_URL": relay.url, "SCO_NATS_CREDS": str(relay.users["control"])}
+                {
+                    "SCO_NATS_URL": relay.url,
+                    "SCO_NATS_CREDS": str(relay.users["control"]),
+                    "SCO_NATS_CA_FILE": str(ca_for(relay.url)),
+                }
             )
             assert reader is not None
             beats = await heartbeats.read(reader, HALL)
@@ -126,7 +132,9 @@ def test_readers_and_other_nodes_cannot_land_anything_on_a_nodes_notice_subject(
     """tests/test_relay_accounts.py's attacks against the operator-mode relay, a real agent on a creds file."""
     _, a_creds = relay.enrol("a")
     _, b_creds = relay.enrol("b")
-    agent = AgentEnv(tmp_path / "agent", kube, relay.srv, node="a", nats_creds_file=str(a_creds))
+    agent = AgentEnv(
+        tmp_path / "agent", kube, relay.srv, node="a", nats_creds_file=str(a_creds), nats_ca_file=str(ca_for(relay.url))
+    )
     add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.2)
 
     async def attack() -> None:
@@ -240,7 +248,7 @@ def test_a_revocation_closes_the_connected_node_and_refuses_it_after(relay: JwtR
 
         await node_b.subscribe(f"sco.notice.{HALL}.b", cb=on_b)
         await node_b.flush(timeout=5)
-        admin = await ri.RelayAdmin.connect(relay.url, relay.keys)
+        admin = await ri.RelayAdmin.connect(relay.url, relay.keys, tls_ca_file=ca_for(relay.url))
         try:
             started = time.monotonic()
             await ri.revoke(admin, relay.keys, a)

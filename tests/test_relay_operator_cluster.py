@@ -27,7 +27,7 @@ import yaml
 
 from sco.provider import relay_identity as ri
 from tests.harness import BIN, free_port, wait_for
-from tests.relays import HALL, REPO, Deployed, event_acked, relay_refusal
+from tests.relays import HALL, REPO, Deployed, ca_for, event_acked, relay_refusal, tls_for
 
 NAMES = ("r1", "r2", "r3")
 RELAYS = """
@@ -97,7 +97,7 @@ def enrol(relay: ClusterRelay, node: str) -> tuple[ri.NodeIdentity, Path]:
     key = ri.NKey.generate("user")
 
     async def issue() -> ri.NodeIdentity:
-        admin = await ri.RelayAdmin.connect(relay.url, keys)
+        admin = await ri.RelayAdmin.connect(relay.url, keys, tls_ca_file=ca_for(relay.url))
         try:
             return await ri.issue(admin, keys, node, key.public)
         finally:
@@ -113,7 +113,7 @@ def revoke(relay: ClusterRelay, identity: ri.NodeIdentity) -> None:
     keys = ri.HallKeys.ensure(relay.creds / "operator", HALL)
 
     async def run() -> None:
-        admin = await ri.RelayAdmin.connect(relay.url, keys)
+        admin = await ri.RelayAdmin.connect(relay.url, keys, tls_ca_file=ca_for(relay.url))
         try:
             await ri.revoke(admin, keys, identity)
         finally:
@@ -124,8 +124,10 @@ def revoke(relay: ClusterRelay, identity: ri.NodeIdentity) -> None:
 
 async def notice_across(node_url: str, creds: Path, node: str, reclaimer_url: str, reclaimer: Path) -> list[bytes]:
     got: list[bytes] = []
-    nc = await nats.connect(node_url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node))
-    rc = await nats.connect(reclaimer_url, user_credentials=str(reclaimer))
+    nc = await nats.connect(
+        node_url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node), **tls_for(node_url)
+    )
+    rc = await nats.connect(reclaimer_url, user_credentials=str(reclaimer), **tls_for(reclaimer_url))
     try:
 
         async def take(msg: Any) -> None:
@@ -160,7 +162,7 @@ async def revoked_while_connected(url: str, creds: Path, node: str, push: Any) -
 
     nc = await nats.connect(
         url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node), allow_reconnect=False,
-        max_reconnect_attempts=0, disconnected_cb=on_closed, closed_cb=on_closed, error_cb=on_error,
+        max_reconnect_attempts=0, disconnected_cb=on_closed, closed_cb=on_closed, error_cb=on_error, **tls_for(url),
     )  # fmt: skip
     await nc.flush(timeout=5)
     t0 = time.monotonic()

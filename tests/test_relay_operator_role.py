@@ -20,7 +20,17 @@ import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from sco.provider import relay_identity as ri
-from tests.relays import HALL, OPERATOR_PLAY, Deployed, event_acked, notices_reach, relay_refusal, run_playbook
+from tests.relays import (
+    HALL,
+    OPERATOR_PLAY,
+    Deployed,
+    ca_for,
+    event_acked,
+    notices_reach,
+    relay_refusal,
+    run_playbook,
+    tls_for,
+)
 
 SHOW = """
 - name: What role hall hands node a's agent
@@ -41,7 +51,7 @@ async def cross_subscription(url: str, creds: Path, node: str, other: str) -> st
     async def on_error(e: Exception) -> None:
         errors.append(str(e))
 
-    nc = await nats.connect(url, user_credentials=str(creds), error_cb=on_error)
+    nc = await nats.connect(url, user_credentials=str(creds), error_cb=on_error, **tls_for(url))
     try:
         await nc.subscribe(f"sco.notice.{HALL}.{other}")
         with contextlib.suppress(NatsTimeoutError):
@@ -62,7 +72,7 @@ def enrol_at_run_time(relay: Deployed, node: str) -> Path:
     key = ri.NKey.generate("user")
 
     async def issue() -> ri.NodeIdentity:
-        admin = await ri.RelayAdmin.connect(relay.url, keys)
+        admin = await ri.RelayAdmin.connect(relay.url, keys, tls_ca_file=ca_for(relay.url))
         try:
             return await ri.issue(admin, keys, node, key.public)
         finally:
@@ -228,7 +238,7 @@ def test_a_static_relay_switched_to_operator_mode_keeps_its_stream(tmp_path: Pat
 
         async def event_on_seed() -> int:
             nc = await nats.connect(relay.url, nkeys_seed=str(relay.creds / "node-a.nk"),
-                                    inbox_prefix=ri.node_inbox(HALL, "a"))  # fmt: skip
+                                    inbox_prefix=ri.node_inbox(HALL, "a"), **tls_for(relay.url))  # fmt: skip
             try:
                 ack = await nc.jetstream(timeout=5).publish(f"sco.events.{HALL}.a", b'{"event": "before"}')
                 return int(ack.seq)
