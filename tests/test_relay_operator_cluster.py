@@ -1,7 +1,8 @@
 """A cluster of relays in operator mode. Role notice_relay applied to three relay hosts of one inventory
 (this machine three times, each host's paths under the test's directory), each nats-server started as the unit the
 role installed says: its ExecStartPre (the catch-up from its peers), its ExecStart. The three route to each other
-over TLS, each showing a certificate the hall's CA signed (no route password), and keep the streams in three copies; every relay has a full resolver.
+over TLS, each showing a certificate the hall's CA signed (no route password), and keep the streams in three copies;
+every relay has a full resolver.
 
 A node enrolled through one relay connects to another and hears a notice the reclaimer sent through the third; its
 revocation, pushed once to one relay, closes its connection wherever it is connected (the time is measured: goal
