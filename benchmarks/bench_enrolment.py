@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness import free_port
-from tests.relays import HALL, start_jwt_relay
+from tests.relays import HALL, ca_for, start_jwt_relay, tls_for
 
 from sco.contract.enrolment import creds_text
 from sco.control.acquirer import ENROL_TOKEN, Acquirer
@@ -78,7 +78,11 @@ def _one(
 
     async def connect() -> None:
         nc = await nats.connect(
-            relay_url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, name), connect_timeout=5
+            relay_url,
+            user_credentials=str(creds),
+            inbox_prefix=ri.node_inbox(HALL, name),
+            connect_timeout=5,
+            **tls_for(relay_url),
         )
         await nc.subscribe(f"sco.notice.{HALL}.{name}")
         await nc.flush(timeout=5)
@@ -114,6 +118,7 @@ def bench_enrolment() -> Iterator[dict[str, Any]]:
             issuer = Issuer(
                 Settings(
                     hall=HALL, dsn=dsn, relay_keys=tmp / "hall-keys", nats_url=relay.url,
+                    nats_ca_file=str(ca_for(relay.url)),
                     kube=KubeSettings(kube.url, str(tmp / "kube-token")), rate_per_s=1000, burst=1000,
                 )
             )  # fmt: skip

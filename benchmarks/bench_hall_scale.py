@@ -73,6 +73,14 @@ from typing import Any
 
 from sco import __version__
 
+
+def tls_for(url: str) -> dict[str, Any]:
+    """The test relay's TLS for a client (tests.relays: its CA), imported late as this module's other test helpers."""
+    from tests.relays import tls_for as relay_tls
+
+    return relay_tls(url)
+
+
 HALL = "local"  # the hall tests.test_drill.start_relay renders the relay for
 NOTICE_SHARE = 0.10
 CONNECT_CONCURRENCY = 64
@@ -245,6 +253,7 @@ class Fleet:
                     nats.connect(
                         self.url, connect_timeout=10, allow_reconnect=False, max_reconnect_attempts=0,
                         inbox_prefix=inbox_prefix(node), error_cb=self._error, **self.auth(f"node-{node}"),
+                        **tls_for(self.url),
                     ),
                     30,
                 )  # fmt: skip
@@ -345,7 +354,10 @@ async def _reclaim(url: str, seed: str, key_file: str, nodes: list[str]) -> dict
 
     keys = [load_private(Path(key_file))]
     nc = await asyncio.wait_for(
-        nats.connect(url, connect_timeout=10, allow_reconnect=False, max_reconnect_attempts=0, nkeys_seed=seed), 30
+        nats.connect(
+            url, connect_timeout=10, allow_reconnect=False, max_reconnect_attempts=0, nkeys_seed=seed, **tls_for(url)
+        ),
+        30,
     )
     sent = []
     try:
@@ -437,7 +449,9 @@ def fanout_rounds(rounds: list[tuple[dict[str, Any], dict[str, float]]], pub: An
 async def stream_counts(url: str, auth: dict[str, Any]) -> dict[str, int]:
     import nats
 
-    nc = await asyncio.wait_for(nats.connect(url, connect_timeout=10, allow_reconnect=False, **auth), 30)
+    nc = await asyncio.wait_for(
+        nats.connect(url, connect_timeout=10, allow_reconnect=False, **{**tls_for(url), **auth}), 30
+    )
     try:
         js = nc.jetstream(timeout=10)
         return {s: int((await js.stream_info(s)).state.messages) for s in ("SCO_EVENTS", "SCO_HEARTBEATS")}
