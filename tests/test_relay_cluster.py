@@ -1,5 +1,6 @@
 """The notice relay as a NATS cluster. Three real nats-servers, each configured by the notice_relay role's
-own template for a three-relay hall, routed to each other with the hall's route password; the role's stream tool run
+own template for a three-relay hall, routed to each other over TLS, each showing a certificate the hall's CA signed
+(no route password); the role's stream tool run
 on every relay at once; an agent-like client given every relay's URL keeps publishing its events while the stream's
 leader is killed with SIGKILL, and the stream holds each event exactly once, in order."""
 
@@ -21,7 +22,7 @@ from typing import Any
 import nats
 
 from tests.harness import free_port, wait_for
-from tests.relays import ROLE, RoleRelay, as_user, run_playbook
+from tests.relays import ROLE, Pki, RoleRelay, as_user, deploy_tls, run_playbook
 
 # Every relay's configuration from the role's template in one playbook run: the hall's settings as extra vars, each
 # relay's own (name, ports, store, credentials) as the loop's task vars, which extra vars would override.
@@ -44,6 +45,7 @@ RENDER = """
         notice_relay_store_dir: "{{ item.store }}"
         notice_relay_credentials_dir: "{{ item.creds }}"
         notice_relay_cluster_peers: "{{ item.peers }}"
+        notice_relay_tls_member_dir: "{{ item.tls }}"
       loop: "{{ relays }}"
 """
 
@@ -70,6 +72,7 @@ class Relay:
         return {
             "name": self.name, "conf": str(conf or self.conf), "port": self.port, "monitor": self.monitor,
             "cluster": self.cluster, "store": str(self.dir / "js"), "creds": str(self.creds), "peers": peers,
+            "tls": str(self.dir / "relay-tls"),
         }  # fmt: skip
 
     def start(self, conf: Path | None = None) -> Relay:
@@ -93,12 +96,16 @@ class Relay:
         return (self.dir / "nats.log").read_text(errors="replace")
 
 
-def relays(tmp: Path, n: int, creds: Path | None = None, prefix: str = "r") -> list[Relay]:
+def relays(tmp: Path, n: int, creds: Path | None = None, prefix: str = "r", ca: Path | None = None) -> list[Relay]:
+    """``n`` relays, each with its certificate signed by the CA in ``ca`` (default the hall's, ``tmp/tls``, where
+    tests.relays.as_user finds it beside ``tmp/credentials``)."""
     creds = creds or tmp / "credentials"
+    pki = Pki(ca or tmp / "tls")
     out = []
     for i in range(1, n + 1):
         d = tmp / f"{prefix}{i}"
         d.mkdir()
+        deploy_tls(pki, d / "relay-tls", f"{prefix}{i}")
         out.append(Relay(f"local-{prefix}{i}", d, creds, free_port(), free_port(), free_port()))
     return out
 
@@ -118,7 +125,7 @@ def stream_tool(rs: list[Relay], replicas: int = 3) -> list[list[dict[str, str]]
     for r in rs:
         argv = [sys.executable, str(ROLE / "files/sco-nats-stream.py"), "--server", r.url,
                 "--nkey-seed", str(r.creds / "relay-admin.nk"), "--hall", "local", "--replicas", str(replicas),
-                "--wait", "30"]  # fmt: skip
+                "--wait", "30", "--ca-file", str(r.dir / "relay-tls" / "ca.crt")]  # fmt: skip
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for p in procs:
@@ -178,13 +185,13 @@ def started(rs: list[Relay], conf: str | None = None) -> list[Relay]:
 
 def test_three_relays_one_stream_every_event_once_through_a_leader_kill(tmp_path: Path) -> None:
     rs = relays(tmp_path, 3)
-    intruder = relays(tmp_path, 1, creds=tmp_path / "other-credentials", prefix="x")[0]
+    intruder = relays(tmp_path, 1, creds=tmp_path / "other-credentials", prefix="x", ca=tmp_path / "other-ca")[0]
     peers = [f"127.0.0.1:{r.cluster}" for r in rs]
     render(tmp_path, [r.item(peers) for r in rs] + [intruder.item([*peers, f"127.0.0.1:{intruder.cluster}"])],
            ["a", "b"])  # fmt: skip
     creds = rs[0].creds
     conf = rs[0].conf.read_text()
-    assert "cluster {" in conf and conf.count("nats-route://") == 3, conf
+    assert "cluster {" in conf and conf.count("nats-route://") == 3 and "password" not in conf, conf
     try:
         started(rs)
         # every relay's unit runs the tool at once: each stream is created once, replicated on all three
@@ -211,9 +218,9 @@ def test_three_relays_one_stream_every_event_once_through_a_leader_kill(tmp_path
         # a notice from the reclaimer (the dead relay first in its list) reaches a node connected to another relay
         asyncio.run(notice_across(leader, others[0], others[1], creds))
 
-        # a relay with another hall's route password is refused as a route, by every relay, both ways
+        # a relay with another hall's CA and certificate is refused as a route, by every relay, both ways
         intruder.start()
-        wait_for(lambda: "authorization violation" in intruder.log().lower(), 20, "the intruder's routes refused")
+        wait_for(lambda: "tls route handshake error" in intruder.log().lower(), 20, "the intruder's routes refused")
         assert intruder.get("routez")["num_routes"] == 0
         for r in others:
             assert intruder.name not in {x.get("remote_name") for x in r.get("routez")["routes"]}, r.get("routez")
