@@ -58,7 +58,7 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         cmd = [sys.executable, *DRILL, "run", "--server", srv.url, "--hall", "local", "--id", "drill-test",
                "--report-dir", str(report_dir), "--reader-credentials", str(creds / "control.nk"),
                "--reclaimer-credentials", str(creds / "reclaimer.nk"), "--notice-seconds", str(WINDOW_S),
-               "--grace-seconds", "1", *(f"--node={n}" for n in NODES),
+               "--grace-seconds", "1", "--ca-file", str(tmp / "tls" / "ca.crt"), *(f"--node={n}" for n in NODES),
                *(f"--signing-key={tmp / n}-notice.key" for n in NODES[:2])]  # fmt: skip
         progress: list[str] = []
         stop = threading.Event()

@@ -31,7 +31,16 @@ from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.enrol_client import post, request
 from tests.harness import AgentEnv, MetadataServer, free_port, wait_for
-from tests.relays import HALL, JwtRelay, publish_until, relay_refusal, start_jwt_relay, stream_subjects
+from tests.relays import (
+    HALL,
+    JwtRelay,
+    ca_for,
+    publish_until,
+    relay_refusal,
+    start_jwt_relay,
+    stream_subjects,
+    tls_for,
+)
 
 
 @pytest.fixture
@@ -95,6 +104,7 @@ def make_hall(relay: JwtRelay, kube_auth: tuple[KubeApiStandIn, Path], fleet_dsn
         state.ensure_pool(Pool(HALL, "p", "m1.small", "img"))
         s = Settings(
             hall=HALL, dsn=fleet_dsn, relay_keys=relay.dir / "hall-keys", nats_url=relay.url,
+            nats_ca_file=str(ca_for(relay.url)),
             kube=KubeSettings(k.url, str(tf), token_seconds=3600), **more,
         )  # fmt: skip
         issuer = Issuer(s)
@@ -141,9 +151,15 @@ def test_an_instance_enrols_once_and_speaks_for_itself_alone(make_hall: Callable
     async def speak() -> tuple[list[bytes], str]:
         got: list[bytes] = []
         nc = await nats.connect(
-            h.relay.url, user_credentials=str(creds), inbox_prefix=ri.node_inbox(HALL, node), connect_timeout=3
+            h.relay.url,
+            user_credentials=str(creds),
+            inbox_prefix=ri.node_inbox(HALL, node),
+            connect_timeout=3,
+            **tls_for(h.relay.url),
         )
-        reclaimer = await nats.connect(h.relay.url, user_credentials=str(h.relay.users["reclaimer"]))
+        reclaimer = await nats.connect(
+            h.relay.url, user_credentials=str(h.relay.users["reclaimer"]), **tls_for(h.relay.url)
+        )
         try:
 
             async def on_msg(msg: Any) -> None:
@@ -294,7 +310,7 @@ def test_a_deleted_instance_loses_its_identity(make_hall: Callable[..., Hall], t
 
         nc = await nats.connect(
             h.relay.url, user_credentials=str(files[node]), allow_reconnect=False, closed_cb=on_closed,
-            error_cb=quiet, connect_timeout=3,
+            error_cb=quiet, connect_timeout=3, **tls_for(h.relay.url),
         )  # fmt: skip
         assert nc.is_connected
         inst = h.state.by_server(server_id)
@@ -608,7 +624,7 @@ def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Ha
     metadata.doc["uuid"] = server_id
     agent = AgentEnv(
         tmp_path / "agent", h.kube, h.relay.srv, node=node, metadata=metadata,
-        enrol_token=token, enrol_url=h.url, hall=HALL,
+        enrol_token=token, enrol_url=h.url, nats_ca_file=str(ca_for(h.relay.url)), hall=HALL,
     )  # fmt: skip
     try:
         agent.start()
@@ -649,7 +665,7 @@ def test_a_normal_first_boot_logs_no_error_and_says_each_wait_once(
     logind = LogindStandIn(bus.address, inhibit_delay_max_s=30).start()  # a node's logind, as on a real host
     agent = AgentEnv(
         tmp_path / "agent", h.kube, h.relay.srv, node=node, metadata=metadata,
-        enrol_token=token, enrol_url=h.url, hall=HALL, logind_bus=bus.address,
+        enrol_token=token, enrol_url=h.url, nats_ca_file=str(ca_for(h.relay.url)), hall=HALL, logind_bus=bus.address,
     )  # fmt: skip
     h.kube.cluster.delete_node(node)  # AgentEnv registers it: not yet, on a first boot
     try:
@@ -741,7 +757,7 @@ def test_a_launched_instances_agent_is_a_prometheus_target_until_its_delete(
     port = free_port()
     agent = AgentEnv(
         tmp_path / "agent", h.kube, h.relay.srv, node=node, metadata=metadata, enrol_token=token, enrol_url=h.url,
-        hall=HALL, metrics_listen=f"0.0.0.0:{port}",
+        nats_ca_file=str(ca_for(h.relay.url)), hall=HALL, metrics_listen=f"0.0.0.0:{port}",
     )  # fmt: skip
 
     def agent_targets() -> list[dict[str, Any]]:
@@ -780,7 +796,7 @@ def test_a_refused_agent_says_so_once_and_keeps_the_metadata_channel(
     metadata.doc["uuid"] = server_id
     agent = AgentEnv(
         tmp_path / "agent", h.kube, h.relay.srv, node=node, metadata=metadata,
-        enrol_token="W" * 43, enrol_url=h.url, hall=HALL,
+        enrol_token="W" * 43, enrol_url=h.url, nats_ca_file=str(ca_for(h.relay.url)), hall=HALL,
     )  # fmt: skip
     try:
         agent.start()
