@@ -25,7 +25,10 @@ def test_the_drill_presents_creds_files_to_an_operator_mode_relay(tmp_path: Path
         stream = subprocess.run(relay.unit("ExecStartPost"), capture_output=True, text=True, timeout=60)
         assert stream.returncode == 0, stream.stderr
         srv = NatsServer(tmp_path / "relay", relay.port)  # the role's relay, for the harness's agent
-        agent = AgentEnv(tmp_path / "agent", kube, srv, nats_creds_file=str(relay.creds / "node-node-1.creds"))
+        agent = AgentEnv(
+            tmp_path / "agent", kube, srv, nats_creds_file=str(relay.creds / "node-node-1.creds"),
+            nats_ca_file=str(relay.ca),
+        )  # fmt: skip
         add_pod(kube, "web", "web-0", agent.node, grace=30, prestop=0.5)
         agent.start().wait_subscribed()
         write_keypair(agent.notice_key, tmp_path / "notice.key", tmp_path / "notice.pub")  # the hall trusts it

@@ -36,7 +36,7 @@ from sco.state.db import connect
 from sco.state.fleet import FleetState
 from sco_devkit.standins.kube_apiserver import ApiError, KubeApiStandIn
 from tests.harness import add_pod, free_port, hall_bundle, wait_for
-from tests.relays import HALL, JwtRelay, relay_refusal, start_jwt_relay
+from tests.relays import HALL, JwtRelay, ca_for, relay_refusal, start_jwt_relay
 
 pytestmark = pytest.mark.slow
 
@@ -116,6 +116,7 @@ class Enrol:
         argv = [
             str(BIN / "sco"), "enrol", "serve", "--hall", HALL, "--dsn", dsn,
             "--relay-keys", str(relay.dir / "hall-keys"), "--nats-url", relay.url, "--listen", f"127.0.0.1:{self.port}",
+            "--nats-ca-file", str(ca_for(relay.url)),
             "--kube-url", kube.url, "--kube-token-file", str(token_file), "--revoke-every", "0.5",
         ]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -214,7 +215,8 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
         pools = [{"name": "spot", "kind": "reclaimable", "flavor": openstack_cloud.flavors["sco.small"],
                   "image": openstack_cloud.image_id, "vcpus": 1, "ramMiB": 512, "cap": 2,
                   "launch": {"networks": "none"}}]  # fmt: skip
-        node_env = {ENROL_URL: enrol.url, "SCO_AGENT_NATS_URL": relay.url, "SCO_AGENT_KUBE_URL": api.url}
+        node_env = {ENROL_URL: enrol.url, "SCO_AGENT_NATS_URL": relay.url, "SCO_AGENT_KUBE_URL": api.url,
+                    "SCO_AGENT_NATS_CA_FILE": str(ca_for(relay.url))}  # fmt: skip
         pdd = tmp_path / "runner"
         (pdd / "project").mkdir(parents=True)
         (pdd / "project" / "play.yml").write_text(PLAY)
@@ -296,7 +298,9 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
         assert conn_info["account"] == account  # its own account, minted at enrolment
 
         # heartbeats, read from the stream as the control loop does (reader: the hall's control user)
-        reader = heartbeats.RelayReader(relay.url, {"user_credentials": str(relay.users["control"])})
+        reader = heartbeats.RelayReader(
+            relay.url, {"user_credentials": str(relay.users["control"]), "tls_ca_file": str(ca_for(relay.url))}
+        )
         beats = wait_for(lambda: asyncio.run(heartbeats.read(reader, HALL)), 30, "the agent's heartbeat", 0.2)
         assert set(beats) == {node} and beats[node][1]["drain"] == "idle"
         first_beat = beats[node][0].timestamp()  # the relay's time of the last beat at the first read (1 s apart)
@@ -311,7 +315,8 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
         # 4. the reclaim: notice over NATS as the reclaimer (its own creds), drain, delete at T
         settings = ReclaimSettings(
             hall=HALL, nodes=(node,), window_s=WINDOW_S, nats_url=relay.url, signing_keys=[notice_key],
-            dsn=fleet_dsn, nats_auth={"user_credentials": str(relay.users["reclaimer"])},
+            dsn=fleet_dsn,
+            nats_auth={"user_credentials": str(relay.users["reclaimer"]), "tls_ca_file": str(ca_for(relay.url))},
         )  # fmt: skip
         out = asyncio.run(reclaim(settings, conn))
         (noticed,) = [o for o in out if o.get("notice")]
