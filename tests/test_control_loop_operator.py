@@ -19,7 +19,7 @@ import yaml
 from sco.contract.signing import generate, write_keypair
 from sco.provider import heartbeats
 from tests.control_loop_run import lay_out
-from tests.relays import start_jwt_relay
+from tests.relays import ca_for, start_jwt_relay
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,14 +57,18 @@ def test_an_operator_mode_hall_gives_the_loop_creds_files_and_its_reader_connect
                 "_control_loop_nats_creds_file": str(etc / "reader.creds"),
                 "_control_loop_reclaim_seed_file": str(etc / "reclaimer.nk"),
                 "_control_loop_reclaim_creds_file": str(etc / "reclaimer.creds"),
+                # the relay's CA (TLS): the controller's file, copied for the reader and the reclaimer
+                "control_loop_nats_ca_src": str(ca_for(relay.url)), "_control_loop_nats_ca_file": str(etc / "ca.crt"),
             },
         )  # fmt: skip
         assert env["SCO_NATS_CREDS"] == str(etc / "reader.creds") and "SCO_NATS_NKEY_SEED" not in env
+        assert env["SCO_NATS_CA_FILE"] == str(etc / "ca.crt") and (etc / "ca.crt").read_text().startswith("-----BEGIN")
         for name, text in (("reader.creds", reader_creds), ("reclaimer.creds", reclaimer_creds)):
             assert (etc / name).read_text() == text and (etc / name).stat().st_mode & 0o777 == 0o600
         assert not (etc / "reader.nk").exists() and not (etc / "reclaimer.nk").exists()  # no seed beside them
         extravars = yaml.safe_load((tmp_path / "runner" / "env" / "extravars").read_text())
         assert extravars["sco_reclaim_identity"] == {"nats_creds": str(etc / "reclaimer.creds")}
+        assert extravars["sco_reclaim_nats_ca_file"] == str(etc / "ca.crt")
 
         # the loop's reader, from exactly that environment, reads the relay's heartbeats as user "control"
         reader = heartbeats.reader_from_env(env)
