@@ -150,6 +150,8 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
             sco_credentials_dir=str(relay.creds.parent), control_loop_hall=HALL,
             control_loop_kubernetes={"url": kube.url}, control_loop_enrolment_listen="127.0.0.1",
             control_loop_enrolment_port=port, control_loop_node_env={"SCO_AGENT_LOG_LEVEL": "debug"},
+            # the hall's CA as the relay's role made it, and where the control host keeps its copy (here: that file)
+            sco_relay_ca_file=str(relay.ca), _control_loop_nats_ca_file=str(relay.ca),
         )  # fmt: skip
         unit = tmp_path / "unit" / UNIT
         url = f"http://localhost:{port}"  # ansible_host unset: the inventory name, here localhost
@@ -163,6 +165,7 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
         # the unit: its own dynamic user, the DSN from a root-only file, secrets as credentials only
         text = unit.read_text()
         assert "DynamicUser=yes" in text and settings(unit, "EnvironmentFile") == ["/etc/sco/enrol.env"]
+        assert f"--nats-ca-file {relay.ca} " in text  # the relay serves TLS: its CA checks the relay admin's peer
         assert not re.search(r"\bS[OAU][A-Z2-7]{50,}", text) and "postgres" not in text
         assert exposure(unit) <= 3.0
         assert verify(unit) == ""
