@@ -221,3 +221,29 @@ def test_the_roles_template_serves_tls_and_routes_by_certificate(tmp_path: Path)
     finally:
         for r in started:
             r.stop()
+
+
+def test_a_launched_instances_user_data_carries_the_relays_ca(tmp_path: Path) -> None:
+    """An instance the control loop launches is in no inventory: its user-data gives it the relays' CA (and agent.env
+    names it), so its agent checks the relay before it enrols or sends anything."""
+    import yaml
+
+    from sco.contract.bundle import Bundle
+    from sco.contract.compiler import compile_repo
+    from sco.contract.signing import Keyring, generate, sign
+    from sco.contract.userdata import RELAY_CA_PATH, render
+    from sco.errors import ConfigError
+    from tests.conftest import SAMPLE
+
+    key = generate()
+    bundle = Bundle.from_bytes(sign(compile_repo(SAMPLE), [key]), Keyring([key.public]))
+    ca = Pki(tmp_path / "pki").ca.read_text()
+    doc = yaml.safe_load(render(bundle, [key], [key.public], node_env={"SCO_AGENT_HALL": HALL}, relay_ca=ca))
+    files = {f["path"]: f for f in doc["write_files"]}
+    assert files[RELAY_CA_PATH]["content"] == ca and files[RELAY_CA_PATH]["permissions"] == "0644"
+    assert f"SCO_AGENT_NATS_CA_FILE={RELAY_CA_PATH}\n" in files["/etc/sco/agent.env"]["content"]
+    # the operator's own setting wins; something that is not a certificate is refused
+    mine = render(bundle, [key], [key.public], node_env={"SCO_AGENT_NATS_CA_FILE": "/opt/ca.pem"}, relay_ca=ca)
+    assert "SCO_AGENT_NATS_CA_FILE=/opt/ca.pem\n" in yaml.safe_load(mine)["write_files"][-1]["content"]
+    with pytest.raises(ConfigError, match="relay CA: not a PEM certificate"):
+        render(bundle, [key], [key.public], relay_ca="not a certificate")
