@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ class Client:
         self.errors: list[str] = []
         self.nc: Any = None
 
-    async def connect(self, server: str, credentials: Path, creds: bool = False, **options: Any) -> Client:
+    async def connect(
+        self, server: str, credentials: Path, creds: bool = False, ca_file: str = "", **options: Any
+    ) -> Client:
         async def on_error(e: Exception) -> None:
             self.errors.append(str(e))
 
@@ -33,9 +36,12 @@ class Client:
             if creds
             else {"nkeys_seed": str(credentials / f"{self.user}.nk")}
         )
+        # the relay serves TLS only (sco_relay_tls): its certificate checked against the hall's CA
+        tls = {"tls": ssl.create_default_context(cafile=ca_file)} if ca_file else {}
         self.nc = await nats.connect(
             server,
             **auth,
+            **tls,
             error_cb=on_error,
             max_reconnect_attempts=0,
             connect_timeout=3,
@@ -56,10 +62,14 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
     hall, node, other = args.hall, args.node, args.other
     # as the agent connects: replies on the node's own inbox
     me = await Client(f"node-{node}").connect(
-        args.server, cred, args.creds, inbox_prefix=f"_INBOX.{hall.replace('.', '_')}.{node.replace('.', '_')}"
+        args.server,
+        cred,
+        args.creds,
+        args.ca_file,
+        inbox_prefix=f"_INBOX.{hall.replace('.', '_')}.{node.replace('.', '_')}",
     )
-    reclaimer = await Client("reclaimer").connect(args.server, cred, args.creds)
-    reader = await Client("control").connect(args.server, cred, args.creds)
+    reclaimer = await Client("reclaimer").connect(args.server, cred, args.creds, args.ca_file)
+    reader = await Client("control").connect(args.server, cred, args.creds, args.ca_file)
     out: dict[str, Any] = {}
 
     got: asyncio.Queue[bytes] = asyncio.Queue()
@@ -105,6 +115,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--server", default="nats://127.0.0.1:4222")
     p.add_argument("--credentials", required=True)
+    p.add_argument("--ca-file", default="", help="the hall's CA (the relay serves TLS only)")
     p.add_argument("--hall", required=True)
     p.add_argument("--node", required=True)
     p.add_argument("--other", required=True)

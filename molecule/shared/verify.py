@@ -205,6 +205,13 @@ def check_stream_created_once(h: Any, post: str) -> None:
     assert [json.loads(x)["action"] for x in again.stdout.splitlines()] == ["unchanged", "unchanged"]
 
 
+def relay_ca(sc: Scenario) -> Path | None:
+    """The hall's CA the relays' certificates chain to, where the relay serves TLS (role notice_relay signed its
+    certificates under the controller's tls/relay; sco_relay_tls false: none, plaintext)."""
+    ca = sc.work / "tls" / "ca.crt"
+    return ca if (sc.work / "tls" / "relay").is_dir() and ca.exists() else None
+
+
 def check_node_credentials_reach_only_their_own_subjects(
     sc: Scenario, relay: str, hall: str, node: str, other: str
 ) -> None:
@@ -213,6 +220,7 @@ def check_node_credentials_reach_only_their_own_subjects(
     probe = sc.in_netns(
         relay, sys.executable, str(SHARED / "natsprobe.py"), "--credentials", str(sc.work / "credentials" / "nats"),
         "--hall", hall, "--node", node, "--other", other, *(["--creds"] if operator_mode(sc) else []),
+        *(["--ca-file", str(ca)] if (ca := relay_ca(sc)) else []),
     )  # fmt: skip
     assert probe.returncode == 0, probe.stderr
     r = json.loads(probe.stdout)

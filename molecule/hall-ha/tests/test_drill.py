@@ -105,11 +105,13 @@ def _kill(host: str, comm: str, sig: int = signal.SIGKILL) -> list[int]:
 # What the drill asks the relay cluster, as the relays' stream tool (relay-admin: JetStream's API only), from inside
 # ha-ctl1: the stream's leader and replicas, or every message of a node's subject in stream order.
 _JS = """
-import asyncio, json, sys
+import asyncio, json, ssl, sys
 import nats, nats.js.errors
-servers, identity, what = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
-# a creds file (operator mode) or an nkey seed file (static mode)
+servers, identity, what, ca = sys.argv[1].split(","), sys.argv[2], sys.argv[3], sys.argv[4]
+# a creds file (operator mode) or an nkey seed file (static mode); the relays serve TLS only (the hall's CA)
 auth = {"user_credentials": identity} if identity.endswith(".creds") else {"nkeys_seed": identity}
+if ca:
+    auth["tls"] = ssl.create_default_context(cafile=ca)
 
 async def main():
     nc = await nats.connect(servers=servers, connect_timeout=2, max_reconnect_attempts=3, allow_reconnect=True, **auth)
@@ -137,7 +139,9 @@ asyncio.run(main())
 
 
 def _js(what: str, timeout: float = 30) -> Any:
-    out = SC.in_netns("ha-ctl1", sys.executable, "-c", _JS, RELAYS, _identity("relay-admin")[1], what, timeout=timeout)
+    ca = str(verify.relay_ca(SC) or "")
+    admin = _identity("relay-admin")[1]
+    out = SC.in_netns("ha-ctl1", sys.executable, "-c", _JS, RELAYS, admin, what, ca, timeout=timeout)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -411,8 +415,9 @@ def test_reclaim_while_the_stream_leader_the_primary_and_the_control_host_die(ag
     assert leader and leader["leader"], leader
     primary = _patroni_primary()
     env = _reclaim_env(cloud)
+    ca = verify.relay_ca(SC)
     reclaim = [sys.executable, "-m", "sco.cli", "reclaim", "--hall", HALL, "--os-cloud", "drill", "--nats", RELAYS,
-               *_identity("reclaimer")]  # fmt: skip
+               *_identity("reclaimer"), *(["--nats-ca-file", str(ca)] if ca else [])]  # fmt: skip
     t0 = time.time()
     with open(LOGS / "reclaim-ha-ctl1.log", "wb") as log:
         ctl1 = subprocess.Popen(

@@ -62,6 +62,7 @@ CTL_ADDR = "10.231.114.11"
 # the first instance's address: the inventory's extra scrape target for the launched agents
 INSTANCE_ADDR = "10.231.114.21"
 LOGS = SC.work / "lifecycle"
+HALL_CA = SC.work / "tls" / "ca.crt"  # the relay serves TLS only (sco_relay_tls), its certificate from the hall's CA
 WINDOW = 40  # control_loop_reclaim_window (00-hall-lifecycle.yml)
 TOLERATE = [{"key": "sco.dev/reclaim", "operator": "Equal", "value": "reclaimable", "effect": "NoSchedule"}]
 PROM = f"http://{CTL_ADDR}:9090"
@@ -309,7 +310,8 @@ def _beats() -> dict[str, Any]:
     from sco.provider import heartbeats
 
     reader = heartbeats.RelayReader(
-        f"nats://{CTL_ADDR}:4222", {"user_credentials": str(SC.work / "credentials" / "nats" / "control.creds")}
+        f"nats://{CTL_ADDR}:4222",
+        {"user_credentials": str(SC.work / "credentials" / "nats" / "control.creds"), "tls_ca_file": str(HALL_CA)},
     )
     with in_netns(CTL_NS):
         try:
@@ -411,6 +413,7 @@ def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: An
             "export SCO_DB_DSN=\"$(sed -n 's/^SCO_DB_DSN=//p' /etc/sco/control-loop.env)\"; "
             "/opt/sco/bin/sco hall status --json "
             f"--hall {HALL} --nats nats://{CTL_ADDR}:4222 --creds /etc/sco/control-loop-nats.creds "
+            "--nats-ca-file /etc/sco/relay-ca.crt "
             "2>/dev/null || true"
         )  # fmt: skip
         print(f"lifecycle: sco hall status: {status[:1500]}")
@@ -485,11 +488,12 @@ def test_a_launched_instance_lives_its_whole_life_in_the_deployed_hall(cloud: An
         print(f"lifecycle: Node {node} deleted {time.time() - t_gone:.1f} s after the server was gone")
         # its identity revoked: the creds it enrolled with refused by the relay
         probe = (
-            "import asyncio, nats\n"
+            "import asyncio, nats, ssl\n"
             "async def main():\n"
             "    try:\n"
             f"        nc = await nats.connect('nats://{CTL_ADDR}:4222', user_credentials='/var/lib/sco/nats.creds',"
-            " connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False)\n"
+            " connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False,"
+            " tls=ssl.create_default_context(cafile='/etc/sco/relay-ca.crt'))\n"
             "        print('connected'); await nc.close()\n"
             "    except Exception as e:\n"
             "        print('refused', e)\n"
