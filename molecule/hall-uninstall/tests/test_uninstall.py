@@ -32,18 +32,21 @@ BIN = Path(sys.executable).parent
 
 UNITS = [
     "sco-agent.service", "sco-distributor.service", "sco-nats.service", "sco-control-loop.service",
-    "sco-control-loop.timer", "sco-contracts-configmap.service", "sco-unit-failed@.service",
+    "sco-control-loop.timer", "sco-contracts-configmap.service", "sco-unit-failed@.service", "sco-enrol.service",
 ]  # fmt: skip
 WANTS = [
     "multi-user.target.wants/sco-agent.service", "multi-user.target.wants/sco-distributor.service",
     "multi-user.target.wants/sco-nats.service", "multi-user.target.wants/sco-contracts-configmap.service",
     "timers.target.wants/sco-control-loop.timer", "multi-user.target.wants/prometheus.service",
-    "multi-user.target.wants/prometheus-node-exporter.service",
+    "multi-user.target.wants/prometheus-node-exporter.service", "multi-user.target.wants/sco-enrol.service",
 ]  # fmt: skip
-# configuration, credentials, binaries the roles wrote (never data)
+# configuration, credentials, binaries the roles wrote (never data). The relay is in operator mode (the hall has a
+# control host): the agent and the control loop get creds files, no nkey seed files; the enrolment service its
+# environment and relay keys; the agent's own user its polkit rule (a Kubernetes node)
 FILES = [
-    "/etc/sco/agent.toml", "/etc/sco/trusted", "/etc/sco/nats.nk", "/etc/sco/distributor-trusted",
-    "/etc/sco/contracts-configmap", "/etc/sco/control-loop.env", "/etc/sco/control-loop-nats.nk",
+    "/etc/sco/agent.toml", "/etc/sco/trusted", "/etc/sco/nats.creds", "/etc/sco/distributor-trusted",
+    "/etc/sco/contracts-configmap", "/etc/sco/control-loop.env", "/etc/sco/control-loop-nats.creds",
+    "/etc/sco/enrol.env", "/etc/sco/enrol", "/etc/polkit-1/rules.d/60-sco-agent.rules",
     "/etc/sco/fleet-state.env", "/etc/sco-nats", "/usr/local/bin/nats-server", "/usr/local/lib/sco",
     "/opt/sco", "/opt/sco-wheelhouse", "/etc/prometheus/rules.d/sco.rules.yml", "/etc/prometheus/sco-scrape.yml",
     "/etc/prometheus/prometheus.yml", "/etc/default/prometheus", "/etc/default/prometheus-node-exporter",
@@ -130,6 +133,8 @@ def test_the_converged_hall_has_what_uninstall_must_remove() -> None:
     missing += [w for w in WANTS if not exists(h, f"/etc/systemd/system/{w}")]
     missing += [f for f in FILES + DATA if not exists(h, f)]
     assert missing == []
+    # operator mode writes no nkey seed files (a check of FILES' premise: they are not where nothing could be left)
+    assert [f for f in ["/etc/sco/nats.nk", "/etc/sco/control-loop-nats.nk"] if exists(h, f)] == []
     assert users(h) == USERS
     assert fleet_state_on_postgres() == {"db": True, "role": True}
 
@@ -168,7 +173,8 @@ def test_the_hall_installed_again_finds_its_kept_data() -> None:
     missing = [u for u in UNITS if not exists(h, f"/etc/systemd/system/{u}")]
     missing += [f for f in FILES + DATA if not exists(h, f) and "prometheus" not in f]
     assert missing == []
-    assert h.run("stat -c %U /var/lib/sco-nats /var/lib/sco/control-loop").stdout.split() == ["sco-nats", "sco-control"]
+    owners = h.run("stat -c %U /var/lib/sco-nats /var/lib/sco/control-loop /var/lib/sco/spool").stdout.split()
+    assert owners == ["sco-nats", "sco-control", "sco-agent"]
     # the same contracts, so the same bundle at the same serial (canonical bytes), not a new one from serial 1
     assert before and h.run(bundle).stdout == before
 

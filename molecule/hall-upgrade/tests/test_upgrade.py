@@ -489,6 +489,8 @@ def test_a_drain_past_the_wait_fails_the_host_and_leaves_its_agent(hall: None) -
     # the agent was neither stopped nor restarted; its new settings are written for the next restart
     assert _agent_pid() == pid
     assert "debug" in h.file("/etc/sco/agent.toml").content_string
+    # the restart is owed to the next run (the handler's marker, left when the wait failed the host)
+    assert h.run("test -f /var/lib/sco/restart-pending").rc == 0
     _say(f"run 3 (drain held open) failed as it should in {took:.1f} s: {line.group(0)}")
 
     outcome = _wait(lambda: _outcome("upgrade-2"), WINDOW, "the held drain's outcome")
@@ -500,5 +502,7 @@ def test_a_drain_past_the_wait_fails_the_host_and_leaves_its_agent(hall: None) -
                            capture_output=True, text=True, timeout=1200)  # fmt: skip
     (LOGS / "upgrade-4.log").write_text(again.stdout + again.stderr)
     assert again.returncode == 0, again.stdout[-8000:]
+    # nothing else changed since run 3: the marker alone makes this run restart the agent, then it goes
     assert _agent_pid() != pid
+    assert h.run("test -e /var/lib/sco/restart-pending").rc != 0
     _say(f"run 4 (after the drain) in {time.monotonic() - t0:.1f} s, {_recap(again.stdout)}")
