@@ -3,7 +3,8 @@
 # prove it the way AWX uses it: ee/smoke/ee-smoke.yml (sco.orchestrator's contract_bundle and plan modules on
 # localhost) runs through `ansible-runner transmit | worker (in the image) | process`, ansible-doc renders a module,
 # the product's version is the collection's, and `ansible-galaxy collection list` shows sco.orchestrator and
-# collections/requirements.yml's. ee/README.md has the details and the measured times.
+# collections/requirements.yml's, and every Python distribution pip installed is pinned (the image's package list:
+# .work/ee/packages.txt). ee/README.md has the details and the measured times.
 #
 # Environment:
 #   EE_TAG         image to build (default localhost/sco-ee:<collection version>)
@@ -198,6 +199,31 @@ for c in $(python -c 'import yaml; print(" ".join(c["name"] for c in yaml.safe_l
   grep -Eq "^${c//./\\.} " "$work/collections.txt" || fail "no $c in the image: $(cat "$work/collections.txt")"
 done
 say "collections: $(grep -E '^(sco|kubernetes)\.' "$work/collections.txt" | awk '{print $1, $2}' | paste -sd, | sed 's/,/, /g')"
+
+# What the image holds, for comparing two builds (ee/README.md, "Two builds, the same packages"): pip's view of
+# every Python distribution, the collections, Debian's packages.
+run "$tag" bash -c 'echo "## pip"; python3 -m pip list --format=freeze --disable-pip-version-check 2>/dev/null |
+  LC_ALL=C sort; echo "## pip-installed (/usr/local)"; cd /usr/local/lib/python3*/dist-packages &&
+  ls -d *.dist-info | LC_ALL=C sort; echo "## collections"; ansible-galaxy collection list 2>/dev/null;
+  echo "## dpkg"; dpkg-query -W -f="\${Package} \${Version} \${Architecture}\n" | LC_ALL=C sort' >"$work/packages.txt"
+# Every distribution pip installed is pinned (constraints/control.txt; dumb-init: ansible-builder pins it; the
+# product: the collection's version), so the next build installs the same ones.
+python - "$work/packages.txt" constraints/control.txt "$version" <<'EOF' || fail "pip installed what no constraint pins (above)"
+import re, sys
+from packaging.utils import canonicalize_name as canon
+pins = {canon(n): v for n, _, v in (l.split("#")[0].strip().partition("==") for l in open(sys.argv[2])) if v}
+pins |= {"dumb-init": "1.2.5", "spot-capacity-orchestrator": sys.argv[3]}
+lines = open(sys.argv[1]).read().split("## pip-installed (/usr/local)\n", 1)[1].split("## ", 1)[0].split()
+bad = []
+for d in lines:
+    name, version = re.fullmatch(r"(.+)-([^-]+)\.dist-info", d).groups()
+    if pins.get(canon(name)) != version:
+        bad.append(f"{name} {version} (pinned: {pins.get(canon(name), 'no')})")
+for b in bad:
+    print(f"ee: unpinned: {b}", file=sys.stderr)
+sys.exit(1 if bad else 0)
+EOF
+say "packages: $(grep -c . "$work/packages.txt") lines in $work/packages.txt; every pip-installed distribution pinned"
 
 run "$tag" ansible-doc -t module sco.orchestrator.reclaim >"$work/reclaim-doc.txt" || fail "ansible-doc sco.orchestrator.reclaim"
 grep -q "RETURN VALUES" "$work/reclaim-doc.txt" || fail "ansible-doc sco.orchestrator.reclaim: $(head "$work/reclaim-doc.txt")"
