@@ -2,11 +2,13 @@
 (nothing changes), data kept; then removed with sco_purge_data and run again. The tests run in file order, each on
 what the one before left.
 
-What "nothing left" checks (the lists below): the units (files, drop-ins, wants links), the files and directories
-the roles wrote, the venv and its wheelhouse, the system users the roles made, no process running from them and no
-listening socket on the hall's ports; data kept, then purged: the agent's spool and bundle cache, the relay's
-JetStream store, the distributor's published bundle, the control loop's runner directory, and
-SCO's database and role on the embedded PostgreSQL. (Prometheus's TSDB is left out: Prometheus never ran here.)
+The hall has a control host, so its relay runs in operator mode (creds files, no nkey seed files; the enrolment
+service) and the agent as its own user, sco-agent. What "nothing left" checks (the lists below): the units (files,
+drop-ins, wants links), the files and directories the roles wrote, the venv and its wheelhouse, the system users the
+roles made, no process running from them and no listening socket on the hall's ports; data kept, then purged: the
+agent's spool and bundle cache, the relay's JetStream store, the distributor's published bundle, the control loop's
+runner directory, and SCO's database and role on the embedded PostgreSQL. (Prometheus's TSDB is left out: Prometheus
+never ran here.)
 
 The test host runs no systemd (molecule/README.md): the units were installed and enabled, never started, so the
 roles' stop-before-remove step (systemd_service stopped) is not exercised here; the process and port checks hold
