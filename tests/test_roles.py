@@ -395,3 +395,27 @@ def test_bake_image_installs_and_enables_without_host_state(tmp_path: Path, host
         assert "node local-spot-e1-3, hall local, kubernetes" in out, out
     finally:
         host.ssh("rm", "-f", "/etc/sco/agent.env")
+
+
+def test_node_agent_role_purge_leaves_no_owed_restart(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    """node_agent_state absent with node_agent_purge_data after a run whose drain wait failed the host: the marker that
+    run left in the state directory (restart-pending: the restart owed to the next run) goes with the rest, and the
+    state directory with it. Runs last: it removes the agent from the module's test host."""
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_wheelhouse": str(wheelhouse),
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_kube_url": "http://127.0.0.1:6443",
+        "node_agent_metadata_url": "",
+    }
+    r = play(tmp_path, host, ev)
+    assert r.rc == 0, r.stdout.read()
+    # what the role's handler leaves before a drain wait that then fails the host
+    host.ssh("sh", "-c", shlex.quote("echo owed >/var/lib/sco/restart-pending; chmod 600 /var/lib/sco/restart-pending"))
+    r = play(tmp_path, host, {**ev, "node_agent_state": "absent", "node_agent_purge_data": True})
+    assert r.rc == 0, r.stdout.read()
+    assert host.ssh("test", "-e", "/var/lib/sco", check=False).returncode != 0, host.ssh(
+        "ls", "-A", "/var/lib/sco"
+    ).stdout
