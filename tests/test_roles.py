@@ -397,6 +397,44 @@ def test_bake_image_installs_and_enables_without_host_state(tmp_path: Path, host
         host.ssh("rm", "-f", "/etc/sco/agent.env")
 
 
+def test_node_agent_role_without_systemd_runs_the_agent_as_its_user(
+    tmp_path: Path, host: TestHost, wheelhouse: Path
+) -> None:
+    """node_agent_run_without_systemd (a host without systemd, as molecule's): the daemon runs as the unit would, as
+    the agent's user after its state entries are given to it (the unit's ExecStartPre "+"), also on the restart after
+    an agent of an older release that ran as root left root's files in its spool. Before, the daemon ran as root, and
+    the files it wrote were given to the agent's user again on the next run (changed on every run)."""
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_wheelhouse": str(wheelhouse),
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_kube_url": "http://127.0.0.1:6443",
+        "node_agent_metadata_url": "",
+        "node_agent_run_without_systemd": True,
+    }
+
+    def agent_user() -> str:
+        pid = (host.root / "run/sco-agent.pid").read_text().strip()
+        return host.ssh("ps", "-o", "user=", "-p", pid).stdout.strip()
+
+    try:
+        r = play(tmp_path, host, ev)
+        assert r.rc == 0, r.stdout.read()
+        assert agent_user() == "sco-agent"
+        # what a root agent left since the last run: a file in the spool; a changed setting restarts the agent
+        host.ssh("sh", "-c", shlex.quote("echo x >/var/lib/sco/spool/left-by-root"))
+        r = play(tmp_path, host, {**ev, "node_agent_log_level": "debug"})
+        assert r.rc == 0, r.stdout.read()
+        assert agent_user() == "sco-agent"
+        assert host.ssh("stat", "-c", "%U", "/var/lib/sco/spool/left-by-root").stdout.strip() == "sco-agent"
+    finally:
+        host.ssh(
+            "start-stop-daemon --stop --oknodo --retry TERM/15/KILL/5 --pidfile /run/sco-agent.pid --remove-pidfile"
+        )
+
+
 def test_node_agent_role_purge_leaves_no_owed_restart(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
     """node_agent_state absent with node_agent_purge_data after a run whose drain wait failed the host: the marker that
     run left in the state directory (restart-pending: the restart owed to the next run) goes with the rest, and the
