@@ -208,6 +208,18 @@ def test_the_role_in_operator_mode_takes_a_hall_with_no_inventory_node(tmp_path:
         relay.stop()
 
 
+def test_a_relay_with_tls_off_needs_no_hall_ca(tmp_path: Path) -> None:
+    """sco_relay_tls false (a plaintext relay, as a hall upgraded from a release before TLS runs it until its
+    clients have the CA): the role never reads the hall's CA, which such a hall does not have. It failed on the copy
+    of the certificate files, whose loop (templated before the task's when) looked the CA up."""
+    relay = Deployed(tmp_path)
+    out = run_playbook(tmp_path, OPERATOR_PLAY, {**relay.vars([]), "notice_relay_tls": False})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert not relay.ca.exists() and not (tmp_path / "relay-tls").exists()
+    text = (relay.etc / "nats-server.conf").read_text()
+    assert not re.search(r"^\s*tls\s*\{", text, re.M), text
+
+
 def test_an_image_build_in_an_operator_mode_hall_gets_no_node_identity(tmp_path: Path) -> None:
     """sco.orchestrator.bake_image in a hall whose relay is in operator mode (molecule hall-lifecycle): the image
     has no node (its instances enrol at first boot), so role hall must hand it no creds; it looked up
