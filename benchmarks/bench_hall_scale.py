@@ -252,8 +252,8 @@ class Fleet:
                 nc = await asyncio.wait_for(
                     nats.connect(
                         self.url, connect_timeout=10, allow_reconnect=False, max_reconnect_attempts=0,
+                        # as_user's options carry the relay's TLS
                         inbox_prefix=inbox_prefix(node), error_cb=self._error, **self.auth(f"node-{node}"),
-                        **tls_for(self.url),
                     ),
                     30,
                 )  # fmt: skip

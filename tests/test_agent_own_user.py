@@ -77,6 +77,9 @@ def _around(tmp_path: Path, nats: NatsServer, c: SlurmCluster, agent_bin: Path, 
     """A root job on a node whose agent runs as USER with ``caps``; slurmctld frozen at the notice."""
     jid = c.sbatch(c.root / "jobs" / "job.sh", "--account=climate", "--comment=sco-contract=climate-sims")
     node = running_on(c, jid)
+    # the job's script running under its slurmstepd, not only R in squeue: under CI's load the stepd came up after
+    # the notice once, and the agent, finding no job process on the node, called it drained
+    wait_for(lambda: (c.root / "jobs" / f"marker.{jid}.start").exists(), 30, "the job's script started", 0.2)
     env = AgentEnv(tmp_path / f"agent-{node}", None, nats, node=node, user=USER, slurm_conf=str(c.conf),
                    slurmd_spool_dir=str(c.root / "spool" / "%n"))  # fmt: skip
     env.agent_bin, env.caps = agent_bin, caps

@@ -52,7 +52,7 @@ def test_check_mode_on_a_new_local_hall_gets_through_and_says_what_it_would_do(t
         [str(BIN / "ansible-playbook"), "playbooks/site.yml", "--check",
          "-e", f"sco_key_dir={tmp_path}/keys", "-e", f"sco_credentials_dir={tmp_path}/credentials",
          "-e", f"contract_distributor_build_dir={tmp_path}/build", "-e", f"fleet_state_venv={tmp_path}/venv"],
-        cwd=REPO, env=newcomer_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=newcomer_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr
     assert "failed=0" in out.stdout.split("PLAY RECAP")[1]

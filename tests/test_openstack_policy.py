@@ -151,6 +151,7 @@ def lay_out_blazar_hall(tmp: Path, blazar: Any, cfg: dict[str, Any], fleet_dsn: 
             "control_loop_configmap_enabled": False,
             "control_loop_reservations_from": "blazar",
             "control_loop_nats_url": nats_url,
+            "sco_relay_tls": False,  # the test's relay serves plaintext
             "control_loop_reclaim_nkey_seed": seed,
             "control_loop_notice_keys": [str(tmp / "notice.key")],
             "control_loop_reclaim_window": 10,
