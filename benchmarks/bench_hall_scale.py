@@ -81,6 +81,13 @@ def tls_for(url: str) -> dict[str, Any]:
     return relay_tls(url)
 
 
+def ca_for(url: str) -> str | None:
+    """The test relay's CA file (for the reclaimer's own process)."""
+    from tests.relays import ca_for as relay_ca
+
+    return relay_ca(url)
+
+
 HALL = "local"  # the hall tests.test_drill.start_relay renders the relay for
 NOTICE_SHARE = 0.10
 CONNECT_CONCURRENCY = 64
@@ -345,17 +352,24 @@ class Fleet:
 # --- the reclaimer (its own process) ------------------------------------------------------------------
 
 
-async def _reclaim(url: str, seed: str, key_file: str, nodes: list[str]) -> dict[str, Any]:
-    """Notices to ``nodes`` one after another, as Reclaimer.notify publishes them (publish, flush, next)."""
+async def _reclaim(url: str, seed: str, key_file: str, nodes: list[str], ca: str = "") -> dict[str, Any]:
+    """Notices to ``nodes`` one after another, as Reclaimer.notify publishes them (publish, flush, next); ``ca``: the
+    relay's CA (this process has not the parent's record of it)."""
     import nats
 
+    from sco import _nats
     from sco.contract.signing import load_private
     from sco.provider.reclaimer import notice_document, publish_notice
 
     keys = [load_private(Path(key_file))]
     nc = await asyncio.wait_for(
         nats.connect(
-            url, connect_timeout=10, allow_reconnect=False, max_reconnect_attempts=0, nkeys_seed=seed, **tls_for(url)
+            url,
+            connect_timeout=10,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            nkeys_seed=seed,
+            **({"tls": _nats.tls_context(ca)} if ca else {}),
         ),
         30,
     )
@@ -378,6 +392,7 @@ async def fanout(fleet: Fleet, url: str, seed: Path, key_file: Path, targets: li
     fleet.all_arrived.clear()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "benchmarks.bench_hall_scale", "reclaim", url, str(seed), str(key_file),
+        ca_for(url) or "",
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
     )  # fmt: skip
     try:
@@ -700,7 +715,12 @@ def one_size(tmp: Path, pg: Any, nodes_n: int, pools_n: int, repeats: int) -> li
         reclaims = {s[0]: s[1] for s in r["fans"][-1][0]["sent"]}
         filled = fill(dsn, nodes, pools, reclaims)
         common = {"hall": HALL, "state_dsn": dsn, "bundle": str(tmp / "bundle.json"), "trust_dir": str(trust)}
-        env = {"SCO_NATS_URL": srv.url, "SCO_NATS_NKEY_SEED": str(creds / "control.nk")}
+        ca = ca_for(srv.url)  # the relay serves TLS: the loop's heartbeat read trusts its CA, as a control host's does
+        env = {
+            "SCO_NATS_URL": srv.url,
+            "SCO_NATS_NKEY_SEED": str(creds / "control.nk"),
+            **({"SCO_NATS_CA_FILE": ca} if ca else {}),
+        }
         metrics_dir = tmp / "metrics"
         metrics_dir.mkdir()
         runs = []
@@ -860,7 +880,7 @@ BENCHES = {"hall_scale": bench_hall_scale}
 
 
 if __name__ == "__main__":  # the reclaimer's process: nodes on stdin, one a line
-    if sys.argv[1:2] != ["reclaim"] or len(sys.argv) != 5:
-        sys.exit("usage: python -m benchmarks.bench_hall_scale reclaim URL SEED_FILE NOTICE_KEY < nodes")
+    if sys.argv[1:2] != ["reclaim"] or len(sys.argv) != 6:
+        sys.exit("usage: python -m benchmarks.bench_hall_scale reclaim URL SEED_FILE NOTICE_KEY CA_FILE|'' < nodes")
     targets = sys.stdin.read().split()
-    print(json.dumps(asyncio.run(_reclaim(sys.argv[2], sys.argv[3], sys.argv[4], targets))))
+    print(json.dumps(asyncio.run(_reclaim(sys.argv[2], sys.argv[3], sys.argv[4], targets, sys.argv[5]))))
