@@ -23,7 +23,7 @@ import pytest
 from sco import _nats
 from sco.provider import relay_identity as ri
 from tests.harness import BIN, free_port, wait_for
-from tests.relays import HALL, ROLE, Pki, RoleRelay, relay_refusal, run_playbook
+from tests.relays import HALL, RENDER, ROLE, Pki, RoleRelay, relay_refusal, run_playbook
 
 
 def routes(monitor: int) -> int:
@@ -163,20 +163,6 @@ def test_routes_are_authenticated_by_certificate(tmp_path: Path) -> None:
             r.stop()
 
 
-RENDER_CLUSTER = """
-- name: Render the relay's configuration with the role's template (a cluster of two)
-  hosts: localhost
-  gather_facts: false
-  vars_files: ["{{ role }}/defaults/main.yml", "{{ role }}/vars/main.yml"]
-  tasks:
-    - name: Render
-      ansible.builtin.template:
-        src: "{{ role }}/templates/nats-server.conf.j2"
-        dest: "{{ out }}"
-        mode: "0600"
-"""
-
-
 def render(tmp: Path, name: str, pki: Pki, extra: dict[str, Any]) -> tuple[Path, int, int]:
     tls_dir = tmp / f"{name}-tls"
     tls_dir.mkdir()
@@ -187,7 +173,7 @@ def render(tmp: Path, name: str, pki: Pki, extra: dict[str, Any]) -> tuple[Path,
     port, monitor = free_port(), free_port()
     out = tmp / f"{name}.conf"
     r = run_playbook(
-        tmp, RENDER_CLUSTER,
+        tmp, RENDER,
         {"role": str(ROLE), "out": str(out), "notice_relay_hall": HALL, "notice_relay_nodes": ["a"],
          "notice_relay_credentials_dir": str(tmp / "credentials"), "notice_relay_listen": "127.0.0.1",
          "notice_relay_port": port, "notice_relay_monitor_port": monitor, "notice_relay_store_dir": str(tmp / name),
