@@ -102,7 +102,8 @@ def _around(tmp_path: Path, nats: NatsServer, c: SlurmCluster, agent_bin: Path, 
             assert told[0]["requeued"] == [jid]
         else:
             # without CAP_KILL it may not signal another user's job: nothing was sent, the job ran to the deadline
-            assert out["type"] == "drain.overrun" and sig and sig[0]["pids"] == [] and not marker.exists()
+            seen = (out, [(e["type"], e.get("pids"), e.get("method")) for e in env.events()], env.logtext()[-3000:])
+            assert out["type"] == "drain.overrun" and sig and sig[0]["pids"] == [] and not marker.exists(), seen
             assert "signalling another user's job needs CAP_KILL" in env.logtext()
     finally:
         c.thaw_ctld()

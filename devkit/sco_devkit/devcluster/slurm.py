@@ -52,6 +52,9 @@ class SlurmCluster:
         # for a node agent that runs as its own user and is that (without slurmdbd there is no operator grant).
         self.slurm_user = slurm_user
         self.ctld_port = _free_port()
+        # Job ids of their own (FirstJobId, from the port: clusters alive at once have different ports): a node agent
+        # without ptrace access tells stepds apart by job id and start time, and two test clusters on this host each
+        # starting at job 1 at once had one cluster's agent signal the other's job.
         self.node_ports = {n: _free_port() for n in nodes}
         self.conf = self.root / "slurm.conf"
         self.ctld: subprocess.Popen[bytes] | None = None
@@ -120,6 +123,7 @@ SlurmdParameters=config_overrides
 SchedulerParameters=sched_interval=1
 MpiDefault=none
 JobRequeue=1
+FirstJobId={self.ctld_port * 1000}
 KillWait=5
 MinJobAge=600
 SlurmctldTimeout=30
