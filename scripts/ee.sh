@@ -14,6 +14,9 @@
 #   EE_PKGMGR      the base image's package manager (default /usr/bin/apt-get with the local base)
 #   EE_PYPKG       its packages of Python and pip (default "python3.11 python3-pip" with the local base)
 #   EE_REBUILD_BASE=1  remake the local base image
+#   EE_DEBIAN_PINS check (default): with the local Debian base, the build holds apt to constraints/ee-debian.txt's
+#                  versions and fails unless the image's Debian packages are exactly that list; write: rewrite the
+#                  list from the built image (on purpose: a Debian point release, a package added)
 #
 # Needs root (rootful podman) and installs podman and runc from apt when missing. What this machine needs, and why:
 # - runc, not crun: crun 1.8 refuses hybrid cgroups (v1 controllers plus a cgroup2 mount) as here;
@@ -36,6 +39,8 @@ version=$(python -c 'import yaml; print(yaml.safe_load(open("collections/ansible
 tag=${EE_TAG:-localhost/sco-ee:$version}
 
 [ "$(id -u)" = 0 ] || fail "run as root (rootful podman): sudo make ee"
+debian_pins=${EE_DEBIAN_PINS:-check}
+case $debian_pins in check | write) ;; *) fail "EE_DEBIAN_PINS=$debian_pins: expected check or write" ;; esac
 if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then
   say "apt-get install podman runc"
   apt-get update -qq
@@ -169,6 +174,25 @@ defn["additional_build_files"].append({"src": "galaxy", "dest": "galaxy"})
 (d / "execution-environment.yml").write_text(yaml.safe_dump(defn, sort_keys=False))
 EOF
 
+# The Debian packages held at constraints/ee-debian.txt's versions (the local Debian base only: a pulled base's
+# package manager is another's): an apt preferences file in the base stage, before anything apt installs, removed
+# from the final image. With EE_DEBIAN_PINS=write nothing is held (the list is being remade from what apt finds).
+if [ -z "${EE_BASE_IMAGE:-}" ] && [ "$debian_pins" = check ]; then
+  mkdir -p "$work/def/apt"
+  python -m sco_devkit.debian_pins preferences >"$work/def/apt/sco-ee-pins" || fail "constraints/ee-debian.txt (above)"
+  python - "$work/def/execution-environment.yml" <<'EOF'
+import sys
+import yaml
+path = sys.argv[1]
+defn = yaml.safe_load(open(path))
+defn["additional_build_files"].append({"src": "apt", "dest": "apt"})
+steps = defn["additional_build_steps"]
+steps["prepend_base"][:0] = ["COPY _build/apt/sco-ee-pins /etc/apt/preferences.d/sco-ee-pins"]
+steps["append_final"].append("RUN rm -f /etc/apt/preferences.d/sco-ee-pins")
+open(path, "w").write(yaml.safe_dump(defn, sort_keys=False))
+EOF
+fi
+
 # --- build -----------------------------------------------------------------------------------------------------------
 build_args=(--build-arg "EE_BASE_IMAGE=$base")
 [ -n "$pkgmgr" ] && build_args+=(--build-arg "PKGMGR=$pkgmgr")
@@ -224,6 +248,15 @@ for b in bad:
 sys.exit(1 if bad else 0)
 EOF
 say "packages: $(grep -c . "$work/packages.txt") lines in $work/packages.txt; every pip-installed distribution pinned"
+# Every Debian package as constraints/ee-debian.txt pins it (the local Debian base), or the list rewritten
+if [ -n "${EE_BASE_IMAGE:-}" ]; then
+  say "Debian packages not checked: the base $base is not the local Debian one constraints/ee-debian.txt pins"
+elif [ "$debian_pins" = write ]; then
+  python -m sco_devkit.debian_pins write "$work/packages.txt"
+else
+  python -m sco_devkit.debian_pins check "$work/packages.txt" ||
+    fail "the image's Debian packages are not constraints/ee-debian.txt's (above)"
+fi
 
 run "$tag" ansible-doc -t module sco.orchestrator.reclaim >"$work/reclaim-doc.txt" || fail "ansible-doc sco.orchestrator.reclaim"
 grep -q "RETURN VALUES" "$work/reclaim-doc.txt" || fail "ansible-doc sco.orchestrator.reclaim: $(head "$work/reclaim-doc.txt")"
