@@ -233,3 +233,59 @@ def test_a_launched_instances_user_data_carries_the_relays_ca(tmp_path: Path) ->
     assert "SCO_AGENT_NATS_CA_FILE=/opt/ca.pem\n" in yaml.safe_load(mine)["write_files"][-1]["content"]
     with pytest.raises(ConfigError, match="relay CA: not a PEM certificate"):
         render(bundle, [key], [key.public], relay_ca="not a certificate")
+
+
+TRUST = """
+- name: What a hall's relay clients are given to trust (role hall's and role control_loop's own variables)
+  hosts: localhost
+  gather_facts: false
+  vars_files: ["{{ roles }}/hall/defaults/main.yml", "{{ roles }}/control_loop/defaults/main.yml",
+               "{{ roles }}/control_loop/vars/main.yml"]
+  tasks:
+    - name: The agents' CA text (node_agent_nats_ca)
+      ansible.builtin.copy: {content: "{{ node_agent_nats_ca | trim }}\n", dest: "{{ out }}/agent-ca.crt", mode: "0644"}
+    - name: The control host's, which the instances it launches get in their user-data
+      ansible.builtin.copy: {content: "{{ _control_loop_nats_ca_pem }}", dest: "{{ out }}/control-ca.crt", mode: "0644"}
+"""
+
+
+def test_during_a_ca_rotation_clients_trust_both_cas(tmp_path: Path) -> None:
+    """RUNBOOK's CA rotation: between re-signing the relays (step 3) and dropping the old CA (step 4) the relays show
+    certificates of the new CA while clients were given the old one. With notice_relay_tls_trust_extra, the CA text
+    the agents, the control host and (through it) launched instances get holds both, so none refuses a relay."""
+    keys = ri.HallKeys.ensure(tmp_path / "keys", HALL)
+    old, new = Pki(tmp_path / "old-ca"), Pki(tmp_path / "new-ca")
+    out = tmp_path / "given"
+    out.mkdir()
+    roles = ROLE.parent
+
+    def given(extra: list[str]) -> tuple[Path, Path]:
+        r = run_playbook(tmp_path, TRUST, {
+            "roles": str(roles), "out": str(out), "sco_relay_url": "nats://127.0.0.1:4222",
+            "sco_relay_ca_file": str(old.ca), "control_loop_nats_ca_src": str(old.ca),
+            "notice_relay_tls_trust_extra": extra})  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        return out / "agent-ca.crt", out / "control-ca.crt"
+
+    relay, _ = operator_relay(tmp_path, keys, "r1", tls=new.relay_tls())  # re-signed by the new CA (step 3)
+    try:
+        admin = ri.NKey.generate("user")
+        creds = tmp_path / "admin.creds"
+        creds.write_text(ri.creds(ri.stream_admin_user_jwt(keys, admin.public), admin.seed))
+
+        def connect(ca: Path) -> str:
+            return asyncio.run(relay_refusal(relay.url, user_credentials=str(creds), tls=_nats.tls_context(str(ca))))
+
+        # before: only the old CA given, the relay's new certificate refused (what the RUNBOOK warned of)
+        agent_ca, control_ca = given([])
+        assert agent_ca.read_text().count("BEGIN CERTIFICATE") == 1
+        assert "certificate verify failed" in connect(agent_ca)
+        # with the new CA as the extra one: both CAs, one after the other, and the relay accepted by each client
+        agent_ca, control_ca = given([str(new.ca)])
+        for ca in (agent_ca, control_ca):
+            text = ca.read_text()
+            assert text.count("BEGIN CERTIFICATE") == 2, text
+            assert old.ca.read_text().strip() in text and new.ca.read_text().strip() in text
+            assert connect(ca) == "connected"
+    finally:
+        relay.stop()
