@@ -50,10 +50,12 @@ def _cpu_ticks(pid: int) -> int:
 
 
 class _Bed:
-    def __init__(self, root: Path) -> None:
+    """nats-server (plaintext, or TLS as the hall's relays serve it: ``tls``) and the Kubernetes API stand-in."""
+
+    def __init__(self, root: Path, tls: bool = False) -> None:
         self.root = root
-        self.nats = NatsServer(root / "nats").start()
-        asyncio.run(ensure_stream(self.nats.url))
+        self.nats = NatsServer(root / "nats", tls=tls).start()
+        asyncio.run(ensure_stream(self.nats.url, self.nats.client_tls()))
         self.kube = KubeApiStandIn().start()
 
     def close(self) -> None:
@@ -61,10 +63,10 @@ class _Bed:
         self.nats.stop()
 
 
-async def _publish_many(url: str, msgs: list[tuple[str, bytes]]) -> float:
+async def _publish_many(url: str, msgs: list[tuple[str, bytes]], tls: dict[str, Any] | None = None) -> float:
     import nats
 
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **(tls or {}))
     t = time.time()
     for subject, data in msgs:
         await nc.publish(subject, data)
@@ -73,9 +75,19 @@ async def _publish_many(url: str, msgs: list[tuple[str, bytes]]) -> float:
     return t
 
 
+# Each agent benchmark runs with the relay in plaintext and over TLS (the hall's default, sco_relay_tls): TLS's cost
+# on the drain figures measured, not guessed (issue 29).
+MODES = (False, True)
+
+
 def bench_notice_latency(n: int = 200) -> Iterator[dict[str, Any]]:
+    for tls in MODES:
+        yield {"tls": tls, **_notice_latency(n, tls)}
+
+
+def _notice_latency(n: int, tls: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        bed = _Bed(Path(tmp))
+        bed = _Bed(Path(tmp), tls)
         # After a drain the agent absorbs notices until the node is back in service (issue 8): it looks every
         # 0.2 s here, and each round waits for that before the next notice (outside the measured interval).
         env = AgentEnv(Path(tmp) / "a", bed.kube, bed.nats, rearm_check_seconds=0.2).start()
@@ -85,7 +97,13 @@ def bench_notice_latency(n: int = 200) -> Iterator[dict[str, Any]]:
             for i in range(n):
                 nid = f"lat-{i}"
                 drained_before = sum(1 for e in read_events(env.state / "spool") if e["type"] == "drain.drained")
-                t0 = asyncio.run(_publish_many(bed.nats.url, [(f"sco.notice.local.{env.node}", env.notice(nid, 20))]))
+                t0 = asyncio.run(
+                    _publish_many(
+                        bed.nats.url,
+                        tls=bed.nats.client_tls(),
+                        msgs=[(f"sco.notice.local.{env.node}", env.notice(nid, 20))],
+                    )
+                )
                 t1 = wait_for(lambda nid=nid: _taint_time(bed.kube, env.node, nid), 10, "taint", 0.002)
                 lat.append((t1 - t0) * 1000)
                 wait_for(
@@ -110,7 +128,7 @@ def bench_notice_latency(n: int = 200) -> Iterator[dict[str, Any]]:
         finally:
             env.stop()
             bed.close()
-    yield {
+    return {
         "n": n,
         "p50_ms": round(statistics.median(lat), 2),
         "p99_ms": round(_pct(lat, 99), 2),
@@ -132,9 +150,9 @@ def _node_install(tmp: Path) -> tuple[Path, dict[str, Any]]:
     }
 
 
-def _drain_110(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _drain_110(tmp: Path, tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     agent_bin, install = _node_install(tmp / "install")
-    bed = _Bed(tmp)
+    bed = _Bed(tmp, tls)
     env = AgentEnv(tmp / "a", bed.kube, bed.nats)
     env.agent_bin = agent_bin
     env.start()
@@ -167,18 +185,24 @@ def _drain_110(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        t_notice = asyncio.run(_publish_many(bed.nats.url, [(f"sco.notice.local.{env.node}", env.notice("d110", 20))]))
+        t_notice = asyncio.run(
+            _publish_many(
+                bed.nats.url, tls=bed.nats.client_tls(), msgs=[(f"sco.notice.local.{env.node}", env.notice("d110", 20))]
+            )
+        )
         out = env.outcome(25)
         stop.set()
         th.join()
         assert out["type"] == "drain.drained", out
         drain = {
+            "tls": tls,
             "pods": 110,
             "max_grace_s": round(max(min(n, 6) for n in needs), 2),
             "sum_grace_s": round(sum(min(n, 6) for n in needs), 1),
             "drain_s": round(out["at"] - t_notice, 3),
         }
         foot = {
+            "tls": tls,
             **install,
             "rss_mib_idle": round(rss_idle, 1),
             "rss_mib_drain": round(max(peak), 1),
@@ -191,22 +215,24 @@ def _drain_110(tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         bed.close()
 
 
-_cache: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+_cache: dict[bool, tuple[dict[str, Any], dict[str, Any]]] = {}
 
 
-def _drain_once() -> tuple[dict[str, Any], dict[str, Any]]:
-    if "r" not in _cache:
+def _drain_once(tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    if tls not in _cache:
         with tempfile.TemporaryDirectory() as tmp:
-            _cache["r"] = _drain_110(Path(tmp))
-    return _cache["r"]
+            _cache[tls] = _drain_110(Path(tmp), tls)
+    return _cache[tls]
 
 
 def bench_drain_110() -> Iterator[dict[str, Any]]:
-    yield _drain_once()[0]
+    for tls in MODES:
+        yield _drain_once(tls)[0]
 
 
 def bench_footprint() -> Iterator[dict[str, Any]]:
-    yield _drain_once()[1]
+    for tls in MODES:
+        yield _drain_once(tls)[1]
 
 
 def bench_mass_reclaim(agents: int = 100) -> Iterator[dict[str, Any]]:
@@ -223,7 +249,7 @@ def bench_mass_reclaim(agents: int = 100) -> Iterator[dict[str, Any]]:
             for env in envs:
                 env.wait_subscribed()
             msgs = [(f"sco.notice.local.{e.node}", e.notice(f"mass-{e.node}", 20)) for e in envs]
-            t0 = asyncio.run(_publish_many(bed.nats.url, msgs))
+            t0 = asyncio.run(_publish_many(bed.nats.url, msgs, bed.nats.client_tls()))
             lat = []
             for e in envs:
                 t1 = wait_for(lambda e=e: _taint_time(bed.kube, e.node, f"mass-{e.node}"), 20, "taint", 0.01)

