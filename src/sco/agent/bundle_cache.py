@@ -56,10 +56,13 @@ class Offer:
 class BundleCache:
     """``<dir>/bundle.json`` (the last good signed bundle) and ``<dir>/state.json`` (bookkeeping)."""
 
-    def __init__(self, directory: Path, keyring: Keyring, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, directory: Path, keyring: Keyring, clock: Callable[[], float] = time.time, hall: str | None = None
+    ) -> None:
         self.dir = Path(directory)
         self.keyring = keyring
         self.clock = clock
+        self.hall = hall  # the node's hall (agent.toml), which a launch key's delegation must name
         self.dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(self.dir, BUNDLE_FILE)
         remove_stale_temps(self.dir, STATE_FILE)
@@ -87,11 +90,19 @@ class BundleCache:
         except FileNotFoundError:
             return
         try:
-            self.bundle = Bundle.from_bytes(raw, self.keyring, str(self.bundle_path))
+            self.bundle = Bundle.from_bytes(raw, self.keyring, str(self.bundle_path), delegated=True)
         except BundleError as e:
             # Never silently trust a cache that no longer verifies (key removed, disk damage).
             self._refuse(f"cached bundle does not verify: {'; '.join(e.lines())}", raw=raw)
             return
+        if self.bundle.delegation is not None and self.state.sha256 != self.bundle.verified.sha256:
+            # a new instance's first bundle (cloud-init wrote it), signed by the launch key: its delegation must be
+            # in force now and for this hall. Once taken up it stays across restarts, expired or not, as any bundle.
+            why = self.bundle.first_take_problem(self.clock(), self.hall)
+            if why:
+                self.bundle = None
+                self._refuse(f"cached bundle refused: {why}", raw=raw)
+                return
         if self.state.serial != self.bundle.serial:
             # e.g. written by cloud-init at first boot; accepted now.
             self.state.serial = self.bundle.serial
@@ -116,8 +127,11 @@ class BundleCache:
         """Consider ``raw`` as the next bundle: accept it atomically, or keep the old one and say why."""
         self.state.last_check_at = self.clock()
         try:
-            new = Bundle.from_bytes(raw, self.keyring, source)
+            new = Bundle.from_bytes(raw, self.keyring, source, delegated=True)
             verdict = successor(self.bundle, new, self.clock())
+            why = new.first_take_problem(self.clock(), self.hall) if new.delegation is not None else None
+            if why:
+                raise BundleError(why)
         except BundleError as e:
             return self._refuse("; ".join(e.lines()), raw=raw)
         if verdict is Succession.REPLACE:

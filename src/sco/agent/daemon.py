@@ -58,7 +58,7 @@ class Agent:
         self.cfg = cfg
         self.clock = clock
         self.keyring = Keyring.from_dir(cfg.trust_dir)
-        self.cache = BundleCache(cfg.bundle_dir, self.keyring, clock)
+        self.cache = BundleCache(cfg.bundle_dir, self.keyring, clock, hall=cfg.hall)
         self.policy = Policy(cfg, self.cache)
         self.spool = Spool(
             cfg.spool_dir,

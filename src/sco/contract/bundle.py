@@ -187,10 +187,51 @@ class Bundle:
         # signed with the rest: a stale mirror or a man in the middle cannot keep a node on this bundle past it
         self.expires_at: int | None = p.get("expiresAt")
         self.subset_of: str | None = p.get("subsetOf")
+        self.delegation = verified.delegation
+        if self.delegation is not None:
+            self._check_delegated(verified.where)
+
+    def _check_delegated(self, where: str) -> None:
+        """What a launch key may sign, as its root's certificate says: a launch subset of its hall, issued and
+        expiring inside the certificate's window (so a key past its delegation cannot sign one that outlives it)."""
+        d = self.delegation
+        assert d is not None
+        who = f"{where}: launch key {d.keyid} (delegation serial {d.serial} by {d.issuer})"
+        if self.hall != d.hall:
+            raise BundleError(f"{who} is delegated for hall {d.hall!r}, the bundle is for hall {self.hall!r}")
+        if d.scope == "launch-subset" and self.subset_of is None:
+            raise BundleError(f"{who} may sign only launch subsets (subsetOf), not a full bundle")
+        if self.issued_at is None or self.expires_at is None:
+            raise BundleError(f"{who}: a delegated bundle must carry issuedAt and expiresAt")
+        if not d.issued_at <= self.issued_at < d.expires_at:
+            raise BundleError(
+                f"{who}: bundle issued at {_utc(self.issued_at)}, outside its delegation"
+                f" ({_utc(d.issued_at)} to {_utc(d.expires_at)})"
+            )
+        if self.expires_at > d.expires_at:
+            raise BundleError(
+                f"{who}: bundle expires at {_utc(self.expires_at)}, after its delegation ({_utc(d.expires_at)})"
+            )
+
+    def first_take_problem(self, now: float, hall: str | None = None) -> str | None:
+        """Why a node that holds no bundle must not take this one up now (None: it may). A delegated bundle needs
+        its delegation in force now and, when the node knows its hall, that hall."""
+        d = self.delegation
+        if d is None:
+            return None
+        who = f"launch key {d.keyid} (delegation serial {d.serial} by {d.issuer})"
+        if d.expired(now):
+            return f"{self.verified.where}: {who}: delegation expired at {_utc(d.expires_at)} (refused)"
+        if now < d.issued_at:
+            return f"{self.verified.where}: {who}: delegation not valid before {_utc(d.issued_at)} (refused)"
+        if hall is not None and d.hall != hall:
+            return f"{self.verified.where}: {who} is delegated for hall {d.hall!r}, this node is in hall {hall!r}"
+        return None
 
     @classmethod
-    def from_bytes(cls, raw: bytes, keyring: Keyring, where: str = "bundle") -> Bundle:
-        return cls(verify(raw, keyring, where))
+    def from_bytes(cls, raw: bytes, keyring: Keyring, where: str = "bundle", *, delegated: bool = False) -> Bundle:
+        """``delegated``: a launch subset signed under a root's delegation is verified too (a node's cache only)."""
+        return cls(verify(raw, keyring, where, delegated=delegated))
 
     @property
     def raw(self) -> bytes:
@@ -251,6 +292,17 @@ def successor(cached: Bundle | None, new: Bundle, now: float | None = None) -> S
     once the node holds a bundle that expires, one without an expiry (a compiler of an older release, or a replay of
     a bundle from before expiry) is older-dated and refused; at the same serial and content a later ``expiresAt``
     replaces the cached bundle (the hall's signer re-dated it), an earlier one changes nothing."""
+    if new.delegation is not None:
+        # a launch key signs only the first bundle of a new instance (its user-data): a node that holds one takes
+        # only its root's bundles, so a stolen launch key cannot move the running fleet
+        if cached is not None:
+            raise BundleError(
+                f"bundle serial {new.serial} is signed by launch key {new.delegation.keyid} under delegation: a node"
+                " takes such a bundle only as its first (refused: this node holds one)"
+            )
+        why = new.first_take_problem(time.time() if now is None else now)
+        if why:
+            raise BundleError(why)
     if new.expired(now):
         raise BundleError(f"bundle serial {new.serial} expired at {_utc(new.expires_at or 0)} (stale copy refused)")
     if cached is None:
@@ -301,6 +353,7 @@ def subset_payload(
         if missing:
             raise BundleError(f"contracts not in bundle serial {bundle.serial}: {', '.join(missing)}")
     payload = dict(bundle.verified.payload)
+    payload.pop("delegation", None)  # a subset is signed anew, by its own signer
     payload["contracts"] = chosen
     payload["subsetOf"] = bundle.content_digest
     payload["contentDigest"] = content_digest(bundle.hall, bundle.policy, chosen)

@@ -13,10 +13,26 @@ one hash and one Ed25519 check, without parsing the payload. The header must be 
 gives the same bytes) and signatures are decoded strictly, so changing any byte of the file, not only of
 the payload, makes verification fail.
 Several signatures allow key rotation: sign with the new and the old key while nodes trust either.
+
+**Delegation** (a launch subset signed on the control host): the signed payload may carry ``delegation``::
+
+    "delegation": {"cert": {"type": "sco-launch-delegation/v1", "hall": H, "keyid": K, "public": "<64 hex>",
+                            "scope": "launch-subset", "serial": N, "issuedAt": T0, "expiresAt": T1},
+                   "signatures": [{"keyid": "<a trusted root key>", "sig": "..."}]}
+
+The hall's root key (trusted by nodes, kept on the controller) signs the certificate, over
+``b"sco-delegation-v1\0" + sha256(canonical(cert))`` (another domain than a bundle's: no signature of one can be
+taken for the other); the bundle's signatures are by the delegated (online, "launch") key K, which no node trusts
+by itself. It is looked at only when no signature is by a trusted key, so a root-signed bundle is verified as
+before, without parsing its payload. The header stays exactly N's (docs/UPGRADE.md rule 1): a reader of a release
+before delegation finds a bundle signed by a key it does not trust and refuses it. What the delegated key may sign (a
+launch subset of hall H, issued and expiring inside [T0, T1]) is checked by ``sco.contract.bundle``; when a node
+takes it up (only as its first bundle), by ``successor`` and the node's cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,6 +50,9 @@ from sco.errors import BundleError, KeyFileError, SignatureError, UntrustedKeyEr
 
 FORMAT = "sco-bundle/v1"
 _DOMAIN = b"sco-bundle-v1\x00"
+DELEGATION_TYPE = "sco-launch-delegation/v1"
+_DELEGATION_DOMAIN = b"sco-delegation-v1\x00"
+DELEGATION_SCOPES = ("launch-subset",)  # what a launch key may sign: the subsets of new instances' user-data
 
 
 def key_id(verify_key: VerifyKey) -> str:
@@ -172,8 +191,14 @@ def _message(payload_sha256: bytes) -> bytes:
     return _DOMAIN + payload_sha256
 
 
-def sign(payload: dict[str, Any], keys: Iterable[PrivateKey]) -> bytes:
-    """The bytes of a bundle file: ``payload`` signed by every key in ``keys``."""
+def sign(payload: dict[str, Any], keys: Iterable[PrivateKey], delegation: Delegation | None = None) -> bytes:
+    """The bytes of a bundle file: ``payload`` signed by every key in ``keys``; with ``delegation``, by its launch
+    key alone (the certificate goes in the header)."""
+    keys = list(keys)
+    if delegation is not None:
+        if [k.keyid for k in keys] != [delegation.keyid]:
+            raise ValueError(f"a bundle under delegation is signed by its launch key {delegation.keyid} alone")
+        payload = {**payload, "delegation": delegation.document}
     body = canonical.dumps(payload)
     digest = hashlib.sha256(body).digest()
     sigs = sorted(
@@ -192,10 +217,13 @@ class Verified:
     The payload is parsed on first use: checking authenticity needs only a hash of its bytes.
     """
 
-    def __init__(self, raw: bytes, payload_bytes: memoryview, keyid: str, where: str) -> None:
+    def __init__(
+        self, raw: bytes, payload_bytes: memoryview, keyid: str, where: str, delegation: Delegation | None = None
+    ) -> None:
         self.raw = raw
-        self.keyid = keyid  # the trusted key whose signature was checked
+        self.keyid = keyid  # the key whose signature was checked: a trusted one, or the delegation's launch key
         self.where = where
+        self.delegation = delegation  # None: signed by a trusted (root) key itself
         self._payload_bytes = payload_bytes
         self._payload: dict[str, Any] | None = None
 
@@ -220,8 +248,10 @@ class Verified:
 _HEADER_KEYS = {"format", "payloadSha256", "payloadBytes", "signatures"}
 
 
-def verify(raw: bytes, keyring: Keyring, where: str = "bundle") -> Verified:
-    """Check ``raw`` is a well-formed bundle signed by a key in ``keyring``; raise BundleError if not."""
+def verify(raw: bytes, keyring: Keyring, where: str = "bundle", *, delegated: bool = False) -> Verified:
+    """Check ``raw`` is a well-formed bundle signed by a key in ``keyring``; raise BundleError if not.
+    ``delegated``: or signed by a launch key under a delegation a key in ``keyring`` signed (only a node agent's
+    cache takes such a bundle, as a new instance's first; every other reader refuses it)."""
     nl = raw.find(b"\n")
     if nl < 0:
         raise BundleError(f"{where}: not a bundle (no header line)")
@@ -244,11 +274,149 @@ def verify(raw: bytes, keyring: Keyring, where: str = "bundle") -> Verified:
     if digest.hex() != digest_hex:
         raise BundleError(f"{where}: payloadSha256: does not match the payload (the bytes were altered)")
     try:
-        keyid = check_signatures(sigs, keyring, _message(digest), "bundle")
+        return Verified(raw, body, check_signatures(sigs, keyring, _message(digest), "bundle"), where)
     except SignatureCheckError as e:
         cls = {"forged": SignatureError, "untrusted": UntrustedKeyError}.get(e.kind, BundleError)
+        if e.kind != "untrusted":
+            raise cls(f"{where}: {e.detail}") from None
+        untrusted = e
+    # no trusted key signed it: it may be a launch subset, signed by a launch key a trusted root vouches for
+    doc = _payload_delegation(body)
+    if doc is None:
+        raise UntrustedKeyError(f"{where}: {untrusted.detail}")
+    if not delegated:
+        raise UntrustedKeyError(
+            f"{where}: {untrusted.detail}; a launch key's bundle under delegation is taken by a node agent only,"
+            " as a new instance's first bundle"
+        )
+    delegation = Delegation.verify(doc, keyring, f"{where}: delegation")
+    try:
+        keyid = check_signatures(sigs, Keyring([delegation.public]), _message(digest), "bundle")
+    except SignatureCheckError as e:
+        cls = {"forged": SignatureError, "untrusted": UntrustedKeyError}.get(e.kind, BundleError)
+        if e.kind == "untrusted":
+            raise cls(f"{where}: not signed by the launch key {delegation.keyid} its delegation names") from None
         raise cls(f"{where}: {e.detail}") from None
-    return Verified(raw, body, keyid, where)
+    return Verified(raw, body, keyid, where, delegation)
+
+
+def _payload_delegation(body: memoryview) -> object:
+    """The payload's ``delegation`` (None when the payload has none or is not a JSON object)."""
+    try:
+        value = canonical.loads(bytes(body))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return value.get("delegation") if isinstance(value, dict) else None
+
+
+_HEX16_CHARS = set("0123456789abcdef")
+_CERT_KEYS = {"type", "hall", "keyid", "public", "scope", "serial", "issuedAt", "expiresAt"}
+MAX_DELEGATION_SERIAL = 2**53 - 1
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Delegation:
+    """A hall root key's certificate for an online launch key: which key, for which hall, what it may sign, from
+    when to when. ``document`` is the certificate with its signatures, as a bundle's header carries it."""
+
+    hall: str
+    keyid: str
+    public: PublicKey
+    scope: str
+    serial: int
+    issued_at: int
+    expires_at: int
+    issuer: str  # the root key id whose signature was checked ("" before checking, as made by ``delegate``)
+    document: dict[str, Any]
+
+    def expired(self, now: float) -> bool:
+        return now >= self.expires_at
+
+    @classmethod
+    def parse(cls, doc: object, where: str = "delegation") -> tuple[Delegation, bytes]:
+        """The certificate's fields checked for type and range (not its signature); with the message its
+        signatures cover."""
+        if not isinstance(doc, dict) or set(doc) != {"cert", "signatures"}:
+            raise BundleError(f"{where}: expected exactly cert and signatures")
+        cert = doc["cert"]
+        if not isinstance(cert, dict) or set(cert) != _CERT_KEYS:
+            raise BundleError(f"{where}: cert: expected exactly {', '.join(sorted(_CERT_KEYS))}")
+        if cert["type"] != DELEGATION_TYPE:
+            raise BundleError(f"{where}: cert.type: expected {DELEGATION_TYPE!r}")
+        if cert["scope"] not in DELEGATION_SCOPES:
+            raise BundleError(f"{where}: cert.scope: expected one of {', '.join(DELEGATION_SCOPES)}")
+        hall, keyid, public = cert["hall"], cert["keyid"], cert["public"]
+        if not isinstance(hall, str) or not hall:
+            raise BundleError(f"{where}: cert.hall: expected the hall's name")
+        hex_ok = isinstance(public, str) and len(public) == 64 and set(public) <= _HEX16_CHARS
+        raw_pub = bytes.fromhex(public) if hex_ok else b""
+        if len(raw_pub) != 32 or not isinstance(keyid, str) or keyid != key_id(VerifyKey(raw_pub)):
+            raise BundleError(f"{where}: cert: expected keyid and public (lowercase hex) of one Ed25519 key")
+        for f in ("serial", "issuedAt", "expiresAt"):
+            if not _is_int(cert[f]) or not 1 <= cert[f] <= MAX_DELEGATION_SERIAL:
+                raise BundleError(f"{where}: cert.{f}: expected a positive integer")
+        if cert["expiresAt"] <= cert["issuedAt"]:
+            raise BundleError(f"{where}: cert.expiresAt: must be after issuedAt")
+        d = cls(hall, keyid, PublicKey(keyid, VerifyKey(raw_pub)), cert["scope"], cert["serial"], cert["issuedAt"],
+                cert["expiresAt"], "", doc)  # fmt: skip
+        return d, _DELEGATION_DOMAIN + hashlib.sha256(canonical.dumps(cert)).digest()
+
+    @classmethod
+    def verify(cls, doc: object, keyring: Keyring, where: str = "delegation") -> Delegation:
+        """A delegation whose certificate a key in ``keyring`` (the nodes' trusted roots) signed."""
+        d, message = cls.parse(doc, where)
+        try:
+            issuer = check_signatures(d.document["signatures"], keyring, message, "delegation", max_signatures=4)
+        except SignatureCheckError as e:
+            cls_ = {"forged": SignatureError, "untrusted": UntrustedKeyError}.get(e.kind, BundleError)
+            raise cls_(f"{where} of launch key {d.keyid}: {e.detail}") from None
+        if issuer == d.keyid:
+            raise BundleError(f"{where}: launch key {d.keyid} is itself a trusted root key (it delegates to nobody)")
+        return dataclasses.replace(d, issuer=issuer)
+
+    @classmethod
+    def load(cls, path: Path, keyring: Keyring | None = None) -> Delegation:
+        """A delegation file (``sco keys delegate``); checked against ``keyring`` when given."""
+        try:
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise KeyFileError(f"{path}: not a delegation file (not a regular file)")
+                doc = json.loads(f.read(MAX_KEY_FILE_BYTES + 1).decode())
+        except FileNotFoundError:
+            raise KeyFileError(f"{path}: no such delegation file") from None
+        except (OSError, ValueError) as e:
+            raise KeyFileError(f"{path}: not a delegation file ({e})") from None
+        try:
+            return cls.verify(doc, keyring, str(path)) if keyring is not None else cls.parse(doc, str(path))[0]
+        except BundleError as e:
+            raise KeyFileError(str(e)) from None
+
+
+def delegate(
+    root: PrivateKey, launch: PublicKey, hall: str, *, issued_at: int, expires_at: int, serial: int,
+    scope: str = "launch-subset",
+) -> Delegation:  # fmt: skip
+    """The root key's certificate for ``launch``: it may sign ``scope`` for ``hall`` from ``issued_at`` until
+    ``expires_at`` (Unix seconds). ``serial`` orders a hall's delegations (a renewal or a rotation is the next)."""
+    if root.keyid == launch.keyid:
+        raise ValueError("the launch key must be another key than the root that delegates to it")
+    cert = {
+        "type": DELEGATION_TYPE, "hall": hall, "keyid": launch.keyid, "public": bytes(launch.verify_key).hex(),
+        "scope": scope, "serial": serial, "issuedAt": issued_at, "expiresAt": expires_at,
+    }  # fmt: skip
+    message = _DELEGATION_DOMAIN + hashlib.sha256(canonical.dumps(cert)).digest()
+    doc = {"cert": cert, "signatures": [{"keyid": root.keyid, "sig": root.signing_key.sign(message).signature.hex()}]}
+    d, _ = Delegation.parse(doc)
+    return dataclasses.replace(d, issuer=root.keyid)
+
+
+def delegation_text(d: Delegation) -> str:
+    """The contents of a delegation file."""
+    return json.dumps(d.document, sort_keys=True) + "\n"
 
 
 class SignatureCheckError(Exception):

@@ -14,7 +14,7 @@ import time
 import yaml
 
 from sco.contract.bundle import Bundle, bundle_lifetime_s, subset_payload
-from sco.contract.signing import PrivateKey, PublicKey, public_key_text, sign
+from sco.contract.signing import Delegation, PrivateKey, PublicKey, public_key_text, sign
 from sco.errors import BundleError, ConfigError
 
 # Nova refuses user_data above 65535 bytes once base64-encoded.
@@ -33,6 +33,32 @@ def _env_problem(name: str, value: str) -> str | None:
     return None
 
 
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+# A launch whose delegation has less left than this is refused: its node would hold a bundle that expires within
+# the hour (the node keeps it, but its budgets would be stale from its first hour).
+MIN_DELEGATION_LEFT_S = 3600
+
+
+def _check_delegation(d: Delegation, keys: list[PrivateKey], trusted: list[PublicKey], hall: str, now: int) -> None:
+    if [k.keyid for k in keys] != [d.keyid]:
+        raise ConfigError(
+            f"launch delegation: it names launch key {d.keyid}, the signing keys are"
+            f" {', '.join(k.keyid for k in keys) or 'none'} (give that one key)"
+        )
+    if d.hall != hall:
+        raise ConfigError(f"launch delegation: it is for hall {d.hall!r}, the bundle is hall {hall!r}")
+    if d.issuer and d.issuer not in {k.keyid for k in trusted}:
+        raise ConfigError(f"launch delegation: signed by {d.issuer}, not a key the new instances trust")
+    if now < d.issued_at or d.expires_at - now < MIN_DELEGATION_LEFT_S:
+        raise ConfigError(
+            f"launch delegation serial {d.serial} of launch key {d.keyid} is valid from {_utc(d.issued_at)} to"
+            f" {_utc(d.expires_at)}: renew it on the controller (site.yml, or sco keys delegate) before launching"
+        )
+
+
 RELAY_CA_PATH = "/etc/sco/relay-ca.crt"  # as role node_agent writes it (node_agent_nats_ca)
 
 
@@ -46,13 +72,17 @@ def render(
     node_env: dict[str, str] | None = None,
     now: float | None = None,
     relay_ca: str = "",
+    delegation: Delegation | None = None,
 ) -> str:
     """The instance's user-data. Its subset bundle is dated from ``now`` (the launch) for the hall's bundle
     lifetime, not the full bundle's ``expiresAt``: the launch signs it, and a hall whose full bundle was last
     re-signed days ago must still boot nodes that take their budgets (a node never takes up an expired bundle).
     ``relay_ca``: the CA (PEM) the hall's relays' TLS certificates chain to, written to RELAY_CA_PATH and named by
     agent.env's SCO_AGENT_NATS_CA_FILE (unless the operator's node_env names another), so the new instance checks
-    the relay before it enrols or sends anything."""
+    the relay before it enrols or sends anything.
+    ``delegation``: the hall root's certificate for the one key in ``signing_keys`` (the control host's launch key):
+    the subset carries it, is dated inside it, and ``trusted`` must hold the root that signed it (the nodes trust
+    the root, never the launch key)."""
     if relay_ca:
         if "-----BEGIN CERTIFICATE-----" not in relay_ca:
             raise ConfigError("relay CA: not a PEM certificate (-----BEGIN CERTIFICATE-----)")
@@ -61,8 +91,14 @@ def render(
     if bad:
         raise ConfigError(f"node environment: {'; '.join(bad)}")
     payload = subset_payload(bundle, schedulers=schedulers, names=names)
-    payload["expiresAt"] = int(time.time() if now is None else now) + bundle_lifetime_s(bundle.policy)
-    subset = sign(payload, signing_keys)
+    at = int(time.time() if now is None else now)
+    payload["expiresAt"] = at + bundle_lifetime_s(bundle.policy)
+    if delegation is not None:
+        _check_delegation(delegation, signing_keys, trusted, bundle.hall, at)
+        # issued at the launch, and never outliving the delegation (nodes refuse one that would)
+        payload["issuedAt"] = at
+        payload["expiresAt"] = min(payload["expiresAt"], delegation.expires_at)
+    subset = sign(payload, signing_keys, delegation)
     files = [
         {
             "path": f"{TRUST_DIR}/{k.keyid}.pub",

@@ -219,6 +219,8 @@ class AcquireOptions:
     concurrency: int = 8
     relay_ca: str = ""
     """The relays' CA (PEM text, read from relay_ca_file): each new instance's user-data carries it."""
+    launch_delegation: str = ""
+    """The hall root's delegation (a file) for the one launch key in signing_keys: each subset carries it."""
 
     @classmethod
     def from_params(cls, p: Params) -> AcquireOptions:
@@ -238,6 +240,7 @@ class AcquireOptions:
             {str(k): str(v) for k, v in (p.get("node_env") or {}).items()},
             int(_positive(p, "concurrency", 8)),
             relay_ca,
+            str(p.get("launch_delegation") or ""),
         )
 
 

@@ -33,7 +33,7 @@ from sco.control.options import (
     parse_options,
 )
 from sco.control.planner import Plan, plan
-from sco.errors import ConfigError, Problem
+from sco.errors import ConfigError, KeyFileError, Problem
 
 Params = Mapping[str, Any]
 STEPS = ("demand", "reconcile", "plan", "arbitrate", "acquire", "reclaim")
@@ -471,6 +471,7 @@ def _acquire(
     keys = [load_private(Path(k)) for k in o.signing_keys]
     if not keys and any(t.launch for t in targets):
         raise ConfigError("signing_keys: give the keys that sign each new instance's contract subset")
+    trusted, delegation = _launch_trust(o, keys, result)
     outcomes = []
     for t in targets:
         spec, lp, known = specs[t.pool], params.get(t.pool), state.pool(hall, t.pool)
@@ -483,7 +484,7 @@ def _acquire(
         def render(name: str, own: Mapping[str, str] | None = None, contracts: tuple[str, ...] = t.contracts) -> str:
             env = node_environment(o.node_env, hall, name, own)
             return userdata.render(
-                bundle, keys, [k.public for k in keys], names=list(contracts), node_env=env, relay_ca=o.relay_ca
+                bundle, keys, trusted, names=list(contracts), node_env=env, relay_ca=o.relay_ca, delegation=delegation
             )
 
         # node_env naming the enrolment service: each instance gets a one-time token of its own (the acquirer)
@@ -495,6 +496,32 @@ def _acquire(
         outcomes.append(outcome)
         _fold(result, t, outcome)
     return outcomes
+
+
+def _launch_trust(o: AcquireOptions, keys: list[Any], result: dict[str, Any]) -> tuple[list[Any], Any]:
+    """The keys a new instance trusts and the delegation its subset carries. With ``launch_delegation`` the
+    instance trusts the hall's root keys (the trust directory the bundle was checked against), never the launch
+    key. Without it (a hall of a release before delegation) the subset is signed by keys the nodes trust
+    themselves, as before; said as a warning when they are root keys, which then sit on this control host."""
+    from sco.contract.signing import Delegation, Keyring, load_public
+
+    h = o.plan.hall
+    roots = [load_public(Path(p)) for p in h.trust]
+    if h.trust_dir:
+        roots += [load_public(p) for p in sorted(Path(h.trust_dir).glob("*.pub"))]
+    if not o.launch_delegation:
+        rooted = sorted(k.keyid for k in keys if k.keyid in {r.keyid for r in roots})
+        if rooted:
+            result["warnings"].append(
+                f"signing_keys: {', '.join(rooted)} are keys the nodes trust (the hall's root): a host that holds"
+                " them can sign any bundle for every node; give a launch key and its delegation (launch_delegation)"
+            )
+        return [k.public for k in keys], None
+    try:
+        delegation = Delegation.load(Path(o.launch_delegation), Keyring(roots))
+    except KeyFileError as e:
+        raise ConfigError(f"launch_delegation: {e}") from None
+    return [r for r in roots if r.keyid == delegation.issuer], delegation
 
 
 def _fold(result: dict[str, Any], t: EntryTarget, outcome: Any) -> None:
