@@ -15,6 +15,7 @@ import grp
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import yaml
 
 from sco.contract.bundle import Bundle
 from sco.contract.compiler import compile_repo
-from sco.contract.signing import Keyring, generate, sign, write_keypair
+from sco.contract.signing import Keyring, delegate, delegation_text, generate, sign, write_keypair
 from sco.contract.userdata import CACHE_PATH
 from sco.control.record import PgFleetStore
 from sco.state.db import connect, hall_lock
@@ -59,11 +60,18 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
     conn = openstack_cloud.connect()
     kube = KubeApiStandIn().start()
     try:
-        # the hall's contracts, signed; the key that signs launch subsets
-        key = generate()
+        # the hall's contracts, signed by its root key (on the controller only); the launch key that signs launch
+        # subsets on the control host, under the root's delegation (as site.yml makes them)
+        key, launch = generate(), generate()
         trust = tmp_path / "trusted"
         trust.mkdir()
-        write_keypair(key, tmp_path / "signing.key", trust / "signing.pub")
+        controller = tmp_path / "controller"
+        controller.mkdir()
+        write_keypair(key, controller / "hall.key", trust / "hall.pub")
+        write_keypair(launch, controller / "launch.key", controller / "launch.pub")
+        now = int(time.time())
+        delegation = delegate(key, launch.public, HALL, issued_at=now - 60, expires_at=now + 14 * 86_400, serial=1)
+        (controller / "launch.delegation").write_text(delegation_text(delegation))
         repo = tmp_path / "repo"
         shutil.copytree(sample_repo(), repo)
         shutil.rmtree(repo / "contracts")
@@ -118,7 +126,9 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
                 "control_loop_clouds_yaml": str(clouds),
                 "control_loop_bundle": str(tmp_path / "bundle.json"),
                 "control_loop_trust_dir": str(trust),
-                "control_loop_signing_keys": [str(tmp_path / "signing.key")],
+                "control_loop_launch_key": str(controller / "launch.key"),
+                "control_loop_launch_delegation": str(controller / "launch.delegation"),
+                "_control_loop_launch_dir": str(tmp_path / "etc" / "control-loop"),
                 "control_loop_kubernetes": {"url": kube.url},
                 "control_loop_slurm": {"slurm_conf": str(slurm.conf), "reclaimable_partitions": ["spot"]},
                 "control_loop_pools": pools,
@@ -134,6 +144,13 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
             },
         )
         assert argv[0] == str(BIN / "sco-control-loop") and "--private-data-dir" in argv
+        # the control host's files: the launch key (the unit user's, 0600) and its delegation, no root key anywhere
+        launch_dir = tmp_path / "etc" / "control-loop"
+        assert sorted(f.name for f in launch_dir.iterdir()) == ["launch.delegation", "launch.key"]
+        assert (launch_dir / "launch.key").stat().st_mode & 0o777 == 0o600
+        root_seed = bytes(key.signing_key).hex()
+        on_host = [f for d in (tmp_path / "etc", tmp_path / "runner", tmp_path / "units") for f in d.rglob("*")]
+        assert not [f for f in on_host if f.is_file() and root_seed in f.read_text(errors="replace")]
         assert env == {"SCO_DB_DSN": fleet_dsn}
 
         # run 1: demand -> plan -> arbitrate -> acquire
@@ -167,7 +184,12 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
             # each server carries the signed subset of exactly the contracts its entry was planned for
             full = conn.compute.get_server(servers[inst.name].id)
             files = {f["path"]: f for f in yaml.safe_load(base64.b64decode(full.user_data).decode())["write_files"]}
-            subset = Bundle.from_bytes(base64.b64decode(files[CACHE_PATH]["content"]), Keyring([key.public]))
+            # signed by the launch key under the root's delegation; the node is given the root to trust, no other key
+            raw = base64.b64decode(files[CACHE_PATH]["content"])
+            subset = Bundle.from_bytes(raw, Keyring([key.public]), delegated=True)
+            assert subset.verified.keyid == launch.keyid and subset.delegation is not None
+            assert subset.delegation.issuer == key.keyid and subset.delegation.serial == 1
+            assert [f for f in files if f.startswith("/etc/sco/trusted/")] == [f"/etc/sco/trusted/{key.keyid}.pub"]
             assert sorted(subset.contracts) == list(inst.contracts)
             assert list(inst.contracts) == (["web"] if inst.pool == "od" else launched_with[inst.pool])
         assert plans[-1]["run_id"] == first["run_id"] and any(d["kind"] == "launch" for d in plans[-1]["decisions"])

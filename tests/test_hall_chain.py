@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sco.contract.signing import generate, write_keypair
+from sco.contract.signing import delegate, delegation_text, generate, write_keypair
 from sco.control.acquirer import ENROL_TOKEN, ENROL_URL
 from sco.provider import heartbeats
 from sco.provider.reclaim_job import ReclaimSettings, reclaim
@@ -79,6 +79,7 @@ PLAY = """
         arbitration: "{{ arbitration }}"
         pools: "{{ pools }}"
         signing_keys: ["{{ signing_key }}"]
+        launch_delegation: "{{ launch_delegation }}"
         node_env: "{{ node_env }}"
       register: acquire
 """
@@ -194,10 +195,15 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
     cfg = openstack_cloud.make_project(f"chain-{os.urandom(3).hex()}")
     project = cfg.pop("project_id")
     conn = openstack.connect(**cfg)
-    key, notice_key = generate(), generate()
+    # the hall's root key signs the bundle and, on the controller, the delegation for the control host's launch key
+    key, notice_key, launch = generate(), generate(), generate()
     trust = tmp_path / "trusted"
     trust.mkdir()
     write_keypair(key, tmp_path / "signing.key", trust / "signing.pub")
+    write_keypair(launch, tmp_path / "launch.key", tmp_path / "launch.pub")
+    now = int(time.time())
+    delegation = delegate(key, launch.public, HALL, issued_at=now - 60, expires_at=now + 14 * 86_400, serial=1)
+    (tmp_path / "launch.delegation").write_text(delegation_text(delegation))
     bundle = tmp_path / "bundle.json"
     bundle.write_bytes(hall_bundle(tmp_path, key, notice_key))  # hall "local": contract web in namespace web
     agent: subprocess.Popen[bytes] | None = None
@@ -224,7 +230,8 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
             private_data_dir=str(pdd), playbook="play.yml", envvars=ENV, quiet=True,
             extravars={
                 "hall": HALL, "bundle": str(bundle), "trust_dir": str(trust), "dsn": fleet_dsn, "pools": pools,
-                "cloud": cfg, "signing_key": str(tmp_path / "signing.key"), "node_env": node_env,
+                "cloud": cfg, "signing_key": str(tmp_path / "launch.key"), "node_env": node_env,
+                "launch_delegation": str(tmp_path / "launch.delegation"),
                 "kube_url": api.url, "kube_token_file": str(control_kube_token),
                 "ansible_python_interpreter": sys.executable,
             },
@@ -254,7 +261,9 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
         agent_env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if line)
         assert agent_env[ENROL_URL] == enrol.url and len(agent_env[ENROL_TOKEN]) >= 43
         assert agent_env["SCO_AGENT_HALL"] == HALL and agent_env["SCO_AGENT_NODE"] == node
-        assert any(p.startswith("/etc/sco/trusted/") for p in files) and "/var/lib/sco/bundle/bundle.json" in files
+        assert "/var/lib/sco/bundle/bundle.json" in files
+        # the node trusts the hall's root only, never the control host's launch key
+        assert [p for p in files if p.startswith("/etc/sco/trusted/")] == [f"/etc/sco/trusted/{key.keyid}.pub"]
         # only the token's hash is in the fleet state, bound to this instance
         (digest,) = st.conn.execute("SELECT token_sha256 FROM enrolment WHERE instance_id = %s", (inst.id,)).fetchone()
         assert agent_env[ENROL_TOKEN] not in digest
@@ -293,6 +302,9 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
         kube_token = (state / "kube-token").read_text().strip()
         assert api.issued[kube_token]["node"] == node and api.issued[kube_token]["sa"] == ("sco-system", "sco-agent")
         wait_for(lambda: "subscribed to" in log(), 30, "the agent's NATS subscription")
+        # its first bundle: the launch key's subset, taken under the root's delegation (its budgets drain it below)
+        taken = json.loads((state / "bundle" / "state.json").read_text())
+        assert taken["serial"] == 1 and taken["last_error"] is None and "is refused" not in log(), (taken, log())
         (conn_info,) = wait_for(lambda: agent_connections(relay, node), 10, "the agent's connection on the relay")
         (account,) = st.conn.execute("SELECT account FROM enrolment WHERE instance_id = %s", (inst.id,)).fetchone()
         assert conn_info["account"] == account  # its own account, minted at enrolment

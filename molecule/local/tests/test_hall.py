@@ -15,6 +15,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared"))
 import verify  # molecule/shared/verify.py
 
+from sco.contract.signing import Delegation, Keyring, PrivateKey, load_private
 from sco.state.db import migrations
 
 SC = verify.Scenario("local")
@@ -107,6 +108,35 @@ def test_control_loop_laid_out_with_its_timer_enabled() -> None:
     assert extra["sco_bundle"] == f"/var/lib/sco/distributor/{HALL}/bundle.json"
     assert h.file(extra["sco_bundle"]).exists
     assert h.file("/var/lib/sco/control-loop/project/control_loop.yml").exists
+
+
+def test_the_control_host_holds_the_launch_key_and_its_delegation_never_the_root_key() -> None:
+    """Issue 29 (one key signed everything): after site.yml the control host has the launch key (the loop's user's
+    alone) and the root's delegation for it, which its runs sign with; the root key stays on the controller and no
+    file of the host's holds its seed."""
+    h = SC.host(HOST)
+    root = load_private(SC.work / "keys" / "hall.key")
+    launch = load_private(SC.work / "keys" / "launch.key")
+    key = h.file("/etc/sco/control-loop/launch.key")
+    assert key.exists and key.user == "sco-control" and key.mode == 0o600
+    assert load_private_text(key.content_string).keyid == launch.keyid
+    extra = yaml.safe_load(h.file("/var/lib/sco/control-loop/env/extravars").content_string)
+    assert extra["sco_signing_keys"] == ["/etc/sco/control-loop/launch.key"]
+    assert extra["sco_launch_delegation"] == "/etc/sco/control-loop/launch.delegation"
+    d = Delegation.verify(json.loads(h.file(extra["sco_launch_delegation"]).content_string), Keyring([root.public]))
+    assert (d.keyid, d.hall, d.issuer) == (launch.keyid, HALL, root.keyid)
+    seed = bytes(root.signing_key).hex()
+    found = h.run(f"timeout 120 grep -rlsF {seed} /etc /var/lib /root /home /srv /tmp /var/tmp")
+    assert found.rc == 1 and found.stdout.strip() == "", found.stdout  # 1: grep found nothing
+
+
+def load_private_text(text: str) -> PrivateKey:
+    from nacl.signing import SigningKey
+
+    from sco.contract.signing import key_id
+
+    sk = SigningKey(bytes.fromhex(json.loads(text)["seed"]))
+    return PrivateKey(key_id(sk.verify_key), sk)
 
 
 def _quote(s: str) -> str:

@@ -34,10 +34,20 @@ options:
     type: dict
     default: {}
   signing_keys:
-    description: Private keys that sign each new instance's contract subset (the node trusts their public keys).
+    description:
+      - Private keys that sign each new instance's contract subset.
+      - With O(launch_delegation), the one launch key that delegation names (the node trusts the hall's root, which
+        signed the delegation, never this key). Without it, keys the nodes trust themselves (a hall root key on this
+        host; the result warns).
     type: list
     elements: path
     default: []
+  launch_delegation:
+    description:
+      - The hall root key's delegation for the launch key in O(signing_keys) (C(sco keys delegate)); checked against
+        the trusted keys (O(trust_dir)); each subset carries it and is dated inside it.
+      - New instances then trust the root key that signed it, and take the subset as their first bundle only.
+    type: path
   node_env:
     description:
       - Environment written to C(/etc/sco/agent.env) on every new instance (the agent's C(SCO_AGENT_*) settings,
@@ -159,6 +169,7 @@ def main() -> None:
         # user-data of every new instance: enrolment tokens, relay credentials
         "node_env": {"type": "dict", "default": {}, "no_log": True},
         "relay_ca_file": {"type": "path"},
+        "launch_delegation": {"type": "path"},
         "concurrency": {"type": "int", "default": 8},
     }
     run_step(AnsibleModule(argument_spec=spec, supports_check_mode=True), "acquire")
