@@ -164,7 +164,14 @@ def cmd_user_data(args: argparse.Namespace) -> int:
     env = {"SCO_AGENT_HALL": bundle.hall}
     if args.distributor_url:
         env["SCO_AGENT_BUNDLE_URL"] = f"{args.distributor_url.rstrip('/')}/v1/halls/{bundle.hall}/bundle.json"
-    text = render(bundle, keys, trusted, schedulers=args.scheduler, names=args.contract, node_env=env)
+    delegation = None
+    if args.delegation:  # the launch key's: the instance trusts the root that signed it (--trust), not the key
+        from sco.contract.signing import Delegation
+
+        delegation = Delegation.load(Path(args.delegation), keyring)
+    text = render(
+        bundle, keys, trusted, schedulers=args.scheduler, names=args.contract, node_env=env, delegation=delegation
+    )
     if args.output in (None, "-"):
         sys.stdout.write(text)
     else:
@@ -292,6 +299,7 @@ def register(sub: Any) -> None:
     x.add_argument("bundle")
     _add_trust(x)
     x.add_argument("--signing-key", action="append", required=True, metavar="KEY")
+    x.add_argument("--delegation", metavar="FILE", help="the root's delegation for the --signing-key (sco delegate)")
     x.add_argument("--scheduler", action="append", choices=["kubernetes", "spark", "slurm"])
     x.add_argument("--contract", action="append", metavar="NAME")
     x.add_argument("--distributor-url", default=_env("SCO_DISTRIBUTOR_URL"))

@@ -44,7 +44,7 @@ options:
     default: []
   launch_delegation:
     description:
-      - The hall root key's delegation for the launch key in O(signing_keys) (C(sco keys delegate)); checked against
+      - The hall root key's delegation for the launch key in O(signing_keys) (C(sco delegate)); checked against
         the trusted keys (O(trust_dir)); each subset carries it and is dated inside it.
       - New instances then trust the root key that signed it, and take the subset as their first bundle only.
     type: path
