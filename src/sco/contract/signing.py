@@ -380,7 +380,7 @@ class Delegation:
 
     @classmethod
     def load(cls, path: Path, keyring: Keyring | None = None) -> Delegation:
-        """A delegation file (``sco keys delegate``); checked against ``keyring`` when given."""
+        """A delegation file (``sco delegate``); checked against ``keyring`` when given."""
         try:
             with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
                 if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):

@@ -55,7 +55,7 @@ def _check_delegation(d: Delegation, keys: list[PrivateKey], trusted: list[Publi
     if now < d.issued_at or d.expires_at - now < MIN_DELEGATION_LEFT_S:
         raise ConfigError(
             f"launch delegation serial {d.serial} of launch key {d.keyid} is valid from {_utc(d.issued_at)} to"
-            f" {_utc(d.expires_at)}: renew it on the controller (site.yml, or sco keys delegate) before launching"
+            f" {_utc(d.expires_at)}: renew it on the controller (site.yml, or sco delegate) before launching"
         )
 
 
