@@ -389,7 +389,7 @@ class AgentEnv:
             "trust_dir": str(self.trust),
             "nats_url": nats_url or nats.url,
             # a relay serving TLS (NatsServer(tls=True)): its CA, as role node_agent gives it (node_agent_nats_ca)
-            **({"nats_ca_file": str(nats.ca)} if getattr(nats, "ca", None) and not nats_url else {}),
+            **({"nats_ca_file": str(nats.ca)} if isinstance(nats, NatsServer) and nats.ca and not nats_url else {}),
             "kube_url": kube.url if kube else "",
             "metadata_url": metadata.url if metadata else "",
             "log_level": "info",
