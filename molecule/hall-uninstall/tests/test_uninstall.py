@@ -3,9 +3,12 @@
 what the one before left.
 
 The hall has a control host, so its relay runs in operator mode (creds files, no nkey seed files; the enrolment
-service) and the agent as its own user, sco-agent. What "nothing left" checks (the lists below): the units (files,
-drop-ins, wants links), the files and directories the roles wrote, the venv and its wheelhouse, the system users the
-roles made, no process running from them and no listening socket on the hall's ports; data kept, then purged: the
+service) and the agent as its own user, sco-agent; the relay serves TLS (the hall's CA). What "nothing left" checks
+(the lists below): the units (files, drop-ins, wants links), the files and directories the roles wrote (the relay's
+certificate, key and CAs, and the hall's CA given to the agent and the control loop, among them), no SCO file in
+node_exporter's textfile directory (which is kept, as monitoring's data), the venv and its wheelhouse, the system
+users and groups the roles made (the checkpoint socket's group among them: kept with the users until the purge), no
+process running from them and no listening socket on the hall's ports; data kept, then purged: the
 agent's spool and bundle cache, the relay's JetStream store, the distributor's published bundle, the control loop's
 runner directory, and SCO's database and role on the embedded PostgreSQL. (Prometheus's TSDB is left out: Prometheus
 never ran here.)
@@ -55,6 +58,10 @@ FILES = [
     "/usr/bin/prometheus", "/usr/bin/prometheus-node-exporter",
     "/etc/kubernetes/kubelet.conf.d/50-sco-graceful-shutdown.conf",
     "/etc/systemd/logind.conf.d/50-sco-inhibit-delay.conf",
+    # the relay serves TLS (N+1's default): the agent's and the control loop's copy of the hall's CA, the relay's
+    # certificate, key and CA (under /etc/sco-nats too, named for the premise check), and the certificates' expiry
+    # for node_exporter (in its textfile directory, which is kept as monitoring's data: SCO's files in it are not)
+    "/etc/sco/relay-ca.crt", "/etc/sco-nats/tls", "/var/lib/prometheus/node-exporter/sco_relay_certificates.prom",
 ]  # fmt: skip
 DATA = [
     "/var/lib/sco/spool", "/var/lib/sco/distributor/local/bundle.json", "/var/lib/sco/control-loop/project",
@@ -62,6 +69,10 @@ DATA = [
 ]  # fmt: skip
 # system users the roles made; the ones owning kept data stay until the purge
 USERS = ["sco-agent", "sco-control", "sco-nats"]
+# their groups, and the checkpoint socket's (the workloads' users are its members, pods name its gid: kept with the
+# users until the purge)
+GROUPS = ["sco-agent", "sco-control", "sco-nats", "sco-checkpoint"]
+TEXTFILES = "/var/lib/prometheus/node-exporter"
 PORTS = [4222, 8222, 8470, 8471, 9090, 9100, 9469]
 PROCESSES = ["/opt/sco/", "nats-server", "prometheus"]
 
@@ -91,6 +102,15 @@ def exists(h: Any, path: str) -> bool:
 
 def users(h: Any) -> list[str]:
     return [u for u in USERS if h.run(f"getent passwd {u}").rc == 0]
+
+
+def groups(h: Any) -> list[str]:
+    return [g for g in GROUPS if h.run(f"getent group {g}").rc == 0]
+
+
+def sco_textfiles(h: Any) -> list[str]:
+    """SCO's files in node_exporter's textfile directory (node_exporter would serve them stale)."""
+    return h.run(f"ls -A {TEXTFILES} 2>/dev/null | grep '^\\.\\?sco_' || true").stdout.split()
 
 
 def left_running(h: Any) -> list[str]:
@@ -137,7 +157,7 @@ def test_the_converged_hall_has_what_uninstall_must_remove() -> None:
     assert missing == []
     # operator mode writes no nkey seed files (a check of FILES' premise: they are not where nothing could be left)
     assert [f for f in ["/etc/sco/nats.nk", "/etc/sco/control-loop-nats.nk"] if exists(h, f)] == []
-    assert users(h) == USERS
+    assert users(h) == USERS and groups(h) == GROUPS
     assert fleet_state_on_postgres() == {"db": True, "role": True}
 
 
@@ -151,10 +171,11 @@ def test_uninstall_removes_the_services_and_keeps_the_data() -> None:
     left += [f for f in FILES if exists(h, f)]
     assert left == []
     assert h.run("ls /etc/systemd/system | grep -i sco").stdout == ""
+    assert sco_textfiles(h) == []
     assert left_running(h) == [] and listening(h) == []
     # the data, and the users owning what is kept
     assert [d for d in DATA if not exists(h, d)] == []
-    assert users(h) == USERS
+    assert users(h) == USERS and groups(h) == GROUPS
     assert fleet_state_on_postgres() == {"db": True, "role": True}
 
 
@@ -186,7 +207,7 @@ def test_uninstall_with_purge_removes_the_data_too() -> None:
     assert recap["failed"] == 0 and recap["changed"] > 0
     h = SC.host(HOST)
     assert [d for d in DATA if exists(h, d)] == []
-    assert users(h) == []
+    assert users(h) == [] and groups(h) == []
     assert fleet_state_on_postgres() == {"db": False, "role": False}
     # nothing of SCO's directories is left (the platform put nothing of its own under them on this host)
     assert [d for d in ["/etc/sco", "/var/lib/sco", "/opt/sco"] if exists(h, d)] == []
