@@ -29,14 +29,29 @@ class TestHost:
         self.root = workdir / name
         self.key = workdir / "id_ed25519"
 
-    def create(self, image: Path | None = None) -> TestHost:
+    @property
+    def layer(self) -> Path:
+        """The writable layer of a copy-on-write host (``create(overlay=True)``): upper and work directories."""
+        return self.root.parent / f".{self.name}.cow"
+
+    def create(self, image: Path | None = None, overlay: bool = False) -> TestHost:
         """``image``: a tree to copy instead of the test rootfs (another host's root: a baked image); its mounts
-        (/proc) are not copied."""
+        (/proc) are not copied. ``overlay``: the root is an overlay with ``image`` as its read-only lower layer,
+        copy-on-write as a cloud boots a disk over its base image, not a copy (a host's tree is about 1 GB: twenty
+        copies fill this machine's disk); ``image`` must not change while such a host lives."""
         if image is None:
             image = ensure_rootfs()
-        subprocess.run(
-            ["cp", "-a", "--one-file-system", "--reflink=auto", str(image), str(self.root)], check=True, timeout=300
-        )
+        if overlay:
+            for d in (self.layer / "upper", self.layer / "work", self.root):
+                d.mkdir(parents=True)
+            opts = f"lowerdir={image},upperdir={self.layer / 'upper'},workdir={self.layer / 'work'}"
+            subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(self.root)], check=True, timeout=60)
+        else:
+            subprocess.run(
+                ["cp", "-a", "--one-file-system", "--reflink=auto", str(image), str(self.root)],
+                check=True,
+                timeout=300,
+            )
         (self.root / "proc").mkdir(exist_ok=True)
         if not self.key.exists():
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key)], check=True)
@@ -124,6 +139,9 @@ class TestHost:
         # a scenario's verify may have given the host the machine's /dev/pts (molecule hall-lifecycle)
         subprocess.run(["umount", "-l", str(self.root / "dev" / "pts")], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", self.ns], check=False)
+        if self.layer.exists():  # a copy-on-write host: its overlay goes, then its layer (the image stays)
+            subprocess.run(["umount", "-l", str(self.root)], capture_output=True, check=False)
+            remove_in_background(self.layer)
         remove_in_background(self.root)
 
 
@@ -163,11 +181,17 @@ class TestNetwork:
         joined."""
         index = len(self.members)
         if addr is None:
-            addr = self.address(index)
+            # the next one not taken (a host that left makes the count lag behind the addresses given)
+            free = (a for i in range(index, 240) if (a := self.address(i)) not in self.members.values())
+            addr = next(free, None)
+            if addr is None:
+                raise ValueError(f"test network {self.ns}: {host.name}: no free address left in {self.prefix}.0/24")
         last = addr.removeprefix(f"{self.prefix}.")
         if addr == last or not last.isdigit() or not 1 <= int(last) <= 254 or addr in self.members.values():
             raise ValueError(f"test network {self.ns}: {host.name}: {addr} is not a free address of {self.prefix}.0/24")
-        port = f"v{index}"
+        # named by the address, not the index: a host that left frees its index for the next one, while the
+        # port of the host joined after it still holds that index's name
+        port = f"v{last}"
         # both ends made in their namespaces at once: no name is ever taken in the machine's own namespace
         _ip("-n", self.ns, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", host.ns)
         _ip("-n", self.ns, "link", "set", port, "master", "br0", "up")

@@ -6,7 +6,7 @@ inventory can be static and testinfra can read it: netns `scom-<scenario>-<host>
     python molecule/shared/hosts.py create [--network] SCENARIO HOST[=ADDRESS]...
     python molecule/shared/hosts.py destroy SCENARIO
     python molecule/shared/hosts.py network SCENARIO HOST...   # prints the addresses --network would give
-    python molecule/shared/hosts.py add SCENARIO HOST --image FROM [--address ADDRESS]
+    python molecule/shared/hosts.py add SCENARIO HOST --image FROM [--address ADDRESS] [--overlay]
         # one more host while the scenario runs (an instance its control loop launched): a copy of host FROM's tree
         # (a baked image), on the scenario's private network when it has one; destroy removes it with the rest
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,29 +87,54 @@ def create(scenario: str, names: list[str], network: bool = False) -> None:
     print(json.dumps(out))
 
 
-def add(scenario: str, name: str, image: str, address: str | None = None) -> dict[str, object]:
-    """One more host of a running scenario, a copy of host ``image``'s tree (not its mounts), joined to the
-    scenario's private network if it has one (at ``address``, else the next free one). Returns its name, namespace,
-    root and address."""
+@contextlib.contextmanager
+def _listing(scenario: str) -> Iterator[None]:
+    """The scenario's lists (hosts.json, network.json) to read and write alone: adds run at once (instances booting
+    side by side) and each rewrites them."""
+    with open(scenario_dir(scenario) / ".hosts.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def add(scenario: str, name: str, image: str, address: str | None = None, overlay: bool = False) -> dict[str, object]:
+    """One more host of a running scenario, a copy of host ``image``'s tree (not its mounts; ``overlay``: an
+    overlay over it, copy-on-write), joined to the scenario's private network if it has one (at ``address``, else
+    the next free one). Returns its name, namespace, root and address. Several may run at once."""
     d = scenario_dir(scenario)
-    names: list[str] = json.loads((d / "hosts.json").read_text())
-    if name in names:
-        raise SystemExit(f"hosts.py add {scenario}: host {name} exists")
-    src = test_host(scenario, image).root
-    if image not in names or not src.is_dir():
-        raise SystemExit(f"hosts.py add {scenario}: no host {image} to copy")
-    # written first, as create does: a host that dies half-way is still destroyed by name
-    (d / "hosts.json").write_text(json.dumps([*names, name]))
-    h = test_host(scenario, name).create(image=src)
+    with _listing(scenario):
+        names: list[str] = json.loads((d / "hosts.json").read_text())
+        if name in names:
+            raise SystemExit(f"hosts.py add {scenario}: host {name} exists")
+        src = test_host(scenario, image).root
+        if image not in names or not src.is_dir():
+            raise SystemExit(f"hosts.py add {scenario}: no host {image} to copy")
+        # written first, as create does: a host that dies half-way is still destroyed by name
+        (d / "hosts.json").write_text(json.dumps([*names, name]))
+    h = test_host(scenario, name).create(image=src, overlay=overlay)
     out: dict[str, object] = {"host": name, "namespace": h.ns, "root": str(h.root)}
     members_file = d / "network.json"
-    if members_file.exists():
-        net = test_network(scenario)
-        net.members = json.loads(members_file.read_text())
-        out["address"] = net.join(h, address)
-        members_file.write_text(json.dumps(net.members))
-        net.write_hosts([test_host(scenario, n) for n in net.members])
+    with _listing(scenario):
+        if members_file.exists():
+            net = test_network(scenario)
+            net.members = json.loads(members_file.read_text())
+            out["address"] = net.join(h, address)
+            members_file.write_text(json.dumps(net.members))
+            net.write_hosts([test_host(scenario, n) for n in net.members])
     return out
+
+
+def remove(scenario: str, names: list[str]) -> None:
+    """Hosts ``add`` made, destroyed and taken off the scenario's lists (the instances a run booted, deleted)."""
+    d = scenario_dir(scenario)
+    for name in names:
+        test_host(scenario, name).destroy()
+    with _listing(scenario):
+        listed = json.loads((d / "hosts.json").read_text())
+        (d / "hosts.json").write_text(json.dumps([n for n in listed if n not in names]))
+        members_file = d / "network.json"
+        if members_file.exists():
+            members = json.loads(members_file.read_text())
+            members_file.write_text(json.dumps({n: a for n, a in members.items() if n not in names}))
 
 
 def destroy(scenario: str) -> None:
@@ -187,6 +214,7 @@ def main() -> None:
     n.add_argument("host")
     n.add_argument("--image", required=True, help="the host whose tree the new one copies")
     n.add_argument("--address", help="its address on the private network (default: the next free one)")
+    n.add_argument("--overlay", action="store_true", help="copy-on-write over the image's tree, not a copy of it")
     d = sub.add_parser("destroy")
     d.add_argument("scenario")
     sub.add_parser("wheelhouse")
@@ -196,7 +224,7 @@ def main() -> None:
     elif args.cmd == "network":
         print(json.dumps(addresses(args.scenario, args.hosts)))
     elif args.cmd == "add":
-        print(json.dumps(add(args.scenario, args.host, args.image, args.address)))
+        print(json.dumps(add(args.scenario, args.host, args.image, args.address, overlay=args.overlay)))
     elif args.cmd == "destroy":
         destroy(args.scenario)
     else:

@@ -326,11 +326,21 @@ def _alerts() -> list[dict[str, Any]]:
     ]
 
 
-def _boot(cloud: Any, server: Any, project_id: str) -> tuple[Host, Any]:
+def _boot(
+    cloud: Any,
+    server: Any,
+    project_id: str,
+    address: str | None = INSTANCE_ADDR,
+    overlay: bool = False,
+    stamps: dict[str, float] | None = None,
+) -> tuple[Host, Any]:
     """The server boots: a copy of the baked image on the hall's network, SMBIOS saying OpenStack Nova, the metadata
-    service at 169.254.169.254:80 in its namespace, then Debian's cloud-init, stage by stage."""
+    service at 169.254.169.254:80 in its namespace, then Debian's cloud-init, stage by stage. ``address``: on the
+    hall's network (None: the next free one); ``overlay``: copy-on-write over the image (boots.py's many
+    instances); ``stamps`` gets the times the host was made ("host") and cloud-init done ("cloud-init")."""
     add = [sys.executable, str(Path(hosts.__file__)), "add", HALL, server.name, "--image", IMAGE]
-    made = subprocess.run([*add, "--address", INSTANCE_ADDR], capture_output=True, text=True, timeout=300)
+    add += ["--address", address] if address else []
+    made = subprocess.run([*add, *(["--overlay"] if overlay else [])], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-3000:]
     info = json.loads(made.stdout)
     root = Path(info["root"])
@@ -349,8 +359,12 @@ def _boot(cloud: Any, server: Any, project_id: str) -> tuple[Host, Any]:
         "locale: C.UTF-8\n"
     )
     h = Host(server.name)
+    if stamps is not None:
+        stamps["host"] = time.time()
     for stage in ("init --local", "init", "modules --mode=config", "modules --mode=final"):
         h.run(f"cloud-init {stage} >> /var/log/cloud-init-stages.log 2>&1", timeout=180)
+    if stamps is not None:
+        stamps["cloud-init"] = time.time()
     return h, proxy
 
 
