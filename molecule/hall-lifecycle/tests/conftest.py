@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 BOOTS_MAX = 100  # addresses on the hall's /24 and memory for the agents: far more than a measurement needs
-BOOTS_MODULE = "boots.py"
+BOOTS = Path(__file__).with_name("boots.py")
 
 
 def boots_asked() -> int:
@@ -24,12 +24,22 @@ def boots_asked() -> int:
     return int(raw)
 
 
+def _walked(config: pytest.Config) -> bool:
+    """Whether pytest walks boots.py's directory (it was named, or one above it): pytest_collect_file then sees it."""
+    named = [Path(config.invocation_params.dir, a.split("::")[0]).resolve() for a in config.args]
+    return any(p.is_dir() and BOOTS.resolve().is_relative_to(p) for p in named)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    boots_asked()  # a bad value refused at once, not after the cloud has started
+    # a bad value refused here, at once, not after the cloud has started; molecule's verify names each test_*.py
+    # file to pytest, so boots.py is named too
+    if boots_asked() and not _walked(config):
+        config.args.append(str(BOOTS))
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
-    if file_path.name == BOOTS_MODULE and boots_asked():
+    # pytest run on the directory: boots.py, not named, is not a test file by its name
+    if file_path == BOOTS and boots_asked() and _walked(parent.config):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
 
@@ -37,4 +47,4 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Mod
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # after the lifecycle (collected in name order, boots.py would come first): it starts a cloud of its own, so the
     # lifecycle's timeline stays what the default run measures
-    items.sort(key=lambda item: item.path.name == BOOTS_MODULE)
+    items.sort(key=lambda item: item.path == BOOTS)
