@@ -14,7 +14,8 @@ Per instance, on the machine's one clock:
 
 - launch: the fleet state's ``instance.requested`` (the acquirer records it just before its create call; Nova's
   created_at has whole seconds only, printed beside it);
-- ACTIVE: ``instance.active`` (the acquirer saw the server ACTIVE);
+- ACTIVE: ``instance.active`` (the acquirer saw the server ACTIVE: its polls are seconds apart, and this test's
+  once a second, so a boot may begin a few seconds before it: "queued" below zero);
 - connected: the relay's time of the node's first heartbeat (JetStream's timestamp of its message on
   ``sco.heartbeat.<hall>.<node>``). That is the relay's own record of a connection authenticated as that node and
   allowed on that node's subjects (no other identity may publish there), and the agent beats within a second of
