@@ -4,12 +4,14 @@ import contextlib
 import os
 import shutil
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from sco.contract.bundle import Bundle
+from sco.contract.distributor import DistributorServer
 from sco.contract.signing import Keyring, PrivateKey, generate
 from sco.schedulers import slurm_admission
 from sco_devkit.demo import sample_repo
@@ -350,3 +352,13 @@ def agent_as_its_own_user(request: pytest.FixtureRequest) -> None:
 
     if harness.AGENT_USER:
         harness.AgentEnv.agent_bin = request.getfixturevalue("own_user_agent_bin")
+
+
+@pytest.fixture
+def distributor(tmp_path: Path) -> Iterator[DistributorServer]:
+    """The real bundle distributor on a free loopback port, serving ``tmp_path/dist``."""
+    srv = DistributorServer(tmp_path / "dist", ("127.0.0.1", 0))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()

@@ -6,9 +6,7 @@ an unchanged bundle past half its lifetime and nodes take the re-dated one at th
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,15 +86,6 @@ def test_a_cached_bundle_that_expires_stays_and_says_so(tmp_path: Path, key: Pri
     # a restart keeps it: the node's only budgets for the work on it
     again = BundleCache(tmp_path / "cache", keyring, clock=lambda: clock[0])
     assert again.bundle is not None and again.bundle.serial == 1 and again.status()["expired"] is True
-
-
-@pytest.fixture
-def distributor(tmp_path: Path) -> Iterator[DistributorServer]:
-    srv = DistributorServer(tmp_path / "dist", ("127.0.0.1", 0))
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
 
 
 def test_the_agent_past_expiry(

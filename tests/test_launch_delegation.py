@@ -10,10 +10,8 @@ import base64
 import json
 import subprocess
 import sys
-import threading
 import time
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +48,6 @@ def _cloud_init_bundle(user_data: str) -> tuple[bytes, list[str]]:
     files = yaml.safe_load(user_data)["write_files"]
     (f,) = [f for f in files if f["path"] == CACHE_PATH]
     return base64.b64decode(f["content"]), [f["path"] for f in files if f["path"].startswith(TRUST_DIR)]
-
-
-@pytest.fixture
-def distributor(tmp_path: Path) -> Iterator[DistributorServer]:
-    srv = DistributorServer(tmp_path / "dist", ("127.0.0.1", 0))
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
 
 
 def test_the_agent_takes_a_launch_subset_under_its_roots_delegation_then_only_root_bundles(
