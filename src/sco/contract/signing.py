@@ -111,20 +111,25 @@ def public_key_text(key: PublicKey) -> str:
 MAX_KEY_FILE_BYTES = 64 << 10  # a key file is ~140 bytes: a larger one is refused before it is read
 
 
-def _read_key_json(path: Path, kind: str) -> dict[str, Any]:
+def _read_small_json(path: Path, what: str) -> Any:
+    """The JSON in a small file (a key, a delegation), ``what`` naming it in the errors."""
     try:
         # O_NONBLOCK and the checks before reading: a FIFO or /dev/zero named *.pub hung check-config and run
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
-                raise KeyFileError(f"{path}: not a key file (not a regular file)")
+                raise KeyFileError(f"{path}: not a {what} (not a regular file)")
             if st.st_size > MAX_KEY_FILE_BYTES:
-                raise KeyFileError(f"{path}: not a key file ({st.st_size} bytes)")
-            data = json.loads(f.read(MAX_KEY_FILE_BYTES + 1).decode())
+                raise KeyFileError(f"{path}: not a {what} ({st.st_size} bytes)")
+            return json.loads(f.read(MAX_KEY_FILE_BYTES + 1).decode())
     except FileNotFoundError:
-        raise KeyFileError(f"{path}: no such key file") from None
+        raise KeyFileError(f"{path}: no such {what}") from None
     except (OSError, ValueError) as e:
-        raise KeyFileError(f"{path}: not a key file ({e})") from None
+        raise KeyFileError(f"{path}: not a {what} ({e})") from None
+
+
+def _read_key_json(path: Path, kind: str) -> dict[str, Any]:
+    data = _read_small_json(path, "key file")
     if not isinstance(data, dict) or data.get("type") != kind:
         raise KeyFileError(f"{path}: type: expected {kind!r}")
     return data
@@ -381,15 +386,7 @@ class Delegation:
     @classmethod
     def load(cls, path: Path, keyring: Keyring | None = None) -> Delegation:
         """A delegation file (``sco delegate``); checked against ``keyring`` when given."""
-        try:
-            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise KeyFileError(f"{path}: not a delegation file (not a regular file)")
-                doc = json.loads(f.read(MAX_KEY_FILE_BYTES + 1).decode())
-        except FileNotFoundError:
-            raise KeyFileError(f"{path}: no such delegation file") from None
-        except (OSError, ValueError) as e:
-            raise KeyFileError(f"{path}: not a delegation file ({e})") from None
+        doc = _read_small_json(path, "delegation file")
         try:
             return cls.verify(doc, keyring, str(path)) if keyring is not None else cls.parse(doc, str(path))[0]
         except BundleError as e:
