@@ -45,7 +45,9 @@ HALL = "local"
 def slurm(tmp_path: Path) -> Iterator[SlurmCluster]:
     c = SlurmCluster(tmp_path / "slurm", nodes=("n1",))
     c.start()
-    (c.root / "job.sh").write_text("#!/bin/bash\nsleep 300 & wait $!\n")
+    # the marker says the script runs under its stepd (RUNNING in squeue comes before the batch launch, which
+    # may still fail under load and put the job back to pending)
+    (c.root / "job.sh").write_text(f"#!/bin/bash\ntouch {c.root}/started.$SLURM_JOB_ID\nsleep 300 & wait $!\n")
     yield c
     c.run("scancel", "--user=root", check=False)
     c.stop()
@@ -97,7 +99,8 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
         # real Slurm: a job fills the only node, so these stay pending: climate 2 CPUs, genomics 2 x 2 CPUs
         script = slurm.root / "job.sh"
         filler = slurm.sbatch(script, "-A", "genomics", "--comment=sco-contract=genomics-ckpt", "-c", "2")
-        wait_for(lambda: slurm.job(filler).get("JobState") == "RUNNING", 30, "the filler job running")
+        wait_for(lambda: (slurm.root / f"started.{filler}").exists(), 60, "the filler job's script running")
+        assert slurm.job(filler).get("JobState") == "RUNNING"
         jobs = [slurm.sbatch(script, "-A", "climate", "-c", "2")]
         jobs += [
             slurm.sbatch(script, "-A", "genomics", "--comment=sco-contract=genomics-ckpt", "-c", "2") for _ in range(2)
