@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import shutil
+import tempfile
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from sco_devkit.standins.logind import LogindStandIn, PrivateBus
 from tests.harness import AGENT_USER, NatsServer, PodCgroups, hall_bundle, outside_pytest_tmp, wait_for
 from tests.slurm_hall import JOB, ROOT
+from tests.testhosts import sweep_dead_hosts
 
 # torch's dynamo registers a substitute for sys.intern when first imported; ansible-core's module_utils replace
 # sys.intern with a patch object, after which that import fails (the DCP tests ran after Ansible tests in one
@@ -62,6 +65,17 @@ _ONE_WORKER = {"test_patroni"}
 # Modules that run the notice_relay role on this machine: each run sets the one sco-nats user's home to its own test's
 # store directory, so one module's run between another's two would make the second's idempotence check fail.
 _RELAY_ROLE = {"test_drill_operator", "test_enrol_unit", "test_relay_operator_role", "test_relay_operator_cluster"}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # once per run, in the process that owns the base temp (xdist's controller, or the only one)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    # pytest's own temp root, as it names it; before pytest makes this run's directory, which removes old runs'
+    # directories (those a dead host's mount held are renamed garbage-* and go next time)
+    base = Path(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+    for what in sweep_dead_hosts(base):
+        print(f"conftest: let go of a dead run's test host: {what}")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups into node id suffixes

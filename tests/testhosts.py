@@ -251,3 +251,44 @@ def remove_in_background(path: Path) -> None:
         ["rm", "-rf", "--one-file-system", str(trash)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
+
+
+def _live_roots() -> list[str]:
+    """Every process's root and working directory: a test host is alive while its sshd (chrooted) or a test in it is."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            for link in ("root", "cwd"):
+                with contextlib.suppress(OSError):
+                    out.append(os.readlink(f"/proc/{pid}/{link}"))
+    return out
+
+
+def sweep_dead_hosts(base: Path) -> list[str]:
+    """Let go of what test hosts of dead sessions under ``base`` (pytest's ``pytest-of-<user>``) still hold: their
+    /proc, /dev/pts and overlay mounts (a killed run never reached ``destroy``), then their network namespaces. With a
+    mount left in it, pytest's own clean-up of old session directories fails and renames them ``garbage-*`` for good,
+    each with a host's 1 GB tree: a few killed runs filled this machine's disk. A session directory is dead when no
+    process has its root or working directory in it; another live session's hosts (a second pytest at once) are
+    left alone. Returns what it unmounted and deleted."""
+    done: list[str] = []
+    prefix = str(base) + "/"
+    roots = _live_roots()
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split()[4] for line in f]
+    for m in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):  # deepest first
+        session = prefix + m[len(prefix) :].split("/", 1)[0]
+        if any(r == session or r.startswith(session + "/") for r in roots):
+            continue
+        if subprocess.run(["umount", "-l", m], capture_output=True, check=False, timeout=30).returncode == 0:
+            done.append(m)
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False, timeout=30)
+    for ns in (line.split()[0] for line in netns.stdout.splitlines() if line.startswith("sco-")):
+        creator = ns.rsplit("-", 1)[-1]
+        if not creator.isdigit() or Path(f"/proc/{creator}").exists():
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False, timeout=30)
+        if not pids.stdout.split():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False, timeout=30)
+            done.append(f"netns {ns}")
+    return done
