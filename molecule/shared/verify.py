@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -61,6 +62,74 @@ def exec_line(h: Any, unit: str, key: str) -> str:
     """A unit's command line as systemd would run it (the first `key=` line, prefixes such as + dropped)."""
     line = next(ln for ln in unit_text(h, unit).splitlines() if ln.startswith(f"{key}="))
     return line.removeprefix(f"{key}=").lstrip("+-@:!")
+
+
+# ansible-runner (the control loop's unit) runs ansible-playbook on a pseudo-terminal (pexpect): a host gets a devpts
+# of its own, as a real one has (else 'out of pty devices'), mounted from inside its chroot; the hosts' destroy
+# unmounts it (tests/testhosts.py)
+GIVE_PTYS = "mountpoint -q /dev/pts || mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts /dev/pts"
+
+
+def unit_settings(run: Any, unit: str) -> dict[str, list[str]]:
+    """A unit's settings with its drop-ins (an empty assignment resets a list, as systemd does); ``run`` runs a
+    shell command on the host and returns its stdout."""
+    text = run(
+        f"cat /etc/systemd/system/{unit} 2>/dev/null || cat /lib/systemd/system/{unit}; "
+        f"cat /etc/systemd/system/{unit}.d/*.conf 2>/dev/null; true"
+    )
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" not in line or line.lstrip().startswith(("#", ";", "[")):
+            continue
+        k, v = line.split("=", 1)
+        if v == "":
+            out[k] = []
+        else:
+            out.setdefault(k, []).append(v)
+    return out
+
+
+def service_command(run: Any, unit: str, key: str = "ExecStart", user: str | None = None, index: int = -1) -> str:
+    """The shell line that runs ``unit``'s ``key`` command (its ``index``-th) as systemd would: as its User
+    (DynamicUser: root, no dynamic users here), its EnvironmentFile and Environment set, its LoadCredential files
+    copied into $CREDENTIALS_DIRECTORY."""
+    u = unit_settings(run, unit)
+    pre = ["set -a"]
+    for f in u.get("EnvironmentFile", []):
+        # systemd's syntax (KEY=VALUE, the rest of the line the value, quotes around it removed), not a shell's:
+        # a DSN's spaces would split it
+        text = run(f"cat {f.lstrip('-')} 2>/dev/null; true")
+        for line in text.splitlines():
+            if "=" in line and not line.lstrip().startswith(("#", ";")):
+                k, v = line.split("=", 1)
+                v = v.strip()
+                if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+                    v = v[1:-1]
+                pre.append(f"export {k.strip()}={shlex.quote(v)}")
+    for e in u.get("Environment", []):
+        k, v = e.split("=", 1)
+        pre.append(f"export {k}={shlex.quote(v)}")
+    for d in u.get("RuntimeDirectory", []):
+        pre.append(f"mkdir -p /run/{d}; chmod 0755 /run/{d}; export RUNTIME_DIRECTORY=/run/{d}")
+    for d in u.get("StateDirectory", []):
+        pre.append(f"mkdir -p /var/lib/{d}; export STATE_DIRECTORY=/var/lib/{d}")
+    creds = u.get("LoadCredential", [])
+    if creds:
+        d = f"/run/credentials/{unit}"
+        pre.append(f"rm -rf {d}; mkdir -p {d}")
+        for c in creds:
+            name, src = c.split(":", 1)
+            pre.append(f"cp {src} {d}/{name}")
+        pre.append(f"export CREDENTIALS_DIRECTORY={d}")
+    pre.append("set +a")
+    raw = u[key][index]
+    # systemd's "$$" is a literal "$" (a shell would read the pid)
+    cmd = raw.lstrip("+-@:!").replace("$$", "$")
+    # "+": the command runs with full privileges (root), whatever User says
+    user = "root" if "+" in raw[: len(raw) - len(cmd)] else user or (u.get("User") or ["root"])[-1]
+    as_user = f"runuser -u {user} -- " if user != "root" else ""
+    # the environment reaches the command through runuser (it keeps it, as systemd hands it the unit's)
+    return "; ".join(pre) + f"; exec {as_user}{cmd}"
 
 
 def check_unit_enabled_and_hardened(h: Any, unit: str, extra: list[str], wanted_by: str = "multi-user.target") -> None:

@@ -93,68 +93,6 @@ def _get(url: str, ns: str = CTL_NS, timeout: float = 10) -> Any:
 # --- units run as systemd would run them ------------------------------------------------------------------------
 
 
-def _unit(run: Any, unit: str) -> dict[str, list[str]]:
-    """A unit's settings with its drop-ins (an empty assignment resets a list, as systemd does); ``run`` runs a
-    shell command on the host and returns its stdout."""
-    text = run(
-        f"cat /etc/systemd/system/{unit} 2>/dev/null || cat /lib/systemd/system/{unit}; "
-        f"cat /etc/systemd/system/{unit}.d/*.conf 2>/dev/null; true"
-    )
-    out: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        if "=" not in line or line.lstrip().startswith(("#", ";", "[")):
-            continue
-        k, v = line.split("=", 1)
-        if v == "":
-            out[k] = []
-        else:
-            out.setdefault(k, []).append(v)
-    return out
-
-
-def _service_command(run: Any, unit: str, key: str = "ExecStart", user: str | None = None, index: int = -1) -> str:
-    """The shell line that runs ``unit``'s ``key`` command (its ``index``-th) as systemd would: as its User
-    (DynamicUser: root, no dynamic users here), its EnvironmentFile and Environment set, its LoadCredential files
-    copied into $CREDENTIALS_DIRECTORY."""
-    u = _unit(run, unit)
-    pre = ["set -a"]
-    for f in u.get("EnvironmentFile", []):
-        # systemd's syntax (KEY=VALUE, the rest of the line the value, quotes around it removed), not a shell's:
-        # a DSN's spaces would split it
-        text = run(f"cat {f.lstrip('-')} 2>/dev/null; true")
-        for line in text.splitlines():
-            if "=" in line and not line.lstrip().startswith(("#", ";")):
-                k, v = line.split("=", 1)
-                v = v.strip()
-                if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
-                    v = v[1:-1]
-                pre.append(f"export {k.strip()}={shlex.quote(v)}")
-    for e in u.get("Environment", []):
-        k, v = e.split("=", 1)
-        pre.append(f"export {k}={shlex.quote(v)}")
-    for d in u.get("RuntimeDirectory", []):
-        pre.append(f"mkdir -p /run/{d}; chmod 0755 /run/{d}; export RUNTIME_DIRECTORY=/run/{d}")
-    for d in u.get("StateDirectory", []):
-        pre.append(f"mkdir -p /var/lib/{d}; export STATE_DIRECTORY=/var/lib/{d}")
-    creds = u.get("LoadCredential", [])
-    if creds:
-        d = f"/run/credentials/{unit}"
-        pre.append(f"rm -rf {d}; mkdir -p {d}")
-        for c in creds:
-            name, src = c.split(":", 1)
-            pre.append(f"cp {src} {d}/{name}")
-        pre.append(f"export CREDENTIALS_DIRECTORY={d}")
-    pre.append("set +a")
-    raw = u[key][index]
-    # systemd's "$$" is a literal "$" (a shell would read the pid)
-    cmd = raw.lstrip("+-@:!").replace("$$", "$")
-    # "+": the command runs with full privileges (root), whatever User says
-    user = "root" if "+" in raw[: len(raw) - len(cmd)] else user or (u.get("User") or ["root"])[-1]
-    as_user = f"runuser -u {user} -- " if user != "root" else ""
-    # the environment reaches the command through runuser (it keeps it, as systemd hands it the unit's)
-    return "; ".join(pre) + f"; exec {as_user}{cmd}"
-
-
 class Host:
     """A host reached over SSH (the static ones through testinfra's inventory, an instance through hosts.py)."""
 
@@ -172,15 +110,15 @@ class Host:
         """``unit`` started as systemd starts it: each ExecStartPre in order (one failing stops the start unless its
         line begins with "-"), then ExecStart in the background."""
         LOGS.mkdir(parents=True, exist_ok=True)
-        for i, raw in enumerate(_unit(self.run, unit).get("ExecStartPre", [])):
-            line = _service_command(self.run, unit, "ExecStartPre", user=user, index=i)
+        for i, raw in enumerate(verify.unit_settings(self.run, unit).get("ExecStartPre", [])):
+            line = verify.service_command(self.run, unit, "ExecStartPre", user=user, index=i)
             out = self.th.ssh("bash", "-c", shlex.quote(line), check=False, timeout=120)
             with open(LOGS / f"{log}-pre.log", "a") as f:
                 f.write(f"=== ExecStartPre {raw}\nexit {out.returncode}\n{out.stdout}{out.stderr}\n")
             prefix = raw[: len(raw) - len(raw.lstrip("+-@:!"))]
             said = f"{self.name}: {unit}: ExecStartPre={raw}\n{out.stderr[-2000:]}"
             assert out.returncode == 0 or "-" in prefix, said
-        line = _service_command(self.run, unit, user=user)
+        line = verify.service_command(self.run, unit, user=user)
         self.run(f"setsid bash -c {shlex.quote(line)} > /var/log/{log}.log 2>&1 < /dev/null &")
 
     def log(self, name: str) -> str:
@@ -266,12 +204,10 @@ def hall() -> Host:
     """lc-ctl's services started with their units' command lines, in the order systemd would."""
     h = Host(CTL)
     _stop_earlier_run()
-    # ansible-runner runs ansible-playbook on a pseudo-terminal (pexpect): the host gets a devpts of its own, as a
-    # real one has (else 'out of pty devices'), mounted from inside (its sshd's mount namespace)
-    h.run("mountpoint -q /dev/pts || mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts /dev/pts")
+    h.run(verify.GIVE_PTYS)  # the control loop's ansible-runner needs them
     h.start("sco-nats.service", "sco-nats")
     _wait(lambda: "Server is ready" in h.log("sco-nats"), 30, "the relay")
-    post = _service_command(h.run, "sco-nats.service", "ExecStartPost")
+    post = verify.service_command(h.run, "sco-nats.service", "ExecStartPost")
     h.run(f"bash -c {shlex.quote(post)}", timeout=90)
     h.start("sco-distributor.service", "sco-distributor")
     h.start("sco-enrol.service", "sco-enrol")
@@ -285,7 +221,7 @@ def hall() -> Host:
 
 def _loop(h: Host, what: str, timeout: float = 600) -> tuple[int, str]:
     """One run of the control loop's unit (ExecStart as its user, its environment), as the timer starts it."""
-    line = _service_command(h.run, "sco-control-loop.service")
+    line = verify.service_command(h.run, "sco-control-loop.service")
     t0 = time.time()
     out = h.th.ssh("bash", "-c", shlex.quote(line), check=False, timeout=timeout)
     print(f"lifecycle: loop run ({what}) exit {out.returncode} in {time.time() - t0:.1f} s")

@@ -10,12 +10,22 @@ starts it where node_agent_run_without_systemd asks (start-stop-daemon, /run/sco
 and restarts it (after its drain) as a unit restart would. The relay and the distributor keep running release N's
 processes through the upgrade (nothing restarts them here): the agent's side of the roll is what is exercised.
 
-1. release N runs: the agent (N's product) subscribed, the bundle cached, the fleet state at N's migrations;
-2. the upgrade runs; when its node agents' batch begins installing, the reclaimer (N+1's `sco notice send`) sends a
-   notice with the hall's 120 s window: the notice is not lost (accepted once), the drain ends (drained) before T,
+The cloud is the devkit's OpenStack (Keystone, Nova with its fake driver, Placement, Glance) on the machine's
+loopback, forwarded into the host's namespace (sco_devkit.netns_forward); the node is a Nova server named after it,
+recorded in the fleet state as release N's acquirer records a launch. The control loop's timer is its unit run as the
+timer runs it (ExecStart as its user, with its environment: verify.service_command).
+
+1. release N runs: the agent (N's product) subscribed, the bundle cached, the fleet state at N's migrations, the
+   node's instance in Nova;
+2. the upgrade runs; when its node agents' batch begins installing, the reclaimer (N+1's `sco reclaim --no-wait`)
+   notices the node with the hall's 120 s window, T recorded in the fleet state, and the control loop's timer runs
+   (N+1's unit, the roll half done): the notice is not lost (accepted once), the drain ends (drained) before T,
    the agent is restarted only after its drain ended, as N+1, which reads N's spool (the same spool, status
    answers, its backlog published), every spooled event is in SCO_EVENTS exactly once, the fleet state's
-   migrations ran forward once each, the cached bundle's serial did not go back;
+   migrations ran forward once each, the cached bundle's serial did not go back; the loop's run started during
+   the upgrade succeeds, writes its textfile and deletes the instance at T (its reclaim step, which finishes the
+   reclaims under way): still in Nova when the upgrade ends before T, gone after, the fleet state's delete
+   request at or after T; the timer's next run, after the upgrade, succeeds and writes its textfile too;
 3. a second upgrade run changes nothing;
 4. a drain that outlasts node_agent_drain_wait_s fails the host with one clear line and leaves its agent running
    as it was (not restarted); the roll stops (max_fail_percentage 0); once the drain has ended the same run passes.
@@ -30,18 +40,22 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared"))
+import hosts  # molecule/shared/hosts.py
 import verify  # molecule/shared/verify.py
 
 SC = verify.Scenario("hall-upgrade")
@@ -60,6 +74,13 @@ CREDS = SC.work / "credentials" / "nats"
 WINDOW = 120  # the local hall's noticeWindowSeconds
 LOGS = SC.work / "upgrade"
 KEPT = REPO / ".work" / "molecule" / "hall-upgrade-verify"  # LOGS, copied when verify ends
+# the fleet state (the demo's embedded PostgreSQL, trust for postgres) as the controller's clients reach it in the
+# host's namespace
+DSN = "host=127.0.0.1 port=5433 user=postgres dbname=sco_fleet connect_timeout=10"
+CLOUD = "hall-local"  # control_loop_cloud (inventory group_vars/sco_control.yml): the loop's clouds.yaml entry
+# the node's instance's pool: not the hall's local-spot, which the loop plans (no demand: target 0)
+POOL = "upgrade"
+TEXTFILES = "/var/lib/prometheus/node-exporter"  # control_loop_metrics_textfile_dir (the role's default)
 STATE: dict[str, Any] = {}
 
 
@@ -81,10 +102,10 @@ def _wait(pred: Any, timeout: float, what: str, every: float = 0.5) -> Any:
     raise AssertionError(f"upgrade: timed out after {timeout:g} s waiting for {what}")
 
 
-def _env(release: Path | None) -> dict[str, str]:
+def _env(release: Path | None, **extra: str) -> dict[str, str]:
     """The controller's environment for one release: its collection and its product first (molecule's env points
     at release N's)."""
-    env = dict(os.environ)
+    env = {**os.environ, **extra}
     env["PATH"] = f"{BIN}:{env['PATH']}"
     env["PYTHONPATH"] = str(release / "site") if release else ""
     if release:
@@ -94,9 +115,11 @@ def _env(release: Path | None) -> dict[str, str]:
     return env
 
 
-def _in_ns(*argv: str, release: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _in_ns(
+    *argv: str, release: Path | None = None, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", "netns", "exec", NS, *argv], capture_output=True, text=True, timeout=timeout,
-                          env=_env(release))  # fmt: skip
+                          env=_env(release, **(env or {})))  # fmt: skip
 
 
 def _upgrade_argv(*extra: str) -> list[str]:
@@ -272,6 +295,79 @@ def _notice(notice_id: str) -> float:
     return time.time() + WINDOW
 
 
+# The node's instance as release N's acquirer recorded its launch (N's product on N's schema: the instance was there
+# before the upgrade), and an instance's account afterwards.
+_FLEET = """
+import json, sys
+from sco.state.fleet import FleetState, Pool
+a = json.loads(sys.argv[2])
+with FleetState(sys.argv[1]) as st:
+    if sys.argv[3] == "record":
+        st.ensure_pool(Pool(a["hall"], a["pool"], flavor=a["flavor"], image=a["image"]))
+        i = st.request(a["hall"], a["pool"], "upgrade", 0, a["name"])
+        st.transition(i.id, "launching", "instance.launching", server_id=a["server"])
+        st.transition(i.id, "active", "instance.active", only_from=("launching",))
+        print(json.dumps(i.id))
+    else:
+        state, t = st.conn.execute("SELECT state, extract(epoch FROM terminate_at) FROM instance WHERE id = %s",
+                                   (a["id"],)).fetchone()
+        events = st.conn.execute("SELECT kind, extract(epoch FROM at) FROM lifecycle_event WHERE instance_id = %s"
+                                 " ORDER BY id", (a["id"],)).fetchall()
+        print(json.dumps({"state": state, "terminate_at": float(t) if t is not None else None,
+                          "events": [[k, float(at)] for k, at in events]}))
+"""
+
+
+def _fleet(what: str, args: dict[str, Any], release: Path) -> Any:
+    out = _in_ns(sys.executable, "-c", _FLEET, DSN, json.dumps(args), what, release=release)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def _reclaim() -> tuple[str, float]:
+    """The reclaimer takes the node's instance back: release N+1's `sco reclaim` (the control host's release once
+    the upgrade's control play ran) with the hall's window, signed with the hall's notice key, as the relay's
+    reclaimer; T recorded in the fleet state. --no-wait: the delete at T is the control loop's reclaim step (a
+    waiting run holds the hall's lock all window, which the loop's reconcile and acquire steps need). Returns the
+    notice's id and T."""
+    out = _in_ns(
+        sys.executable, "-m", "sco.cli", "reclaim", "--hall", HALL, "--window", str(WINDOW), "--no-wait",
+        "--nats", "nats://127.0.0.1:4222", "--nkey-seed", str(CREDS / "reclaimer.nk"),
+        "--notice-key", str(SC.work / "keys" / "notice.key"), "--os-cloud", CLOUD, "--dsn", DSN,
+        "--lock-wait", "60", HOST, release=N1, timeout=180, env={"OS_CLIENT_CONFIG_FILE": str(LOGS / "clouds.yaml")},
+    )  # fmt: skip
+    (LOGS / "reclaim.log").write_text(out.stdout + out.stderr)
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = re.search(rf"^{HOST}: notice (\S+) published, deleted at ([0-9.]+)$", out.stdout, re.M)
+    assert m, out.stdout + out.stderr
+    return m[1], float(m[2])
+
+
+def _loop(what: str) -> tuple[float, str]:
+    """One run of the control loop's unit as its timer starts it (role control_loop's sco-control-loop.service:
+    ExecStart as its user, with its environment), asserted to succeed and to write its textfile; returns when it
+    started and what it printed. Called from a thread too: SSH alone (hosts.py), no testinfra."""
+    th = hosts.test_host(SC.name, HOST)
+
+    def run(cmd: str) -> str:
+        return th.ssh("bash", "-c", shlex.quote(cmd), timeout=60).stdout
+
+    line = verify.service_command(run, "sco-control-loop.service")
+    t0 = time.time()
+    out = th.ssh("bash", "-c", shlex.quote(line), check=False, timeout=900)
+    took = time.time() - t0
+    with open(LOGS / "control-loop.log", "a") as f:
+        f.write(f"=== {what}: exit {out.returncode} in {took:.1f} s\n{out.stdout}{out.stderr}\n")
+    assert out.returncode == 0, f"the control loop's run {what} failed:\n{out.stdout[-4000:]}{out.stderr[-3000:]}"
+    assert f"for hall {HALL}: ok" in out.stdout, out.stdout[-3000:]
+    # node_exporter's textfile (docs/METRICS.md): the loop's last ok run, this one
+    prom = (SC.root(HOST) / TEXTFILES.lstrip("/") / "sco_control_loop.prom").read_text()
+    last = re.search(r'^sco_control_last_run_timestamp_seconds\{step="loop",result="ok"\} (\S+)$', prom, re.M)
+    assert last and t0 <= float(last[1]) <= time.time(), prom
+    _say(f"control loop run {what}: ok in {took:.1f} s, sco_control_loop.prom written")
+    return t0, out.stdout
+
+
 def _netns_pids(needle: str) -> list[int]:
     """Processes in the host's network namespace whose command line has ``needle`` (test hosts share the machine's
     process table: never kill by name machine-wide)."""
@@ -292,6 +388,7 @@ def hall() -> Iterator[None]:
     LOGS.mkdir(parents=True, exist_ok=True)
     h = SC.host(HOST)
     t0 = time.monotonic()
+    assert h.run(verify.GIVE_PTYS).rc == 0  # for the control loop's runs
     started = h.run(
         "setsid runuser -u sco-nats -- /usr/local/bin/nats-server -c /etc/sco-nats/nats-server.conf "
         "> /var/log/sco-nats.log 2>&1 < /dev/null &"
@@ -334,7 +431,7 @@ def hall() -> Iterator[None]:
         shutil.rmtree(KEPT, ignore_errors=True)
         shutil.copytree(LOGS, KEPT)
         h.run(f"start-stop-daemon --stop --oknodo --retry TERM/10/KILL/5 --pidfile {PIDFILE} --remove-pidfile")
-        for needle in ("nats-server", "sco-distributor", "/opt/sco/bin/sco "):
+        for needle in ("nats-server", "sco-distributor", "/opt/sco/bin/sco ", "sco-control-loop"):
             for pid in _netns_pids(needle):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
@@ -342,7 +439,58 @@ def hall() -> Iterator[None]:
         kube.wait(10)
 
 
-def test_release_n_runs_the_hall(hall: None) -> None:
+@pytest.fixture(scope="module")
+def cloud() -> Iterator[Any]:
+    """The devkit OpenStack (Keystone, Nova with its fake driver, Placement, Glance) on the machine's loopback, its
+    ports forwarded into the host's namespace (sco_devkit.netns_forward: the same 127.0.0.1 addresses its catalog
+    names); clouds.yaml entry CLOUD on the controller for `sco reclaim`, and on the host where the loop's unit finds
+    it (openstacksdk's /etc/openstack, the unit's user's group), once the upgrade has made that user."""
+    from sco_devkit.devcluster.openstack import OpenStackCloud
+
+    shutil.rmtree(SC.work / "cloud", ignore_errors=True)
+    c = OpenStackCloud(SC.work / "cloud")
+    fwd = None
+    try:
+        t0 = time.monotonic()
+        c.start()
+        _say(f"the devkit OpenStack started in {time.monotonic() - t0:.0f} s")
+        LOGS.mkdir(parents=True, exist_ok=True)
+        with open(LOGS / "netns-forward.log", "ab") as log:
+            fwd = subprocess.Popen(
+                [sys.executable, "-m", "sco_devkit.netns_forward", "--netns", NS,
+                 *(a for p in c.ports.values() for a in ("--port", str(p)))],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        _wait(lambda: "ready" in (LOGS / "netns-forward.log").read_text() or fwd.poll() is not None, 30, "forwards")
+        assert fwd.poll() is None, (LOGS / "netns-forward.log").read_text()[-2000:]
+        (LOGS / "clouds.yaml").write_text(yaml.safe_dump({"clouds": {CLOUD: c.cloud_config}}))
+        yield c
+    finally:
+        if fwd is not None:
+            fwd.kill()
+            fwd.wait(10)
+        c.stop()
+
+
+def _give_the_loop_its_cloud() -> None:
+    """clouds.yaml where the loop's unit finds CLOUD (openstacksdk reads /etc/openstack), readable by its user's
+    group (made by N+1's role control_loop: N's loop ran as root)."""
+    etc = SC.root(HOST) / "etc" / "openstack"
+    etc.mkdir(exist_ok=True)
+    shutil.copy(LOGS / "clouds.yaml", etc / "clouds.yaml")
+    done = SC.host(HOST).run("chgrp sco-control /etc/openstack/clouds.yaml && chmod 0640 /etc/openstack/clouds.yaml")
+    assert done.rc == 0, done.stderr
+
+
+def test_release_n_runs_the_hall(hall: None, cloud: Any) -> None:
+    # the node is an instance in Nova, which release N's loop launched and recorded
+    nova = cloud.connect()
+    server = nova.compute.create_server(name=HOST, flavor_id=cloud.flavors["sco.small"], image_id=cloud.image_id,
+                                        networks="none")  # fmt: skip
+    nova.compute.wait_for_server(server, status="ACTIVE", wait=180)
+    STATE["server"] = server.id
+    STATE["instance"] = _fleet("record", {"hall": HALL, "pool": POOL, "flavor": cloud.flavors["sco.small"],
+                                          "image": cloud.image_id, "name": HOST, "server": server.id}, N)  # fmt: skip
     STATE["serial"] = _wait(lambda: _bundle_serial_or_none(), 90, "a cached bundle")
     STATE["migrations"] = _migrations()
     STATE["pid"] = _agent_pid()
@@ -350,7 +498,7 @@ def test_release_n_runs_the_hall(hall: None) -> None:
     assert _version("/opt/sco-agent") == N_VERSION and _version("/opt/sco") == N_VERSION
     names = [n for _, n in STATE["migrations"]]
     assert names and len(names) == len(set(names)), STATE["migrations"]
-    _say(f"release N ({N_VERSION}): bundle serial {STATE['serial']}, migrations {names}")
+    _say(f"release N ({N_VERSION}): bundle serial {STATE['serial']}, migrations {names}, instance {server.id}")
     _put_work("1")
 
 
@@ -361,9 +509,10 @@ def _bundle_serial_or_none() -> int | None:
         return None
 
 
-def test_upgrade_while_a_reclaim_is_under_way(hall: None) -> None:
+def test_upgrade_while_a_reclaim_is_under_way(hall: None, cloud: Any) -> None:
     log_path = LOGS / "upgrade-1.log"
     t0 = time.monotonic()
+    timer = ThreadPoolExecutor(1)  # the loop's timer firing while the upgrade runs
     with open(log_path, "w") as log:
         play = subprocess.Popen(_upgrade_argv(), cwd=REPO, env=_env(N1), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -376,12 +525,19 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None) -> None:
         _wait(lambda: agents_installing() or play.poll() is not None, 1200, "the upgrade to reach the agents' batch")
         assert play.poll() is None, log_path.read_text()[-6000:]
         noticed_at = time.monotonic()
-        terminate_at = _notice("upgrade-1")
-        _say(f"notice upgrade-1 sent {noticed_at - t0:.1f} s into the upgrade, T in {WINDOW} s")
+        notice, terminate_at = _reclaim()
+        _say(f"reclaim of {HOST} (notice {notice}) sent {noticed_at - t0:.1f} s into the upgrade, "
+             f"T in {terminate_at - time.time():.1f} s")  # fmt: skip
+        # the timer's run while the roll is half done (the control hosts on N+1, the node's agent on N): its first
+        # step finishes the reclaim, deleting the instance at T
+        _give_the_loop_its_cloud()
+        assert play.poll() is None, "the upgrade ended before the control loop's run could start during it"
+        during = timer.submit(_loop, "during the upgrade")
         rc = play.wait(900)
     finally:
         if play.poll() is None:
             play.kill()
+        timer.shutdown(wait=False)
     out = log_path.read_text(errors="replace")
     took = time.monotonic() - t0
     assert rc == 0, out[-8000:]
@@ -389,13 +545,37 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None) -> None:
     assert recap["failed"] == 0 and recap["changed"] > 0, recap
     waited = out.count("FAILED - RETRYING: [sco-local]: Wait for the agent's drain to end")
     _say(f"run 1 in {took:.1f} s, {recap}; the agent's restart waited {waited} polls for its drain")
+    # not deleted before T: Nova still has the server when the upgrade is over, if that is before T
+    nova = cloud.connect()
+    if time.time() < terminate_at - 1:
+        assert nova.compute.find_server(STATE["server"], ignore_missing=True) is not None, "deleted before T"
+        _say(f"the instance still in Nova {terminate_at - time.time():.1f} s before T")
 
     # the notice was not lost: accepted once, drained before T
-    assert len(_of("upgrade-1", "notice.accepted")) == 1, _spool()[-10:]
-    outcome = _wait(lambda: _outcome("upgrade-1"), WINDOW, "the drain's outcome")
+    assert len(_of(notice, "notice.accepted")) == 1, _spool()[-10:]
+    outcome = _wait(lambda: _outcome(notice), WINDOW, "the drain's outcome")
     assert outcome["type"] == "drain.drained", outcome
     assert outcome["at"] < terminate_at, (outcome, terminate_at)
     _say(f"drained {terminate_at - outcome['at']:.1f} s before T")
+
+    # the loop's run during the upgrade (started while it ran) deleted the instance at T, and the fleet state says so
+    started, said = during.result(timeout=WINDOW + 900)
+    assert started < terminate_at, (started, terminate_at)
+    m = re.search(rf"^finished the reclaim of {HOST}: deleted (at its T|([0-9.]+) s after its T) \((\w+)\)$", said,
+                  re.M)  # fmt: skip
+    assert m, said[-3000:]
+    _wait(lambda: nova.compute.find_server(STATE["server"], ignore_missing=True) is None, 120,
+          "Nova to have deleted the instance")  # fmt: skip
+    account = _fleet("account", {"id": STATE["instance"]}, N1)
+    kinds = [k for k, _ in account["events"]]
+    asked = [at for k, at in account["events"] if k == "instance.delete_requested"]
+    assert account["state"] == "deleted", account
+    assert account["terminate_at"] == pytest.approx(terminate_at, abs=0.01), (account, terminate_at)
+    assert kinds.count("reclaim.scheduled") == 1 and kinds.count("notice.published") == 1, kinds
+    # its delete asked of Nova at or after T, by the fleet state's clock (T as it recorded it, not as printed)
+    assert len(asked) == 1 and asked[0] >= account["terminate_at"], (asked, account)
+    _say(f"the instance deleted {asked[0] - terminate_at:.2f} s after T by the loop's run during the upgrade "
+         f"(started {terminate_at - started:.1f} s before T); fleet state: {kinds}")  # fmt: skip
 
     # restarted only after its drain ended, as N+1, on N's spool
     pid = _agent_pid()
@@ -425,6 +605,9 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None) -> None:
     _say(f"{len(got)} events in SCO_EVENTS, each once; migrations {names}; bundle serial "
           f"{STATE['serial']} -> {serial}")  # fmt: skip
     STATE["pid"] = pid
+
+    # and the timer's next run, after the upgrade
+    _loop("after the upgrade")
 
 
 def test_a_second_upgrade_changes_nothing(hall: None) -> None:
