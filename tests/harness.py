@@ -397,7 +397,8 @@ class AgentEnv:
             "metrics_listen": f"127.0.0.1:{free_port()}",  # agents side by side: never the fixed default port
             **settings,
         }
-        self.metrics_url = f"http://{lines['metrics_listen']}/metrics" if lines["metrics_listen"] else ""
+        scheme = "https" if lines.get("metrics_tls_cert_file") else "http"
+        self.metrics_url = f"{scheme}://{lines['metrics_listen']}/metrics" if lines["metrics_listen"] else ""
         self.config = root / "agent.toml"
         self.config.write_text("[agent]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in lines.items()))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -408,10 +409,13 @@ class AgentEnv:
             reachable(Path(str(lines["checkpoint_socket"])).parent, user=self.user)
         if str(lines.get("kube_token_file", "")).startswith("/"):  # its own, as role node_agent makes it
             reachable(Path(str(lines["kube_token_file"])), user=self.user)
-        for k in ("kube_ca_file", "kube_kubeconfig", "logind_bus", "nats_ca_file"):
+        for k in ("kube_ca_file", "kube_kubeconfig", "logind_bus", "nats_ca_file", "bundle_ca_file",
+                  "metrics_tls_cert_file", "metrics_tls_key_file"):  # fmt: skip
             where = str(lines.get(k, "")).removeprefix("unix:path=")
             if where.startswith("/"):
                 reachable(Path(where).parent, owner=False, user=self.user)
+        if str(lines.get("metrics_tls_key_file", "")).startswith("/"):  # its own, as role node_agent gives it
+            reachable(Path(str(lines["metrics_tls_key_file"])), user=self.user)
         # the capabilities role node_agent's unit gives: CAP_KILL on a Slurm node, none on Kubernetes
         self.caps: tuple[str, ...] = ("kill",) if lines["scheduler"] == "slurm" else ()
         if kube is not None and node not in kube.cluster.nodes:

@@ -9,19 +9,34 @@ connection takes the slot of the one whose deadline is nearest (one that has wai
 client sends its request within milliseconds, so it is never that one); only when none is armed is a new
 connection closed at once. Handlers arm :attr:`BoundedHTTPServer.deadlines` around whatever else must not hang
 (an answer being written, a request body being read).
+
+With ``tls`` (sco._tls.ServerTls) every connection speaks TLS only: the handshake runs on the connection's own
+thread under the header deadline (a client that never finishes it is cut like a slowloris, and never holds up
+the accepting thread), and a plaintext request is no handshake: the connection is closed without an answer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from sco._tls import ServerTls
+
 SHED_WAIT_S = 1.0  # for a shed connection's thread to give its slot back (it is woken at once)
+
+
+def _cut(conn: socket.socket) -> None:
+    """Shut the connection's socket for reading and writing: a read or write blocked on another thread returns at
+    once. For a TLS socket the plain socket's shutdown (ssl.SSLSocket's own would drop its TLS state under the
+    thread still using it)."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(conn, socket.SHUT_RDWR)
 
 
 class Deadlines:
@@ -53,8 +68,7 @@ class Deadlines:
             conn = min(self._by_conn, key=self._by_conn.__getitem__)
             del self._by_conn[conn]
         self.shed += 1
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
+        _cut(conn)
         return True
 
     def _reap(self, period: float) -> None:
@@ -66,8 +80,7 @@ class Deadlines:
                     del self._by_conn[c]
             for c in late:
                 self.reaped += 1
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
+                _cut(c)
 
     def close(self) -> None:
         self._stop.set()
@@ -120,7 +133,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         header_timeout: float = 10.0,
         idle_timeout: float = 15.0,
         name: str = "http-deadlines",
+        tls: ServerTls | None = None,
     ) -> None:
+        self.tls = tls
+        self.tls_handshake_failures = 0  # plaintext clients, other CAs' clients, handshakes cut at the deadline
         self.max_connections, self.max_per_client = max_connections, max_per_client
         self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -168,9 +184,36 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
+            if self.tls is not None:
+                request = self._handshake(request)
+                if request is None:
+                    return
             super().process_request_thread(request, client_address)
         finally:
             self._give(str(client_address[0]))
+
+    def _handshake(self, request: socket.socket) -> ssl.SSLSocket | None:
+        """The TLS handshake on this connection's thread, within the header deadline; None: it failed (closed)."""
+        assert self.tls is not None
+        self.tls.refresh()
+        try:
+            conn = self.tls.context.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError):
+            self.tls_handshake_failures += 1
+            self.shutdown_request(request)
+            return None
+        self.deadlines.arm(conn, time.monotonic() + self.header_timeout)
+        try:
+            conn.settimeout(self.idle_timeout)
+            conn.do_handshake()
+        except (OSError, ValueError):  # ssl.SSLError is an OSError: a plaintext request, an unknown CA, a cut
+            self.tls_handshake_failures += 1
+            with contextlib.suppress(OSError):
+                conn.close()
+            return None
+        finally:
+            self.deadlines.disarm(conn)
+        return conn
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], OSError):
@@ -184,4 +227,4 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host!s}:{port}"

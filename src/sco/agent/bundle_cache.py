@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import ssl
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from typing import Any
 
 from sco import _http
 from sco._fs import atomic_write, remove_stale_temps
+from sco._tls import TlsSettingError, client_context
 from sco.contract.bundle import Bundle, Succession, successor
 from sco.contract.signing import Keyring
 from sco.errors import BundleError, FetchError
@@ -180,16 +182,24 @@ def http_get(
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     deadline_s: float = DEFAULT_DEADLINE_S,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[int, bytes, str | None]:
     """A conditional GET on the agent's one HTTP client (``sco._http``): (status, body, etag). ``deadline_s``
     bounds the whole exchange, connect to last byte (a peer sending one byte a second, with or without
     ``Connection: close``, is cut off at it); ``max_bytes`` the body, checked against Content-Length before
-    reading and while reading; the URL's query string is sent as given."""
+    reading and while reading; the URL's query string is sent as given. ``ssl_context``: an https URL's (the
+    distributor's certificate checked against the hall's CA); None: the system's trust store."""
     u = urllib.parse.urlsplit(url)
     if u.scheme not in ("http", "https"):
         raise FetchError(f"{url}: only http and https URLs are supported")
     try:
-        r = _http.get(url, deadline_s=deadline_s, max_body=max_bytes, headers={"If-None-Match": etag} if etag else None)
+        r = _http.get(
+            url,
+            deadline_s=deadline_s,
+            max_body=max_bytes,
+            headers={"If-None-Match": etag} if etag else None,
+            ssl_context=ssl_context,
+        )
     except _http.HttpTimeout:
         raise ResponseRefused(f"{url}: refused response: not complete within the {deadline_s:g} s deadline") from None
     except _http.HttpTooLarge:
@@ -209,14 +219,33 @@ class BundleFetcher:
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
         deadline_s: float = DEFAULT_DEADLINE_S,
+        ca_file: str = "",
     ) -> None:
+        """``ca_file``: the CA an https distributor's certificate must chain to (the hall's); "": the system's."""
         self.cache, self.url = cache, url
         self.max_bytes, self.deadline_s = max_bytes, deadline_s
+        self.ca_file = ca_file
+        self._ssl: ssl.SSLContext | None = None
+
+    def _context(self) -> ssl.SSLContext | None:
+        """The https context, made once (a CA file that cannot be read is a failed fetch, said as such)."""
+        if not self.url.startswith("https:"):
+            return None
+        if self._ssl is None:
+            try:
+                self._ssl = client_context(self.ca_file)
+            except TlsSettingError as e:
+                raise FetchError(f"{self.url}: {e}") from None
+        return self._ssl
 
     def refresh(self) -> Offer:
         try:
             status, body, etag = http_get(
-                self.url, self.cache.state.etag, max_bytes=self.max_bytes, deadline_s=self.deadline_s
+                self.url,
+                self.cache.state.etag,
+                max_bytes=self.max_bytes,
+                deadline_s=self.deadline_s,
+                ssl_context=self._context(),
             )
         except FetchError as e:
             self.cache.state.last_check_at = self.cache.clock()

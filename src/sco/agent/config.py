@@ -55,6 +55,9 @@ class AgentConfig:
     """Public keys (*.pub) the bundle must be signed by."""
     bundle_url: str = ""
     """Distributor URL of the hall's bundle; empty: only the bundle cloud-init wrote is used."""
+    bundle_ca_file: str = ""
+    """The hall's CA (PEM) an https distributor's certificate must chain to (a deployed hall's distributor speaks
+    TLS only); empty: the system's trust store."""
     nats_url: str = "nats://127.0.0.1:4222"
     """Notice relay and event sink; several URLs comma-separated."""
     nats_user: str = ""
@@ -133,6 +136,10 @@ class AgentConfig:
     metrics_listen: str = "127.0.0.1:9469"
     """host:port of the Prometheus /metrics endpoint (docs/METRICS.md); empty: off. Loopback by default (a
     node-local scraper or a proxy); the node's own address to let a hall Prometheus scrape it directly."""
+    metrics_tls_cert_file: str = ""
+    metrics_tls_key_file: str = ""
+    """/metrics over TLS only, with this certificate (PEM, the hall's CA signed it) and key; read again when they
+    change. Both or neither; empty: plain HTTP."""
     preflight_seconds: float = 300.0
     """How often the preflight (node known, credential may patch it and list its pods) runs again; it also
     runs at once whenever the credential file changes."""
@@ -338,6 +345,7 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         p.append(Problem(where, "agent.enrol_token", "enrolment names the instance from metadata_url: set it"))
     if cfg.bundle_url and not _url(cfg.bundle_url, ("http", "https")):
         p.append(Problem(where, "agent.bundle_url", f"{cfg.bundle_url!r} is not an http(s) URL"))
+    p += _check_tls_files(cfg, where)
     if cfg.scheduler == "slurm" and cfg.slurm_conf and not Path(cfg.slurm_conf).is_file():
         p.append(Problem(where, "agent.slurm_conf", f"{cfg.slurm_conf}: no such file"))
     if cfg.spool_max_bytes < 64 * 1024:
@@ -421,6 +429,27 @@ def check(cfg: AgentConfig, where: str = "config") -> list[Problem]:
         # The node's own subject only: a wildcard would take (or send) other nodes' notices or events.
         if "{node}" not in template or any(c in subject for c in "*> \t"):
             p.append(Problem(where, f"agent.{name}", "must name this node ({node}) and hold no wildcard"))
+    return p
+
+
+def _check_tls_files(cfg: AgentConfig, where: str) -> list[Problem]:
+    """The distributor's CA and the metrics endpoint's certificate and key: there, and loading (check-config says
+    so now, not a failed fetch or a missing endpoint later)."""
+    from sco._tls import ServerTls, TlsSettingError, client_context
+
+    p: list[Problem] = []
+    if cfg.bundle_ca_file:
+        try:
+            client_context(cfg.bundle_ca_file)
+        except TlsSettingError as e:
+            p.append(Problem(where, "agent.bundle_ca_file", str(e)))
+    if bool(cfg.metrics_tls_cert_file) != bool(cfg.metrics_tls_key_file):
+        p.append(Problem(where, "agent.metrics_tls_cert_file", "give both it and metrics_tls_key_file, or neither"))
+    elif cfg.metrics_tls_cert_file:
+        try:
+            ServerTls(cfg.metrics_tls_cert_file, cfg.metrics_tls_key_file)
+        except TlsSettingError as e:
+            p.append(Problem(where, "agent.metrics_tls_cert_file", str(e)))
     return p
 
 
@@ -565,6 +594,7 @@ scheduler = "kubernetes"            # kubernetes | slurm
 state_dir = "/var/lib/sco"          # spool/ and bundle/ live here
 trust_dir = "/etc/sco/trusted"      # *.pub keys the bundle must be signed by
 bundle_url = "http://127.0.0.1:8470/v1/halls/local/bundle.json"
+bundle_ca_file = ""                 # the hall's CA an https distributor's certificate must chain to
 nats_url = "nats://127.0.0.1:4222"
 # The node's own NATS identity (one of): nats_user + nats_password, nats_token, nats_nkey_seed_file, nats_creds_file
 nats_creds_file = ""                # e.g. /etc/sco/nats/node-1.creds
@@ -584,6 +614,8 @@ checkpoint_socket = "/run/sco/checkpoint.sock"  # workloads register here (pods:
 checkpoint_group = ""               # socket mode 0660 with this group (the workloads' users); "": the agent's own
 checkpoint_max_per_uid = 128        # registrations one uid may hold at once (of 1,024)
 metrics_listen = "127.0.0.1:9469"  # Prometheus /metrics (docs/METRICS.md); "" turns it off
+metrics_tls_cert_file = ""          # /metrics over TLS only: a certificate the hall's CA signed, and its key
+metrics_tls_key_file = ""
 bundle_max_bytes = 33554432         # larger bundle responses are refused (the last good bundle stays)
 bundle_fetch_deadline_seconds = 30  # one bundle request, connect to last byte
 """

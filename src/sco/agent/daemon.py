@@ -203,7 +203,11 @@ class Agent:
         self._spawn(self.drains.rearm_watch(cfg.rearm_check_seconds, self.scheduler.back_in_service), "rearm-watch")
         if cfg.bundle_url:
             fetcher = BundleFetcher(
-                self.cache, cfg.bundle_url, max_bytes=cfg.bundle_max_bytes, deadline_s=cfg.bundle_fetch_deadline_seconds
+                self.cache,
+                cfg.bundle_url,
+                max_bytes=cfg.bundle_max_bytes,
+                deadline_s=cfg.bundle_fetch_deadline_seconds,
+                ca_file=cfg.bundle_ca_file,
             )
             refresh = BundleRefresh(
                 fetcher, self.cache, self.spool, interval=lambda: self.policy.bundle_refresh, on_accepted=self._ready
@@ -348,15 +352,17 @@ class Agent:
         """The /metrics endpoint; a failure to listen is logged and recorded, never a reason not to drain."""
         if not self.cfg.metrics_listen:
             return
-        srv = agent_metrics.MetricsServer(self.metrics, self.cfg.metrics_listen)
         try:
+            srv = agent_metrics.MetricsServer(
+                self.metrics, self.cfg.metrics_listen, self.cfg.metrics_tls_cert_file, self.cfg.metrics_tls_key_file
+            )
             await srv.start()
-        except OSError as e:
+        except (OSError, ValueError) as e:  # sco._tls.TlsSettingError is a ValueError
             log.error("metrics endpoint %s: %s", self.cfg.metrics_listen, e)
             self.spool.append("metrics.unavailable", ROUTINE, listen=self.cfg.metrics_listen, error=str(e))
             return
         self.metrics_server = srv
-        log.info("metrics on http://%s:%d/metrics", srv.host, srv.port)
+        log.info("metrics on %s://%s:%d/metrics", "https" if srv.tls else "http", srv.host, srv.port)
         self._spawn(self.api_probe.run(self._stop), "api-probe")
 
     async def _shutdown(self) -> None:

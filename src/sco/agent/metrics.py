@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from sco._tls import ServerTls
+
 log = logging.getLogger("sco.agent.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -244,9 +246,14 @@ class MetricsServer:
     HEADER_TIMEOUT_S = 2.0
     WRITE_TIMEOUT_S = 5.0
 
-    def __init__(self, metrics: AgentMetrics, listen: str) -> None:
+    def __init__(self, metrics: AgentMetrics, listen: str, tls_cert_file: str = "", tls_key_file: str = "") -> None:
+        """``tls_cert_file``/``tls_key_file``: TLS only (sco._tls.ServerTls: the pair read again when it changes);
+        the handshake is part of the request's HEADER_TIMEOUT_S, and a plaintext request gets no answer."""
         self.metrics = metrics
         self.host, self.port = parse_listen(listen)
+        self.tls: ServerTls | None = None
+        if tls_cert_file or tls_key_file:
+            self.tls = ServerTls(tls_cert_file, tls_key_file)
         self.server: asyncio.Server | None = None
         self._waiting: dict[asyncio.StreamWriter, float] = {}  # connections not yet sent their request -> since
         self._open = 0
@@ -255,7 +262,14 @@ class MetricsServer:
         self.timed_out = 0  # no request within header_timeout
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._handle, self.host, self.port, limit=8192)
+        self.server = await asyncio.start_server(
+            self._handle,
+            self.host,
+            self.port,
+            limit=8192,
+            ssl=self.tls.context if self.tls else None,
+            ssl_handshake_timeout=self.HEADER_TIMEOUT_S if self.tls else None,
+        )
         self.port = self.server.sockets[0].getsockname()[1]
 
     def _admit(self) -> bool:
@@ -270,6 +284,8 @@ class MetricsServer:
         return True
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.tls is not None:
+            self.tls.refresh()  # a renewed pair for the handshakes after this one (this one is done)
         if not self._admit():
             writer.transport.abort()
             return

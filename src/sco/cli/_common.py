@@ -46,13 +46,34 @@ def _read(path: str) -> bytes:
         raise ConfigError(f"{path}: {e.strerror}") from None
 
 
-def _bundle_from_url(url: str, cache_dir: Path, keyring: Any) -> Callable[[], Any]:
+def _bundle_ca_checked(ca_file: str | None) -> str:
+    """The CA file as given, once it is known to load (a bad one is a configuration error, not a failed fetch)."""
+    if not ca_file:
+        return ""
+    from sco._tls import TlsSettingError, client_context
+
+    try:
+        client_context(ca_file)
+    except TlsSettingError as e:
+        raise ConfigError(f"--bundle-ca-file: {e}") from None
+    return ca_file
+
+
+def _add_bundle_ca(x: Any) -> None:
+    x.add_argument(
+        "--bundle-ca-file",
+        default=_env("SCO_BUNDLE_CA_FILE"),
+        help="the CA an https distributor's certificate must chain to (default: the system's) [$SCO_BUNDLE_CA_FILE]",
+    )
+
+
+def _bundle_from_url(url: str, cache_dir: Path, keyring: Any, ca_file: str = "") -> Callable[[], Any]:
     """A loader of the distributor's bundle through the node's cache (conditional GET, verified, never rolled back);
-    a refused or failed refresh keeps the cached serial and says so."""
+    a refused or failed refresh keeps the cached serial and says so. ``ca_file``: an https distributor's CA."""
     from sco.agent.bundle_cache import BundleCache, BundleFetcher
 
     cache = BundleCache(cache_dir, keyring)
-    fetcher = BundleFetcher(cache, url)
+    fetcher = BundleFetcher(cache, url, ca_file=_bundle_ca_checked(ca_file))
 
     def load() -> Any:
         offer = fetcher.refresh()

@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sco.cli._common import _add_trust, _bundle_from_url, _env, _keyring, _read
+from sco.cli._common import _add_bundle_ca, _add_trust, _bundle_from_url, _env, _keyring, _read
 from sco.errors import ConfigError
 
 
@@ -203,7 +203,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # serving would answer 404 to every node until someone noticed: say so now
         why = "not a directory" if root.exists() else "no such directory (sco contract publish creates it)"
         raise ConfigError(f"--root {root}: {why}")
-    server = DistributorServer(root, parse_listen(args.listen), verbose=args.verbose)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        from sco._tls import ServerTls, TlsSettingError
+
+        try:
+            tls = ServerTls(args.tls_cert, args.tls_key)
+        except TlsSettingError as e:
+            raise ConfigError(f"--tls-cert/--tls-key: {e}") from None
+    server = DistributorServer(root, parse_listen(args.listen), verbose=args.verbose, tls=tls)
     print(f"serving {args.root} at {server.url}/v1/halls/<hall>/bundle.json", flush=True)
     try:
         server.serve_forever()
@@ -227,7 +235,7 @@ def cmd_publish_configmap(args: argparse.Namespace) -> int:
     if bool(args.bundle) == bool(args.url):
         raise ConfigError("give a BUNDLE file or --url (the distributor's bundle URL), not both")
     if args.url:
-        load = _bundle_from_url(args.url, Path(args.cache_dir), keyring)
+        load = _bundle_from_url(args.url, Path(args.cache_dir), keyring, args.bundle_ca_file)
 
     else:
 
@@ -312,9 +320,16 @@ def register(sub: Any) -> None:
     _add_trust(x)
     x.set_defaults(func=cmd_publish)
 
-    x = cs.add_parser("serve", help="serve published bundles over HTTP (ETag / If-None-Match)")
+    x = cs.add_parser("serve", help="serve published bundles over HTTPS or HTTP (ETag / If-None-Match)")
     x.add_argument("--root", default=_env("SCO_DISTRIBUTOR_ROOT", "/var/lib/sco/distributor"))
     x.add_argument("--listen", default=_env("SCO_DISTRIBUTOR_LISTEN", "127.0.0.1:8470"))
+    x.add_argument(
+        "--tls-cert",
+        default=_env("SCO_DISTRIBUTOR_TLS_CERT"),
+        help="serve TLS only, with this certificate (PEM, its chain after it; read again when it changes)"
+        " [$SCO_DISTRIBUTOR_TLS_CERT]",
+    )
+    x.add_argument("--tls-key", default=_env("SCO_DISTRIBUTOR_TLS_KEY"), help="its key [$SCO_DISTRIBUTOR_TLS_KEY]")
     x.add_argument("-v", "--verbose", action="store_true")
     x.set_defaults(func=cmd_serve)
 
@@ -327,6 +342,7 @@ def _add_publish_configmap(cs: Any) -> None:
     )
     x.add_argument("bundle", nargs="?", help="bundle file (or --url)")
     x.add_argument("--url", default=_env("SCO_BUNDLE_URL"), help="fetch from the distributor [$SCO_BUNDLE_URL]")
+    _add_bundle_ca(x)
     x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
     _add_trust(x)
     x.add_argument("--kube-url", default=_env("SCO_KUBE_URL"), help="Kubernetes API URL [$SCO_KUBE_URL]")

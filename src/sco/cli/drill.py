@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from sco.cli._common import _add_bundle_ca
 from sco.errors import ScoError
 
 
@@ -51,7 +52,7 @@ def _guarded(args: argparse.Namespace) -> int:
 def cmd_keys(args: argparse.Namespace) -> int:
     from sco.control.drill_run import find_keys
 
-    found = find_keys(args.signing_key, args.make, args.bundle_url or None, args.trust)
+    found = find_keys(args.signing_key, args.make, args.bundle_url or None, args.trust, args.bundle_ca_file or "")
     print(json.dumps({"keys": found}, sort_keys=True))
     return 0
 
@@ -109,6 +110,7 @@ def register(sub: Any) -> None:
     k.add_argument("--signing-key", action="append", required=True, help="notice key file (repeatable)")
     k.add_argument("--make", action="store_true", help="make a missing key file (and its .pub)")
     k.add_argument("--bundle-url", default="", help="the hall's published bundle: check its noticeKeys")
+    _add_bundle_ca(k)
     k.add_argument("--trust", action="append", default=[], help="public key the bundle must be signed by")
     k.set_defaults(func=_guarded, drill_func=cmd_keys)
     r = dsub.add_parser("run", help="send the notices (or --observe) and follow the agents")

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sco.cli._common import _add_trust, _env, _keyring
+from sco.cli._common import _add_bundle_ca, _add_trust, _bundle_ca_checked, _env, _keyring
 from sco.errors import ConfigError
 
 
@@ -27,7 +27,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         if not lo <= value <= hi:  # nan compares false: refused too
             raise ConfigError(f"{flag} {value}: expected {lo:g} to {hi:g}{unit}")
     cache = BundleCache(Path(args.cache_dir), _keyring(args))
-    fetcher = BundleFetcher(cache, args.url, max_bytes=args.max_bytes, deadline_s=args.deadline)
+    ca_file = _bundle_ca_checked(args.bundle_ca_file)
+    fetcher = BundleFetcher(cache, args.url, max_bytes=args.max_bytes, deadline_s=args.deadline, ca_file=ca_file)
     while True:
         offer = fetcher.refresh()
         line = {
@@ -57,6 +58,7 @@ def register(sub: Any) -> None:
     ns = n.add_subparsers(dest="node_command", required=True)
     x = ns.add_parser("fetch-bundle", help="fetch, verify and cache the hall's bundle")
     x.add_argument("--url", default=_env("SCO_BUNDLE_URL"))
+    _add_bundle_ca(x)
     x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
     _add_trust(x)
     x.add_argument("--watch", action="store_true", help="keep refreshing")

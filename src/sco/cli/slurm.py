@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sco.cli._common import _add_trust, _bundle_from_url, _env, _keyring, _read
+from sco.cli._common import _add_bundle_ca, _add_trust, _bundle_from_url, _env, _keyring, _read
 from sco.errors import ConfigError
 
 
@@ -25,7 +25,7 @@ def cmd_slurm_render(args: argparse.Namespace) -> int:
             return Bundle.from_bytes(_read(args.bundle), keyring, args.bundle)
 
     elif args.url:
-        load = _bundle_from_url(args.url, Path(args.cache_dir), keyring)
+        load = _bundle_from_url(args.url, Path(args.cache_dir), keyring, args.bundle_ca_file)
 
     else:
         raise ConfigError("give a BUNDLE file or --url")
@@ -50,6 +50,7 @@ def register(sub: Any) -> None:
     x = sls.add_parser("render-contracts", help="render the verified bundle for job_submit.lua (atomically)")
     x.add_argument("bundle", nargs="?", help="bundle file (or --url)")
     x.add_argument("--url", default=_env("SCO_BUNDLE_URL"), help="fetch from the distributor [$SCO_BUNDLE_URL]")
+    _add_bundle_ca(x)
     x.add_argument("--cache-dir", default=_env("SCO_CACHE_DIR", "/var/lib/sco/bundle"))
     _add_trust(x)
     x.add_argument("--out-dir", default=_env("SCO_SLURM_DIR", "/etc/slurm"), help="beside slurm.conf")

@@ -1,10 +1,12 @@
-"""Contract distributor: publishes signed bundles where nodes fetch them, over plain HTTP.
+"""Contract distributor: publishes signed bundles where nodes fetch them, over HTTPS (or plain HTTP).
 
 Why HTTP with ETag/If-None-Match rather than NATS JetStream's object store: the bundle path must not
 share a failure with the notice path (NATS), a 60 s conditional GET costs one round trip and a 304 when
 nothing changed, any web server or object store can serve the same files in production, and the node
 side needs only ``http.client`` (no aiohttp in the agent's memory budget). Integrity comes from the
-signature, not the transport, so caches and mirrors in between cannot forge a bundle.
+signature, not the transport, so caches and mirrors in between cannot forge a bundle; TLS (on by default in a
+deployed hall: the server's certificate from the hall's CA, which nodes verify) keeps a man in the middle from
+withholding or replaying bundles unseen, and ``/metrics`` from being read or forged on the way.
 
 Layout under the publish root: ``<root>/<hall>/bundle.json``, served at ``/v1/halls/<hall>/bundle.json``.
 ``/metrics``: Prometheus text format (docs/METRICS.md): requests by code, refused connections, serial per hall.
@@ -23,6 +25,7 @@ from typing import Any
 
 from sco._fs import atomic_write
 from sco._http_server import BoundedHandler, BoundedHTTPServer
+from sco._tls import ServerTls
 from sco.contract.bundle import Bundle, peek_payload
 from sco.contract.signing import Keyring
 from sco.errors import BundleError, RollbackError
@@ -165,6 +168,7 @@ class DistributorServer(BoundedHTTPServer):
         max_per_client: int = 16,
         header_timeout: float = 10.0,
         idle_timeout: float = 15.0,
+        tls: ServerTls | None = None,
     ):
         self.files = _Files(root)
         self.verbose = verbose
@@ -173,7 +177,7 @@ class DistributorServer(BoundedHTTPServer):
         self._serials: dict[str, tuple[str, Any]] = {}  # hall: (etag, serial)
         super().__init__(
             address, _Handler, max_connections=max_connections, max_per_client=max_per_client,
-            header_timeout=header_timeout, idle_timeout=idle_timeout, name="distributor-deadlines",
+            header_timeout=header_timeout, idle_timeout=idle_timeout, name="distributor-deadlines", tls=tls,
         )  # fmt: skip
 
     def count(self, code: int) -> None:
@@ -191,6 +195,10 @@ class DistributorServer(BoundedHTTPServer):
             "# HELP sco_distributor_refused_connections_total Connections closed at once (connection limits).",
             "# TYPE sco_distributor_refused_connections_total counter",
             f"sco_distributor_refused_connections_total {self.refused_connections}",
+            "# HELP sco_distributor_tls_handshake_failures_total Connections closed at a failed TLS handshake"
+            " (a plaintext client, a client that does not trust the certificate, a handshake past its deadline).",
+            "# TYPE sco_distributor_tls_handshake_failures_total counter",
+            f"sco_distributor_tls_handshake_failures_total {self.tls_handshake_failures}",
             "# HELP sco_distributor_bundle_serial Serial of the bundle published for the hall.",
             "# TYPE sco_distributor_bundle_serial gauge",
         ]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sco._fs import atomic_write
+from sco._tls import client_context
 from sco.contract.notice import sign_notice
 from sco.contract.signing import Keyring, PrivateKey, generate, load_private, verify, write_keypair
 from sco.control.drill import DrillReport, NodeTimeline, fold, save
@@ -57,10 +58,12 @@ def notice_entry(key: PrivateKey) -> str:
     return f"{{keyid: '{key.keyid}', public: '{bytes(key.signing_key.verify_key).hex()}'}}"
 
 
-def hall_notice_keys(bundle_url: str, trusted: list[str]) -> tuple[set[str], int]:
+def hall_notice_keys(bundle_url: str, trusted: list[str], ca_file: str = "") -> tuple[set[str], int]:
     """The keyids the published bundle's hall policy trusts for notices (what the nodes check), and its serial."""
     try:
-        with urllib.request.urlopen(bundle_url, timeout=10) as r:  # the hall's own distributor
+        # the hall's own distributor; over https its certificate checked against the hall's CA (ca_file)
+        ctx = client_context(ca_file) if bundle_url.startswith("https:") else None
+        with urllib.request.urlopen(bundle_url, timeout=10, context=ctx) as r:
             raw = r.read(64 * 1024 * 1024)
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise DrillRelayError(f"the hall's bundle {bundle_url}: {getattr(e, 'reason', e)}") from None
@@ -72,7 +75,9 @@ def hall_notice_keys(bundle_url: str, trusted: list[str]) -> tuple[set[str], int
     return keys, int(payload.get("serial") or 0)
 
 
-def find_keys(paths: list[str], make: bool, bundle_url: str | None, trusted: list[str]) -> list[dict[str, Any]]:
+def find_keys(
+    paths: list[str], make: bool, bundle_url: str | None, trusted: list[str], bundle_ca_file: str = ""
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for p in map(Path, paths):
         made = False
@@ -93,7 +98,7 @@ def find_keys(paths: list[str], make: bool, bundle_url: str | None, trusted: lis
             raise DrillError(f"notice key {e}: {how}" if "no such key file" in str(e) else f"notice key {e}") from None
         out.append({"path": str(p), "keyid": key.keyid, "made": made, "entry": notice_entry(key)})
     if bundle_url:
-        trusted_ids, serial = hall_notice_keys(bundle_url, trusted)
+        trusted_ids, serial = hall_notice_keys(bundle_url, trusted, bundle_ca_file)
         if not any(k["keyid"] in trusted_ids for k in out):
             k = out[0]
             raise DrillError(

@@ -221,17 +221,14 @@ class AcquireOptions:
     """The relays' CA (PEM text, read from relay_ca_file): each new instance's user-data carries it."""
     launch_delegation: str = ""
     """The hall root's delegation (a file) for the one launch key in signing_keys: each subset carries it."""
+    distributor_ca: str = ""
+    """The distributor's CA (PEM text, read from distributor_ca_file): each new instance's user-data carries it."""
 
     @classmethod
     def from_params(cls, p: Params) -> AcquireOptions:
         # the acquirer plans nothing: the pools' configuration is read, no demand or fleet
         base = PlanOptions.from_params({**p, "demand": {}, "fleet": []})
-        relay_ca = ""
-        if p.get("relay_ca_file"):
-            try:
-                relay_ca = Path(str(p["relay_ca_file"])).read_text()
-            except OSError as e:
-                raise ConfigError(f"relay_ca_file: {p['relay_ca_file']}: {e.strerror or e}") from None
+        relay_ca, distributor_ca = _text_file(p, "relay_ca_file"), _text_file(p, "distributor_ca_file")
         return cls(
             base,
             _result(p.get("plan"), "plan", "plan"),
@@ -241,7 +238,18 @@ class AcquireOptions:
             int(_positive(p, "concurrency", 8)),
             relay_ca,
             str(p.get("launch_delegation") or ""),
+            distributor_ca,
         )
+
+
+def _text_file(p: Params, name: str) -> str:
+    """The text of the file parameter ``name`` names ("" when none is named)."""
+    if not p.get(name):
+        return ""
+    try:
+        return Path(str(p[name])).read_text()
+    except OSError as e:
+        raise ConfigError(f"{name}: {p[name]}: {e.strerror or e}") from None
 
 
 @dataclass(frozen=True)

@@ -484,7 +484,14 @@ def _acquire(
         def render(name: str, own: Mapping[str, str] | None = None, contracts: tuple[str, ...] = t.contracts) -> str:
             env = node_environment(o.node_env, hall, name, own)
             return userdata.render(
-                bundle, keys, trusted, names=list(contracts), node_env=env, relay_ca=o.relay_ca, delegation=delegation
+                bundle,
+                keys,
+                trusted,
+                names=list(contracts),
+                node_env=env,
+                relay_ca=o.relay_ca,
+                delegation=delegation,
+                distributor_ca=o.distributor_ca,
             )
 
         # node_env naming the enrolment service: each instance gets a one-time token of its own (the acquirer)
