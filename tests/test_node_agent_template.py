@@ -185,3 +185,28 @@ def test_the_relay_password_is_not_in_the_diff_of_agent_toml(tmp_path: Path) -> 
         for s in secrets:
             assert s not in r.stdout + r.stderr, s
         assert load(tmp_path / "etc/agent.toml", env={}).nats_password == secret  # the agent does get it
+
+
+def test_the_distributors_ca_and_the_metrics_certificate_reach_the_agents_config(tmp_path: Path) -> None:
+    """With the hall's TLS (role hall maps the distributor's CA and sco_metrics_tls), agent.toml names the CA the
+    role writes beside it and the /metrics certificate and key metrics_tls.yml deploys; an image build gets the CA
+    but no /metrics certificate (every instance of the image would show the same node's)."""
+    from tests.harness import make_tls
+
+    ca, crt, key = make_tls(tmp_path / "pki")
+    etc = tmp_path / "on" / "etc"
+    (etc / "metrics-tls").mkdir(parents=True)
+    # the role's copy tasks, beside the template
+    (etc / "distributor-ca.crt").write_text(ca.read_text())
+    (etc / "metrics-tls" / "metrics.crt").write_text(crt.read_text())
+    (etc / "metrics-tls" / "metrics.key").write_text(key.read_text())
+    tls = {"node_agent_distributor_ca": ca.read_text(), "node_agent_metrics_tls": True}
+    cfg = load(render(tmp_path / "on", **tls), env={})
+    assert cfg.bundle_ca_file == str(etc / "distributor-ca.crt")
+    assert (cfg.metrics_tls_cert_file, cfg.metrics_tls_key_file) == (
+        str(etc / "metrics-tls/metrics.crt"), str(etc / "metrics-tls/metrics.key"),
+    )  # fmt: skip
+    text = render(tmp_path / "image", **tls, node_agent_image_build=True).read_text()
+    assert "bundle_ca_file" in text and "metrics_tls" not in text
+    text = render(tmp_path / "off", node_agent_metrics_tls=True, node_agent_metrics_listen_tls=False).read_text()
+    assert "bundle_ca_file" not in text and "metrics_tls" not in text

@@ -311,24 +311,38 @@ def check_node_credentials_reach_only_their_own_subjects(
 
 
 _FETCH = """
-import sys, time, urllib.request, urllib.error
-url = sys.argv[1]
+import socket, ssl, sys, time, urllib.request, urllib.error
+url, ca = sys.argv[1], sys.argv[2]
+ctx = ssl.create_default_context(cafile=ca)
 for i in range(50):
     try:
-        r = urllib.request.urlopen(url, timeout=2); break
+        r = urllib.request.urlopen(url, timeout=2, context=ctx); break
     except OSError:
         time.sleep(0.2)
 etag = r.headers['ETag']; body = r.read()
 try:
-    urllib.request.urlopen(urllib.request.Request(url, headers={'If-None-Match': etag}), timeout=2); print('no-304')
+    urllib.request.urlopen(urllib.request.Request(url, headers={'If-None-Match': etag}), timeout=2, context=ctx)
+    print('no-304')
 except urllib.error.HTTPError as e:
     print(r.status, len(body), e.code)
+# plaintext to the TLS port: no HTTP answer (the connection closed at the failed handshake)
+host, port = url.split('/')[2].rsplit(':', 1)
+with socket.create_connection((host, int(port)), timeout=5) as s:
+    s.sendall(b'GET ' + url.split(port, 1)[1].encode() + b' HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')
+    got = b''
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except OSError:
+        pass
+print('plaintext-answered' if b'HTTP/' in got else 'plaintext-refused')
 """
 
 
 def check_distributor_serves_the_signed_bundle(sc: Scenario, host: str, hall: str) -> None:
-    """The published bundle verifies against the distributor's trust, and the unit's server answers 200 with it,
-    then 304 on its ETag (fetched from inside the host's namespace)."""
+    """The published bundle verifies against the distributor's trust, and the unit's server answers over TLS only
+    (its certificate checked against the hall's CA the role put beside it) 200 with it, then 304 on its ETag, and
+    a plaintext request gets no answer (fetched from inside the host's namespace)."""
     h = sc.host(host)
     check_unit_enabled_and_hardened(h, "sco-distributor.service", ["DynamicUser=yes"])
     verify = h.run(
@@ -337,11 +351,14 @@ def check_distributor_serves_the_signed_bundle(sc: Scenario, host: str, hall: st
     )
     assert verify.rc == 0, verify.stderr
     serve = exec_line(h, "sco-distributor.service", "ExecStart")
-    assert "--listen 0.0.0.0:8470" in serve
+    assert "--listen 0.0.0.0:8470" in serve and "--tls-cert /etc/sco/distributor-tls/distributor.crt" in serve
+    assert h.file("/etc/sco/distributor-tls/distributor.key").mode == 0o640
     h.run(f"setsid {serve} > /var/log/sco-distributor.log 2>&1 < /dev/null & echo $! > /run/sco-verify-dist.pgid")
     try:
-        out = sc.in_netns(host, sys.executable, "-c", _FETCH, f"http://127.0.0.1:8470/v1/halls/{hall}/bundle.json")
+        ca = str(sc.root(host) / "etc/sco/distributor-tls/ca.crt")
+        url = f"https://127.0.0.1:8470/v1/halls/{hall}/bundle.json"
+        out = sc.in_netns(host, sys.executable, "-c", _FETCH, url, ca)
         published = (sc.root(host) / f"var/lib/sco/distributor/{hall}/bundle.json").read_bytes()
-        assert out.stdout.split() == ["200", str(len(published)), "304"], out.stderr
+        assert out.stdout.split() == ["200", str(len(published)), "304", "plaintext-refused"], out.stdout + out.stderr
     finally:
         h.run("kill -TERM -- -$(cat /run/sco-verify-dist.pgid) 2>/dev/null; rm -f /run/sco-verify-dist.pgid")

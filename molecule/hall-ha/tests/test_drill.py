@@ -231,9 +231,14 @@ def agents(relays: None, kube: None) -> Iterator[None]:
     ctl = SC.host("ha-ctl1")
     serve = verify.exec_line(ctl, "sco-distributor.service", "ExecStart")
     ctl.run(f"setsid {serve} > /var/log/sco-distributor.log 2>&1 < /dev/null &")
-    url = f"http://{ADDRESS['ha-ctl1']}:8470/v1/halls/{HALL}/bundle.json"
-    fetch = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)"
-    _wait(lambda: SC.in_netns("ha-node1", sys.executable, "-c", fetch, url).returncode == 0, 30,
+    url = f"https://{ADDRESS['ha-ctl1']}:8470/v1/halls/{HALL}/bundle.json"
+    # over TLS, checked against the distributor's CA as role node_agent gave it to the node
+    ca = str(SC.root("ha-node1") / "etc/sco/distributor-ca.crt")
+    fetch = (
+        "import ssl, sys, urllib.request; "
+        "urllib.request.urlopen(sys.argv[1], timeout=2, context=ssl.create_default_context(cafile=sys.argv[2]))"
+    )
+    _wait(lambda: SC.in_netns("ha-node1", sys.executable, "-c", fetch, url, ca).returncode == 0, 30,
           "the distributor on ha-ctl1 to serve the bundle")  # fmt: skip
     for node in NODES:
         h = SC.host(node)

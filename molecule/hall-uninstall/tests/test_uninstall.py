@@ -62,6 +62,11 @@ FILES = [
     # certificate, key and CA (under /etc/sco-nats too, named for the premise check), and the certificates' expiry
     # for node_exporter (in its textfile directory, which is kept as monitoring's data: SCO's files in it are not)
     "/etc/sco/relay-ca.crt", "/etc/sco-nats/tls", "/var/lib/prometheus/node-exporter/sco_relay_certificates.prom",
+    # the distributor serves TLS and the agent its /metrics: their certificates, keys, the CA given to their clients
+    # (agent, control loop, Prometheus) and the certificates' expiry
+    "/etc/sco/distributor-tls", "/etc/sco/distributor-ca.crt", "/etc/sco/metrics-tls", "/etc/prometheus/sco-ca.crt",
+    "/var/lib/prometheus/node-exporter/sco_distributor_certificates.prom",
+    "/var/lib/prometheus/node-exporter/sco_agent_certificates.prom",
 ]  # fmt: skip
 DATA = [
     "/var/lib/sco/spool", "/var/lib/sco/distributor/local/bundle.json", "/var/lib/sco/control-loop/project",
@@ -69,9 +74,9 @@ DATA = [
 ]  # fmt: skip
 # system users the roles made; the ones owning kept data stay until the purge
 USERS = ["sco-agent", "sco-control", "sco-nats"]
-# their groups, and the checkpoint socket's (the workloads' users are its members, pods name its gid: kept with the
-# users until the purge)
-GROUPS = ["sco-agent", "sco-control", "sco-nats", "sco-checkpoint"]
+# their groups, the checkpoint socket's (the workloads' users are its members, pods name its gid) and the one that may
+# read the distributor's key (kept with the users until the purge)
+GROUPS = ["sco-agent", "sco-control", "sco-nats", "sco-checkpoint", "sco-distributor"]
 TEXTFILES = "/var/lib/prometheus/node-exporter"
 PORTS = [4222, 8222, 8470, 8471, 9090, 9100, 9469]
 PROCESSES = ["/opt/sco/", "nats-server", "prometheus"]

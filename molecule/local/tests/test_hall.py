@@ -186,7 +186,7 @@ def test_the_contracts_configmap_publisher_is_installed() -> None:
     """A hall whose loop reads Kubernetes keeps the Kyverno policies' ConfigMap in step with its bundle."""
     h = SC.host(HOST)
     assert verify.exec_line(h, "sco-contracts-configmap.service", "ExecStart").startswith(
-        "/opt/sco/bin/sco contract publish-configmap --url http://127.0.0.1:8470/v1/halls/"
+        "/opt/sco/bin/sco contract publish-configmap --url https://127.0.0.1:8470/v1/halls/"
     )
     link = h.file("/etc/systemd/system/multi-user.target.wants/sco-contracts-configmap.service")
     assert link.is_symlink

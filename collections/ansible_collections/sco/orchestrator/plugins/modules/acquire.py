@@ -60,6 +60,11 @@ options:
       - The CA (PEM) the hall's relays' TLS certificates chain to, on the host the module runs on; every new
         instance's user-data carries it (C(/etc/sco/relay-ca.crt), named by C(SCO_AGENT_NATS_CA_FILE)).
     type: path
+  distributor_ca_file:
+    description:
+      - The CA (PEM) the hall's distributor's TLS certificate chains to, on the host the module runs on; every new
+        instance's user-data carries it (C(/etc/sco/distributor-ca.crt), named by C(SCO_AGENT_BUNDLE_CA_FILE)).
+    type: path
   concurrency:
     description: Creates (and deletes) sent at once.
     type: int
@@ -169,6 +174,7 @@ def main() -> None:
         # user-data of every new instance: enrolment tokens, relay credentials
         "node_env": {"type": "dict", "default": {}, "no_log": True},
         "relay_ca_file": {"type": "path"},
+        "distributor_ca_file": {"type": "path"},
         "launch_delegation": {"type": "path"},
         "concurrency": {"type": "int", "default": 8},
     }
