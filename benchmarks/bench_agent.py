@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
 import statistics
 import tempfile
 import threading
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.harness import AgentEnv, NatsServer, add_pod, ensure_stream, wait_for
+from tests.harness import AgentEnv, NatsServer, add_pod, ensure_stream, make_tls, wait_for
 from tests.node_install import build_wheelhouse, install_venv, pins
 
 from sco.agent.kube.drain import taint_value
@@ -150,10 +151,18 @@ def _node_install(tmp: Path) -> tuple[Path, dict[str, Any]]:
     }
 
 
-def _drain_110(tmp: Path, tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def _drain_110(tmp: Path, tls: bool, metrics_tls: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``metrics_tls``: the agent's /metrics over TLS too (role node_agent's default on inventory nodes), with a
+    certificate for 127.0.0.1 from the test relay's CA, scraped mid-drain against it."""
     agent_bin, install = _node_install(tmp / "install")
     bed = _Bed(tmp, tls)
-    env = AgentEnv(tmp / "a", bed.kube, bed.nats)
+    scrape_ctx: ssl.SSLContext | None = None
+    settings: dict[str, Any] = {}
+    if metrics_tls:
+        ca, crt, key = make_tls(tmp / "metrics-tls")
+        settings = {"metrics_tls_cert_file": str(crt), "metrics_tls_key_file": str(key)}
+        scrape_ctx = ssl.create_default_context(cafile=str(ca))
+    env = AgentEnv(tmp / "a", bed.kube, bed.nats, **settings)
     env.agent_bin = agent_bin
     env.start()
     env.wait_subscribed()
@@ -179,7 +188,10 @@ def _drain_110(tmp: Path, tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
                 peak.append(_rss_mib(pid))
                 # metrics on and scraped mid-drain, about every 0.5 s (twice as often as a 1 s Prometheus)
                 if env.metrics_url and len(peak) % 25 == 0:
-                    with contextlib.suppress(OSError), urllib.request.urlopen(env.metrics_url, timeout=2) as r:
+                    with (
+                        contextlib.suppress(OSError),
+                        urllib.request.urlopen(env.metrics_url, timeout=2, context=scrape_ctx) as r,
+                    ):
                         scrapes[0] += bool(r.read())
                 time.sleep(0.02)
 
@@ -196,6 +208,7 @@ def _drain_110(tmp: Path, tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         assert out["type"] == "drain.drained", out
         drain = {
             "tls": tls,
+            "metrics_tls": metrics_tls,
             "pods": 110,
             "max_grace_s": round(max(min(n, 6) for n in needs), 2),
             "sum_grace_s": round(sum(min(n, 6) for n in needs), 1),
@@ -203,6 +216,7 @@ def _drain_110(tmp: Path, tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         }
         foot = {
             "tls": tls,
+            "metrics_tls": metrics_tls,
             **install,
             "rss_mib_idle": round(rss_idle, 1),
             "rss_mib_drain": round(max(peak), 1),
@@ -215,24 +229,27 @@ def _drain_110(tmp: Path, tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         bed.close()
 
 
-_cache: dict[bool, tuple[dict[str, Any], dict[str, Any]]] = {}
+_cache: dict[tuple[bool, bool], tuple[dict[str, Any], dict[str, Any]]] = {}
+# the drain and the footprint: plaintext; the relay over TLS with /metrics in plain HTTP (the release before the
+# distributor's and /metrics' TLS); both over TLS (the hall's default now): each TLS's cost on its own
+DRAIN_MODES = ((False, False), (True, False), (True, True))
 
 
-def _drain_once(tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    if tls not in _cache:
+def _drain_once(tls: bool, metrics_tls: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    if (tls, metrics_tls) not in _cache:
         with tempfile.TemporaryDirectory() as tmp:
-            _cache[tls] = _drain_110(Path(tmp), tls)
-    return _cache[tls]
+            _cache[tls, metrics_tls] = _drain_110(Path(tmp), tls, metrics_tls)
+    return _cache[tls, metrics_tls]
 
 
 def bench_drain_110() -> Iterator[dict[str, Any]]:
-    for tls in MODES:
-        yield _drain_once(tls)[0]
+    for mode in DRAIN_MODES:
+        yield _drain_once(*mode)[0]
 
 
 def bench_footprint() -> Iterator[dict[str, Any]]:
-    for tls in MODES:
-        yield _drain_once(tls)[1]
+    for mode in DRAIN_MODES:
+        yield _drain_once(*mode)[1]
 
 
 def bench_mass_reclaim(agents: int = 100) -> Iterator[dict[str, Any]]:
