@@ -259,3 +259,58 @@ def test_prometheus_scrapes_the_distributor_and_an_agent_over_tls_with_the_roles
     finally:
         d.stop()
         env.stop()
+
+
+def test_a_launched_instances_user_data_carries_the_distributors_ca(tmp_path: Path, key: PrivateKey) -> None:
+    """An instance the control loop launches is in no inventory: its user-data gives it the distributor's CA (and
+    agent.env names it as SCO_AGENT_BUNDLE_CA_FILE), so its first fetch already checks the distributor."""
+    from sco.contract.bundle import Bundle
+    from sco.contract.userdata import DISTRIBUTOR_CA_PATH, render
+    from sco.errors import ConfigError
+    from tests.conftest import SAMPLE
+
+    bundle = Bundle.from_bytes(sign(compile_repo(SAMPLE), [key]), Keyring([key.public]))
+    ca = make_tls(tmp_path / "pki")[0].read_text()
+    doc = yaml.safe_load(render(bundle, [key], [key.public], node_env={"SCO_AGENT_HALL": "x"}, distributor_ca=ca))
+    files = {f["path"]: f for f in doc["write_files"]}
+    assert files[DISTRIBUTOR_CA_PATH]["content"] == ca and files[DISTRIBUTOR_CA_PATH]["permissions"] == "0644"
+    assert f"SCO_AGENT_BUNDLE_CA_FILE={DISTRIBUTOR_CA_PATH}\n" in files["/etc/sco/agent.env"]["content"]
+    # the environment the agent reads it from: a setting it knows
+    from sco.agent.config import AgentConfig
+
+    assert "bundle_ca_file" in AgentConfig.__dataclass_fields__
+    with pytest.raises(ConfigError, match="distributor CA: not a PEM certificate"):
+        render(bundle, [key], [key.public], distributor_ca="not a certificate")
+
+
+TRUST = """
+- name: What the distributor's clients and Prometheus are given to trust (role hall's mapping)
+  hosts: localhost
+  gather_facts: false
+  vars_files: ["{{ roles }}/hall/defaults/main.yml"]
+  tasks:
+    - name: Each client's CA text
+      ansible.builtin.copy: {content: "{{ item.value | trim }}\\n", dest: "{{ out }}/{{ item.key }}.crt", mode: "0644"}
+      loop: "{{ {'agent': node_agent_distributor_ca, 'slurm': slurm_admission_bundle_ca,
+                 'control': control_loop_distributor_ca, 'prometheus': monitoring_tls_ca} | dict2items }}"
+"""
+
+
+def test_during_a_ca_rotation_the_distributors_clients_trust_both_cas(tmp_path: Path) -> None:
+    """RUNBOOK's CA rotation: with contract_distributor_tls_trust_extra, the CA text the agents, the Slurm
+    controllers, the control hosts (and through them launched instances) and Prometheus get holds both CAs."""
+    from tests.relays import run_playbook
+
+    old, new = make_tls(tmp_path / "old")[0], make_tls(tmp_path / "new")[0]
+    out = tmp_path / "given"
+    out.mkdir()
+    roles = Path(__file__).resolve().parents[1] / "collections/ansible_collections/sco/orchestrator/roles"
+    for extra, count in (([], 1), ([str(new)], 2)):
+        r = run_playbook(tmp_path, TRUST, {
+            "roles": str(roles), "out": str(out), "sco_hall": "local", "sco_tls_ca_cert": str(old),
+            "contract_distributor_tls_trust_extra": extra})  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        for who in ("agent", "slurm", "control", "prometheus"):
+            text = (out / f"{who}.crt").read_text()
+            assert text.count("BEGIN CERTIFICATE") == count and old.read_text().strip() in text, (who, text)
+            assert count == 1 or new.read_text().strip() in text
