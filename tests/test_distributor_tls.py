@@ -314,3 +314,32 @@ def test_during_a_ca_rotation_the_distributors_clients_trust_both_cas(tmp_path: 
             text = (out / f"{who}.crt").read_text()
             assert text.count("BEGIN CERTIFICATE") == count and old.read_text().strip() in text, (who, text)
             assert count == 1 or new.read_text().strip() in text
+
+
+def test_a_client_that_never_finishes_its_handshake_holds_up_nobody(
+    tmp_path: Path, hall_ca: tuple[Path, Path, Path]
+) -> None:
+    """The handshake runs on the connection's own thread under the header deadline: silent TCP connections (a TLS
+    slowloris) neither stop the accepting thread from serving a node's GET at once nor stay open past the deadline."""
+    srv = DistributorServer(
+        tmp_path / "dist", ("127.0.0.1", 0), header_timeout=1.0, tls=ServerTls(str(hall_ca[1]), str(hall_ca[2]))
+    )
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
+    try:
+        ctx = ssl.create_default_context(cafile=str(hall_ca[0]))
+        t0 = time.monotonic()
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", timeout=5, context=ctx) as r:
+            assert r.read() == b"ok\n"
+        assert time.monotonic() - t0 < 0.5
+        for s in silent:  # cut at the header deadline: the server closes, the read returns
+            s.settimeout(5)
+            assert s.recv(1) == b""
+        assert time.monotonic() - t0 < 4
+        wait_for(lambda: srv.tls_handshake_failures >= 10, 5, "the cut handshakes counted")
+    finally:
+        for s in silent:
+            s.close()
+        srv.shutdown()
+        srv.server_close()

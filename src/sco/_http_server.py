@@ -137,6 +137,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     ) -> None:
         self.tls = tls
         self.tls_handshake_failures = 0  # plaintext clients, other CAs' clients, handshakes cut at the deadline
+        self._tls_failures_lock = threading.Lock()  # counted from the connections' threads
         self.max_connections, self.max_per_client = max_connections, max_per_client
         self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -199,7 +200,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         try:
             conn = self.tls.context.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
         except (OSError, ValueError):
-            self.tls_handshake_failures += 1
+            self._tls_failed()
             self.shutdown_request(request)
             return None
         self.deadlines.arm(conn, time.monotonic() + self.header_timeout)
@@ -207,13 +208,17 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             conn.settimeout(self.idle_timeout)
             conn.do_handshake()
         except (OSError, ValueError):  # ssl.SSLError is an OSError: a plaintext request, an unknown CA, a cut
-            self.tls_handshake_failures += 1
+            self._tls_failed()
             with contextlib.suppress(OSError):
                 conn.close()
             return None
         finally:
             self.deadlines.disarm(conn)
         return conn
+
+    def _tls_failed(self) -> None:
+        with self._tls_failures_lock:
+            self.tls_handshake_failures += 1
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], OSError):
