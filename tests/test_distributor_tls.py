@@ -343,3 +343,22 @@ def test_a_client_that_never_finishes_its_handshake_holds_up_nobody(
             s.close()
         srv.shutdown()
         srv.server_close()
+
+
+def test_the_drill_reads_the_halls_bundle_over_tls_against_the_halls_ca(
+    tmp_path: Path, tls_distributor: DistributorServer, hall_ca: tuple[Path, Path, Path], key: PrivateKey
+) -> None:
+    """`sco drill keys --bundle-url https://... --bundle-ca-file` (drill.yml passes the hall's CA): the hall's bundle
+    read and its noticeKeys checked; without the CA (the system's store) the distributor is refused, named."""
+    from sco.contract.signing import generate
+    from sco.control.drill_run import DrillRelayError, find_keys
+
+    notice = generate()
+    write_keypair(notice, tmp_path / "notice.key", tmp_path / "notice.pub")
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    publish(hall_bundle(tmp_path / "h", key, notice), tls_distributor.files.root, Keyring([key.public]))
+    url = f"{tls_distributor.url}{HALL_PATH}"
+    found = find_keys([str(tmp_path / "notice.key")], False, url, [str(tmp_path / "hall.pub")], str(hall_ca[0]))
+    assert [k["keyid"] for k in found] == [notice.keyid]
+    with pytest.raises(DrillRelayError, match="CERTIFICATE_VERIFY_FAILED"):
+        find_keys([str(tmp_path / "notice.key")], False, url, [str(tmp_path / "hall.pub")])
