@@ -1,0 +1,188 @@
+"""The attacker's tools: run inside a test host's network namespace (`ip netns exec NS python attacker.py`) with the
+controller's venv, as test_attacker.py does from ha-attacker (a host on the hall's network in no inventory) and, for
+the control runs, from an allowed host. Reads a JSON list of operations on stdin and prints one JSON list of what
+each got; secrets come in on stdin, never on a command line (the process-argument sampler would see them).
+
+Operations (``op``):
+- ``http``: one request (``method``, ``url``, ``body``, ``auth`` [user, password], ``ca``: the CA to check the
+  server with; none: the certificate is not checked, as an attacker would not) -> status and body, or the error;
+- ``route``: the relay's cluster port at ``host``:``port``: its INFO in the clear, then a TLS handshake showing
+  ``cert``/``key`` (none: no certificate; ``self-signed``: one of a CA of the attacker's own) and a PING ->
+  what came back or what refused it;
+- ``nats_raw``: the client port spoken in the clear (CONNECT, PING, ignoring the INFO's tls_required) -> whether
+  a PONG came;
+- ``nats``: a nats-py client with a creds file, over TLS when ``ca`` is given -> connected or the error;
+- ``pg``: psycopg with ``dsn`` and ``password`` -> connected (and whether over TLS) or the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import http.client
+import json
+import socket
+import ssl
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+DEADLINE_S = 8.0
+
+
+def _context(ca: str | None) -> ssl.SSLContext:
+    if ca:
+        return ssl.create_default_context(cafile=ca)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # the attacker checks nothing
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def http_op(o: dict[str, Any]) -> dict[str, Any]:
+    u = urlsplit(o["url"])
+    c: http.client.HTTPConnection
+    if u.scheme == "https":
+        c = http.client.HTTPSConnection(u.hostname or "", u.port, timeout=DEADLINE_S, context=_context(o.get("ca")))
+    else:
+        c = http.client.HTTPConnection(u.hostname or "", u.port, timeout=DEADLINE_S)
+    headers = {"Content-Type": "application/json", **(o.get("headers") or {})}
+    if o.get("auth"):
+        user, password = o["auth"]
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    body = o.get("body")
+    try:
+        c.request(o["method"], u.path, body=None if body is None else json.dumps(body), headers=headers)
+        r = c.getresponse()
+        return {"status": r.status, "body": r.read().decode(errors="replace")[:2000]}
+    except (OSError, http.client.HTTPException) as e:  # ssl.SSLError is an OSError
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        c.close()
+
+
+def _self_signed(d: Path) -> tuple[str, str]:
+    """A certificate and key of a CA that is not the hall's (an intruder's own)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ha-infra1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(1))
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    crt, k = d / "intruder.crt", d / "intruder.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    k.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(crt), str(k)
+
+
+def route_op(o: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = _context(None)
+        cert, key = o.get("cert"), o.get("key")
+        if cert == "self-signed":
+            cert, key = _self_signed(Path(tmp))
+        if cert:
+            ctx.load_cert_chain(cert, key)
+        try:
+            with socket.create_connection((o["host"], o["port"]), DEADLINE_S) as s:
+                # a route port may send its INFO in the clear first, or wait for the handshake (TLS first): a
+                # short look, never longer than the server waits for a handshake (2 s)
+                s.settimeout(0.5)
+                try:
+                    info = s.recv(4096, socket.MSG_PEEK)
+                except TimeoutError:
+                    info = b""
+                if info.startswith(b"INFO"):
+                    s.recv(len(info))
+                out["info"] = "in the clear, tls_required" if b'"tls_required":true' in info else "none (TLS first)"
+                s.settimeout(DEADLINE_S)
+                with ctx.wrap_socket(s, server_hostname=o["host"]) as t:
+                    out["handshake"] = "done"
+                    t.settimeout(3)
+                    t.sendall(b"PING\r\n")
+                    try:
+                        got = t.recv(4096)
+                        out["outcome"] = f"answered: {got[:200].decode(errors='replace')}" if got else "closed"
+                    except TimeoutError:
+                        out["outcome"] = "held open (no answer within 3 s)"
+        except (OSError, ssl.SSLError) as e:
+            out["outcome"] = f"refused: {type(e).__name__}: {e}"
+    return out
+
+
+def nats_raw_op(o: dict[str, Any]) -> dict[str, Any]:
+    try:
+        with socket.create_connection((o["host"], o["port"]), DEADLINE_S) as s:
+            s.settimeout(3)
+            info = s.recv(4096)
+            s.sendall(b'CONNECT {"verbose":false,"tls_required":false}\r\nPING\r\n')
+            seen = b""
+            try:
+                while chunk := s.recv(4096):
+                    seen += chunk
+            except (TimeoutError, ConnectionResetError):
+                pass
+            return {
+                "tls_required": b'"tls_required":true' in info,
+                "pong": b"PONG" in seen,
+                "seen": seen[:300].decode(errors="replace"),
+            }
+    except OSError as e:
+        return {"error": f"{type(e).__name__}: {e}", "pong": False}
+
+
+def nats_op(o: dict[str, Any]) -> dict[str, Any]:
+    import nats
+
+    async def go() -> dict[str, Any]:
+        opts: dict[str, Any] = {"user_credentials": o["creds"]}
+        if o.get("ca"):
+            opts["tls"] = ssl.create_default_context(cafile=o["ca"])
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(o["servers"], connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False, **opts),
+                DEADLINE_S,
+            )
+        except Exception as e:  # nats-py raises many kinds; any is a refusal here
+            return {"connected": False, "error": f"{type(e).__name__}: {e}"}
+        ok = bool(nc.is_connected)
+        await nc.close()
+        return {"connected": ok}
+
+    return asyncio.run(go())
+
+
+def pg_op(o: dict[str, Any]) -> dict[str, Any]:
+    import psycopg
+
+    try:
+        with psycopg.connect(o["dsn"], password=o["password"], connect_timeout=int(DEADLINE_S)) as c:
+            row = c.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone()
+            return {"connected": True, "ssl": bool(row and row[0])}
+    except psycopg.Error as e:
+        return {"connected": False, "error": f"{type(e).__name__}: {str(e).strip()}"}
+
+
+OPS = {"http": http_op, "route": route_op, "nats_raw": nats_raw_op, "nats": nats_op, "pg": pg_op}
+
+
+def main() -> None:
+    ops = json.load(sys.stdin)
+    print(json.dumps([OPS[o["op"]](o) for o in ops]))
+
+
+if __name__ == "__main__":
+    main()
