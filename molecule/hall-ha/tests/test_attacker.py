@@ -361,7 +361,7 @@ def _fleet_dsn() -> tuple[dict[str, str], str]:
     env = (SC.root("ha-ctl1") / "etc" / "sco" / "fleet-state.env").read_text()
     dsn = next(ln.split("=", 1)[1] for ln in env.splitlines() if ln.startswith("SCO_DB_DSN="))
     words = dict(w.split("=", 1) for w in dsn.strip().strip("'\"").split())
-    return words, words.pop("password")
+    return words, words.pop("password", "") or _word(CREDENTIALS / "fleet-state" / "sco")
 
 
 def test_a_plaintext_postgresql_connection_is_refused() -> None:
@@ -401,7 +401,8 @@ def hall_secrets() -> dict[str, str]:
     """Every secret the hall's controller made or was given, by where it came from: the relay users' nkey seeds
     (creds files, seed files, the operator's and accounts' keys), the fleet state's generated passwords (SCO's
     database user, Patroni's REST API, etcd's root and Patroni's user), the inventory's passwords (PostgreSQL's
-    admin, replication), tokens, and a line from the middle of every TLS private key."""
+    admin, replication), the signing keys' seeds, the nodes' tokens, and a line from the middle of every TLS
+    private key."""
     out: dict[str, str] = {}
     for p in sorted(CREDENTIALS.rglob("*")):
         if not p.is_file():
@@ -421,6 +422,9 @@ def hall_secrets() -> dict[str, str]:
     for k, v in sorted(inv.items()):
         if "password" in k and isinstance(v, str) and v:
             out[f"inventory {k}"] = v
+    for p in sorted([*SC.work.glob("keys/*.key"), *SC.work.glob("retired/*.key")]):
+        # the signing keys (the hall's root, the launch key, the notice key, a retired one): their seeds
+        out[str(p.relative_to(SC.work))] = json.loads(p.read_text())["seed"]
     for p in sorted(SC.work.glob("tls/**/*.key")):
         body = [ln for ln in p.read_text().splitlines() if ln and not ln.startswith("-----")]
         if body:
@@ -467,7 +471,8 @@ def _for(seconds: float) -> Callable[[], bool]:
 def test_no_secret_in_the_halls_process_arguments() -> None:
     wanted = hall_secrets()
     kinds = {"seed": sum("seed" in k for k in wanted), "fleet-state": sum("fleet-state" in k for k in wanted)}
-    assert kinds["seed"] >= 5 and kinds["fleet-state"] >= 4, sorted(wanted)  # the controller's files were read
+    # the controller's files were read (relay seeds, the fleet state's passwords, the signing keys)
+    assert kinds["seed"] >= 5 and kinds["fleet-state"] >= 4 and "keys/hall.key" in wanted, sorted(wanted)
     # control: a process of the node's with a canary in its arguments is seen by the same sampler
     canary = "canary-" + secrets.token_hex(12)
     assert SC.host(NODE).run(f"setsid sleep 120 {canary} > /dev/null 2>&1 < /dev/null &").rc == 0
@@ -513,7 +518,7 @@ def _unit_run(host: str, unit: str) -> str:
     d = root / "etc" / "systemd" / "system"
     text = "\n".join(p.read_text() for p in [d / unit, *sorted((d / f"{unit}.d").glob("*.conf"))])
     env: dict[str, str] = {}
-    user, start = "root", ""
+    user, group, start = "root", "", ""
     for line in text.splitlines():
         key, _, value = line.partition("=")
         if key == "EnvironmentFile":
@@ -527,11 +532,13 @@ def _unit_run(host: str, unit: str) -> str:
             env[k] = v
         elif key == "User":
             user = value
+        elif key == "Group":
+            group = value
         elif key == "ExecStart" and value:
             start = value.lstrip("+-@:!")
     assert start, text
     lines = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    as_user = f"setpriv --reuid={user} --regid={user} --init-groups " if user != "root" else ""
+    as_user = f"setpriv --reuid={user} --regid={group or user} --init-groups " if user != "root" else ""
     return "\n".join([*lines, f"exec {as_user}{start}", ""])
 
 
