@@ -424,7 +424,8 @@ def hall_secrets() -> dict[str, str]:
             out[f"inventory {k}"] = v
     for p in sorted([*SC.work.glob("keys/*.key"), *SC.work.glob("retired/*.key")]):
         # the signing keys (the hall's root, the launch key, the notice key, a retired one): their seeds
-        out[str(p.relative_to(SC.work))] = json.loads(p.read_text())["seed"]
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # sco keygen's JSON; anything else is not one
+            out[str(p.relative_to(SC.work))] = json.loads(p.read_text())["seed"]
     for p in sorted(SC.work.glob("tls/**/*.key")):
         body = [ln for ln in p.read_text().splitlines() if ln and not ln.startswith("-----")]
         if body:
