@@ -194,6 +194,16 @@ def test_patroni_switchover_and_config_patch_are_refused() -> None:
     # PATCH that sets ttl to what it is: accepted, nothing changes)
     seen = attack([{"op": "http", "method": "GET", "url": f"{url}/cluster"}])[0]
     record("Patroni REST", "control: GET /cluster from ha-attacker (open)", _said(seen), seen.get("status") == 200)
+    # what the open endpoints tell a stranger: no secret of the hall's
+    wanted = hall_secrets()
+    told = attack([{"op": "http", "method": "GET", "url": f"{url}/{p}"} for p in ("config", "patroni", "cluster")])
+    leaked = sorted(k for k, v in wanted.items() for r in told if v in r.get("body", ""))
+    record(
+        "Patroni REST",
+        f"GET /config, /patroni, /cluster from ha-attacker: {len(wanted)} secrets looked for",
+        f"{[r.get('status') for r in told]}, " + ("none in the answers" if not leaked else f"SEEN: {leaked}"),
+        not leaked,
+    )
     obeyed = attack(
         [{"op": "http", "method": "PATCH", "url": f"{url}/config", "body": {"ttl": ttl}, "auth": right, "ca": ca}],
         host="ha-ctl2",
@@ -215,6 +225,7 @@ def test_patroni_switchover_and_config_patch_are_refused() -> None:
         unchanged and _patroni_primary() == leader,
     )
     assert seen.get("status") == 200 and obeyed.get("status") == 200, (seen, obeyed)
+    assert not leaked, leaked
     for (what, *_, want), r in zip([*tries, *allowed], got, strict=True):
         assert r.get("status") == want, (what, r)
     assert unchanged, after
@@ -693,6 +704,22 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_the_agents_metrics_are_not_served_to_the_network() -> None:
+    """The agent's /metrics listens on the node's loopback (metrics_listen 127.0.0.1:9469): a stranger's scrape, or
+    its idle connections, never reach it (control: the node itself scrapes it)."""
+    got = attack([{"op": "http", "method": "GET", "url": f"http://{ADDRESS[NODE]}:9469/metrics"}])[0]
+    own = _metrics(NODE)
+    record("agent /metrics", f"GET {NODE}:9469/metrics from ha-attacker", _said(got), "error" in got)
+    record(
+        "agent /metrics",
+        f"control: the same on {NODE}'s loopback",
+        f"{len(own.splitlines())} lines",
+        "sco_agent_" in own,
+    )
+    assert "error" in got, got
+    assert "sco_agent_" in own
 
 
 def test_registering_on_the_checkpoint_socket_as_another_contract_is_refused() -> None:
