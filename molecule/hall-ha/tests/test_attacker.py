@@ -150,6 +150,7 @@ def _settle() -> None:
 def report() -> Iterator[None]:
     """Set up first, torn down last: the hosts settled before this module starts its services and after it stopped
     them (test_drill.py starts them again on the same ports); the table printed and written."""
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
     _settle()
     yield
     _settle()
@@ -566,22 +567,23 @@ def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
         h.run("mountpoint -q /dev/pts || mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts /dev/pts").rc == 0
     )
     th = hosts.test_host(HALL, ctl)
+    log = REPORT.parent / "control-loop-run.log"
     t0 = time.monotonic()
-    run = subprocess.Popen(
-        ["ssh", *th.ssh_args(), "root@127.0.0.1", "bash", "-s"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    with open(log, "w") as out:  # a file, not a pipe: nobody reads a pipe while the sampler runs
+        run = subprocess.Popen(
+            ["ssh", *th.ssh_args(), "root@127.0.0.1", "bash", "-s"],
+            stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
     assert run.stdin is not None
     run.stdin.write(_unit_run(ctl, "sco-control-loop.service"))
     run.stdin.close()
-    end = time.monotonic() + 600
+    end = time.monotonic() + 300
     args, _, procs, passes = _sample(lambda: run.poll() is not None or time.monotonic() > end, wanted)
     if run.poll() is None:
         run.kill()
-    printed = run.stdout.read() if run.stdout else ""
     rc = run.wait(10)
     took = time.monotonic() - t0
-    (REPORT.parent / "control-loop-run.log").write_text(printed)
+    printed = log.read_text(errors="replace")
     in_output = sorted(k for k, v in wanted.items() if v in printed)
     record(
         "process args",
@@ -689,13 +691,19 @@ def _register(
     return dict(json.loads(r.stdout.splitlines()[0]))
 
 
-def _metrics(node: str) -> str:
-    url = "http://127.0.0.1:9469/metrics"  # the agent's /metrics, on the node's loopback
+def _metrics(node: str, wait_s: float = 30) -> str:
+    """The agent's /metrics, scraped on the node's loopback (waited for: an agent just restarted opens it soon)."""
+    url = "http://127.0.0.1:9469/metrics"
     probe = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
-    r = subprocess.run(
-        ["ip", "netns", "exec", _ns(node), sys.executable, "-c", probe], capture_output=True, text=True, timeout=30
-    )
-    assert r.returncode == 0, r.stderr
+    end = time.monotonic() + wait_s
+    while True:
+        r = subprocess.run(
+            ["ip", "netns", "exec", _ns(node), sys.executable, "-c", probe], capture_output=True, text=True, timeout=30
+        )
+        if r.returncode == 0 or time.monotonic() > end:
+            break
+        time.sleep(0.5)
+    assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
 
