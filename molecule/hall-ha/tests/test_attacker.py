@@ -443,7 +443,9 @@ def hall_secrets() -> dict[str, str]:
         if body:
             out[str(p.relative_to(SC.work))] = body[len(body) // 2]
     for n in ("ha-node1", "ha-node2"):
-        out[f"{n} kube token"] = (SC.root(n) / "var" / "lib" / "sco" / "kube-token").read_text().strip()
+        token = SC.root(n) / "var" / "lib" / "sco" / "kube-token"
+        if token.is_file():
+            out[f"{n} kube token"] = token.read_text().strip()
     return {k: v for k, v in out.items() if len(v) >= 8}
 
 
@@ -457,22 +459,27 @@ def _sample(
     seen: set[int] = set()
     passes = 0
     needles = [(k, v.encode()) for k, v in wanted.items()]
+    # a process's host: its network namespace (the inode `ip netns` names it by), no `ip` spawned per pass
+    hosts_by_ns = {os.stat(f"/run/netns/{_ns(h)}").st_ino: h for h in HALL_HOSTS}
     while not done() or passes == 0:
-        for host in HALL_HOSTS:
-            out = subprocess.run(["ip", "netns", "pids", _ns(host)], capture_output=True, text=True, check=False)
-            for pid in out.stdout.split():
-                for f, found in (("cmdline", args), ("environ", env)):
-                    try:
-                        data = Path(f"/proc/{pid}/{f}").read_bytes()
-                        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-                    except OSError:
-                        continue
-                    seen.add(int(pid))
-                    for k, v in needles:
-                        if v in data:
-                            found.setdefault(k, set()).add(f"{host}:{argv0}")
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                host = hosts_by_ns.get(os.stat(f"/proc/{pid}/ns/net").st_ino)
+                if host is None:
+                    continue
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            seen.add(int(pid))
+            argv0 = argv.split(b"\0")[0].decode(errors="replace")
+            for k, v in needles:
+                if v in argv:
+                    args.setdefault(k, set()).add(f"{host}:{argv0}")
+                if v in environ:
+                    env.setdefault(k, set()).add(f"{host}:{argv0}")
         passes += 1
-        time.sleep(0.05)  # a pass a few times a second: short-lived processes still seen, the machine not flooded
+        time.sleep(0.1)  # several passes a second: short-lived processes still seen, the machine not flooded
     return args, env, len(seen), passes
 
 
