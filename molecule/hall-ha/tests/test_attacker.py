@@ -565,7 +565,8 @@ def _unit_run(host: str, unit: str) -> str:
 def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
     """One run of the control loop's unit on ha-ctl2, as its timer starts it (no cloud is configured in this hall,
     so its steps after the demand fail: what matters is what it wrote), with the process sampler on every hall host
-    meanwhile; then every file of both control hosts' runner directories (env/, artifacts/), logs and /tmp."""
+    meanwhile; then every file of both control hosts' runner directories (env/, artifacts/), and of every hall host's
+    /var/log (the services' output, as the drill starts them) and /tmp."""
     wanted = hall_secrets()
     ctl = "ha-ctl2"
     h = SC.host(ctl)
@@ -602,7 +603,7 @@ def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
     record("control loop", f"secrets in the run's output (exit {rc})", said, not in_output)
     scanned = 0
     found: dict[str, list[str]] = {}
-    for host in CONTROL:
+    for host in HALL_HOSTS:
         root = SC.root(host)
         for d in (root / "var" / "lib" / "sco" / "control-loop", root / "var" / "log", root / "tmp"):
             for p in sorted(d.rglob("*")) if d.is_dir() else []:
@@ -617,7 +618,8 @@ def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
     artifacts = sum(1 for p in (SC.root(ctl) / "var/lib/sco/control-loop/artifacts").rglob("*") if p.is_file())
     record(
         "ansible-runner",
-        f"secrets in both control hosts' runner directories, logs, /tmp ({scanned} files, {artifacts} artifact files)",
+        f"secrets in the control hosts' runner directories, every host's /var/log and /tmp ({scanned} files, "
+        f"{artifacts} artifact files)",
         "none seen" if not found else f"SEEN: {found}",
         not found and artifacts > 0,
     )
