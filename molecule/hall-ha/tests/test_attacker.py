@@ -603,6 +603,11 @@ def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
     record("control loop", f"secrets in the run's output (exit {rc})", said, not in_output)
     scanned = 0
     found: dict[str, list[str]] = {}
+    # control: a canary in a file where the grep looks is found
+    canary = "canary-" + secrets.token_hex(12)
+    planted = SC.root(ctl) / "tmp" / "attacker-canary.txt"
+    planted.write_text(f"a log line with {canary} in it\n")
+    wanted = {**wanted, "canary": canary}
     for host in HALL_HOSTS:
         root = SC.root(host)
         for d in (root / "var" / "lib" / "sco" / "control-loop", root / "var" / "log", root / "tmp"):
@@ -615,6 +620,9 @@ def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
                     for k, v in wanted.items():
                         if v.encode() in data:
                             found.setdefault(k, []).append(f"{host}:{p.relative_to(root)}")
+    planted.unlink()
+    canary_found = found.pop("canary", [])
+    record("ansible-runner", f"control: a canary in {ctl}:/tmp", f"found: {canary_found}", bool(canary_found))
     artifacts = sum(1 for p in (SC.root(ctl) / "var/lib/sco/control-loop/artifacts").rglob("*") if p.is_file())
     record(
         "ansible-runner",
@@ -623,6 +631,7 @@ def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
         "none seen" if not found else f"SEEN: {found}",
         not found and artifacts > 0,
     )
+    assert canary_found, "the grep did not find the canary"
     assert artifacts > 0, f"the control loop's run wrote no artifacts (exit {rc}):\n{printed[-3000:]}"
     assert not args, args
     assert not in_output, in_output
