@@ -6,18 +6,16 @@ each got; secrets come in on stdin, never on a command line (the process-argumen
 Operations (``op``):
 - ``http``: one request (``method``, ``url``, ``body``, ``auth`` [user, password], ``ca``: the CA to check the
   server with; none: the certificate is not checked, as an attacker would not) -> status and body, or the error;
-- ``route``: the relay's cluster port at ``host``:``port``: its INFO in the clear, then a TLS handshake showing
-  ``cert``/``key`` (none: no certificate; ``self-signed``: one of a CA of the attacker's own) and a PING ->
-  what came back or what refused it;
-- ``nats_raw``: the client port spoken in the clear (CONNECT, PING, ignoring the INFO's tls_required) -> whether
-  a PONG came;
-- ``nats``: a nats-py client with a creds file, over TLS when ``ca`` is given -> connected or the error;
+- ``route``: the relay's cluster port at ``host``:``port``: its INFO in the clear if it sends one, then a TLS
+  handshake showing ``cert``/``key`` (none: no certificate; ``self-signed``: one of a CA of the attacker's own)
+  and a PING -> what came back or what refused it;
+- ``nats_raw``: the client port spoken by hand (CONNECT with a creds file's JWT and signed nonce, PING), in the
+  clear, ignoring the INFO's tls_required, or over TLS -> whether a PONG came;
 - ``pg``: psycopg with ``dsn`` and ``password`` -> connected (and whether over TLS) or the error.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime
 import http.client
@@ -123,17 +121,41 @@ def route_op(o: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _connect_line(info: bytes, creds: str | None) -> bytes:
+    """The CONNECT a client sends: with ``creds`` (a creds file) its user JWT and the INFO's nonce signed by its
+    seed, as nats-py signs it."""
+    opts: dict[str, Any] = {"verbose": False, "pedantic": False, "tls_required": False, "protocol": 1}
+    if creds:
+        import nkeys
+
+        text = Path(creds).read_text()
+        jwt = text.split("-----BEGIN NATS USER JWT-----")[1].split("------END NATS USER JWT------")[0].strip()
+        seed = text.split("-----BEGIN USER NKEY SEED-----")[1].split("------END USER NKEY SEED------")[0].strip()
+        nonce = json.loads(info.split(b" ", 1)[1])["nonce"] if b'"nonce"' in info else ""
+        kp = nkeys.from_seed(bytearray(seed.encode()))
+        opts.update(jwt=jwt, sig=base64.b64encode(kp.sign(nonce.encode())).decode())
+    return b"CONNECT " + json.dumps(opts).encode() + b"\r\nPING\r\n"
+
+
 def nats_raw_op(o: dict[str, Any]) -> dict[str, Any]:
+    """The client port spoken by hand: its INFO, then CONNECT (with ``creds``: the user's JWT and signed nonce)
+    and PING, in the clear or, with ``ca``, over TLS as a client upgrades after the INFO -> whether a PONG came."""
     try:
         with socket.create_connection((o["host"], o["port"]), DEADLINE_S) as s:
             s.settimeout(3)
             info = s.recv(4096)
-            s.sendall(b'CONNECT {"verbose":false,"tls_required":false}\r\nPING\r\n')
+            conn: socket.socket = s
+            if o.get("ca"):
+                conn = _context(o["ca"]).wrap_socket(s, server_hostname=o["host"])
+                conn.settimeout(3)
+            conn.sendall(_connect_line(info, o.get("creds")))
             seen = b""
             try:
-                while chunk := s.recv(4096):
+                while chunk := conn.recv(4096):
                     seen += chunk
-            except (TimeoutError, ConnectionResetError):
+                    if b"PONG" in seen or b"-ERR" in seen:
+                        break
+            except (TimeoutError, ConnectionResetError, ssl.SSLError):
                 pass
             return {
                 "tls_required": b'"tls_required":true' in info,
@@ -142,27 +164,6 @@ def nats_raw_op(o: dict[str, Any]) -> dict[str, Any]:
             }
     except OSError as e:
         return {"error": f"{type(e).__name__}: {e}", "pong": False}
-
-
-def nats_op(o: dict[str, Any]) -> dict[str, Any]:
-    import nats
-
-    async def go() -> dict[str, Any]:
-        opts: dict[str, Any] = {"user_credentials": o["creds"]}
-        if o.get("ca"):
-            opts["tls"] = ssl.create_default_context(cafile=o["ca"])
-        try:
-            nc = await asyncio.wait_for(
-                nats.connect(o["servers"], connect_timeout=3, max_reconnect_attempts=0, allow_reconnect=False, **opts),
-                DEADLINE_S,
-            )
-        except Exception as e:  # nats-py raises many kinds; any is a refusal here
-            return {"connected": False, "error": f"{type(e).__name__}: {e}"}
-        ok = bool(nc.is_connected)
-        await nc.close()
-        return {"connected": ok}
-
-    return asyncio.run(go())
 
 
 def pg_op(o: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +177,7 @@ def pg_op(o: dict[str, Any]) -> dict[str, Any]:
         return {"connected": False, "error": f"{type(e).__name__}: {str(e).strip()}"}
 
 
-OPS = {"http": http_op, "route": route_op, "nats_raw": nats_raw_op, "nats": nats_op, "pg": pg_op}
+OPS = {"http": http_op, "route": route_op, "nats_raw": nats_raw_op, "pg": pg_op}
 
 
 def main() -> None:
