@@ -21,6 +21,7 @@ from typing import Any
 
 from sco.contract.distributor import publish
 from sco.contract.signing import Keyring, generate, write_keypair
+from sco_devkit.devcluster.openstack import _listening
 from tests.harness import free_port, hall_bundle, wait_for
 from tests.prom import promtool_check, samples
 
@@ -152,11 +153,3 @@ def test_the_roles_certificate_serves_https_checked_against_the_halls_ca_and_ren
         proc.terminate()
         proc.wait(10)
         log.close()
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), 0.2).close()
-        return True
-    except OSError:
-        return False
