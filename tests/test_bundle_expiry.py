@@ -2,25 +2,29 @@
 it is never taken up (a stale mirror or a replayed copy); the one a node holds stays when it expires and its budgets
 drain the work already there, reported by sco_agent_bundle_expired (alert ScoBundleExpired, in the promtool suite of
 test_alert_rules); once a node holds a dated bundle an undated one is older-dated and refused; the signer re-dates
-an unchanged bundle past half its lifetime and nodes take the re-dated one at the same serial."""
+an unchanged bundle past half its lifetime and nodes take the re-dated one at the same serial. Over real HTTPS, from a
+mirror the hall's CA vouches for (TLS lets it through), an old, expired or undated bundle is still refused."""
 
 from __future__ import annotations
 
+import shutil
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from sco._fs import atomic_write
+from sco._tls import ServerTls
 from sco.agent.bundle_cache import BundleCache
-from sco.contract.bundle import DEFAULT_BUNDLE_LIFETIME_S, Bundle, Succession, successor
+from sco.contract.bundle import DEFAULT_BUNDLE_LIFETIME_S, Bundle, Succession, peek_payload, successor
 from sco.contract.compiler import compile_repo
 from sco.contract.distributor import DistributorServer, bundle_path, publish
 from sco.contract.signing import Keyring, PrivateKey, sign
 from sco.errors import BundleError, ContractError, RollbackError
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.conftest import SAMPLE
-from tests.harness import AgentEnv, NatsServer, add_pod, wait_for
+from tests.harness import AgentEnv, NatsServer, add_pod, make_tls, wait_for
 from tests.prom import samples, scrape
 
 WINDOW = 20.0
@@ -161,3 +165,96 @@ def test_a_launch_after_the_full_bundle_aged_boots_a_node_with_fresh_budgets(
         else:
             assert taken == "accepted" and cache.bundle is not None
             assert cache.bundle.content_digest == full.content_digest
+
+
+def test_a_mirror_the_hall_trusts_serving_old_stale_or_undated_bundles_over_tls_is_refused(
+    tmp_path: Path, kube: KubeApiStandIn, nats_server: NatsServer
+) -> None:
+    """The real agent fetching over real HTTPS from a mirror whose certificate the hall's CA signed: TLS lets it
+    through, so only the bundle's own serial and dates stand between the node and what it serves. The hall's own
+    previous bundle replayed (a lower serial, issued earlier, not expired, other budgets), a later serial that
+    expired an hour ago, a later serial without an expiry: each refused, its reason in the spool and in the agent's
+    log, the bundle in use (file, serial, budgets) kept. Controls: a fresh bundle through the same mirror is taken,
+    before the attacks and after them."""
+    ca, crt, key = make_tls(tmp_path / "hall-ca")
+    mirror = DistributorServer(tmp_path / "mirror", ("127.0.0.1", 0), tls=ServerTls(str(crt), str(key)))
+    threading.Thread(target=mirror.serve_forever, daemon=True).start()
+    url = f"{mirror.url}/v1/halls/local/bundle.json"
+    assert url.startswith("https://127.0.0.1:")
+    (tmp_path / "agent-ca").mkdir()
+    shutil.copy(ca, tmp_path / "agent-ca" / "ca.crt")  # the hall's CA, as role node_agent gives it
+    env = AgentEnv(
+        tmp_path / "agent",
+        kube,
+        nats_server,
+        bundle_url=url,
+        bundle_ca_file=str(tmp_path / "agent-ca" / "ca.crt"),
+        bundle_refresh_seconds=1,
+    )
+    repo = env.root / "repo"
+    now = time.time()
+    # the node's first bundle, issued an hour ago (web drains in 6 s), as cloud-init writes it
+    first = compile_repo(repo, issued_at=int(now) - 3600, now=now - 3600)
+    old = sign(first, [env.key])
+    (env.state / "bundle" / "bundle.json").write_bytes(old)
+    # the hall's next one: the budgets changed (web 8 s), issued now
+    contracts = repo / "contracts.yaml"
+    contracts.write_text(contracts.read_text().replace("drainBudgetSeconds: 6", "drainBudgetSeconds: 8", 1))
+    current = sign(compile_repo(repo, previous=first, serial=2, issued_at=int(now), now=now), [env.key])
+    served = bundle_path(mirror.files.root, "local")
+    served.parent.mkdir(parents=True, exist_ok=True)
+
+    def serve(raw: bytes) -> None:
+        atomic_write(served, raw)  # the mirror's file replaced as a mirror would (publish would refuse these)
+
+    def serial() -> float:
+        return samples(scrape(env.metrics_url))["sco_agent_bundle_serial"]
+
+    def taken(s: int) -> None:
+        wait_for(lambda: any(e.get("serial") == s for e in env.of("bundle.accepted")), 15, f"serial {s} taken", 0.2)
+
+    def refused(raw: bytes, what: str) -> dict[str, object]:
+        """``raw`` served, and the agent's next refusal (counted before: a refresh may come at once)."""
+        n = len(env.of("bundle.refused"))
+        serve(raw)
+        got = wait_for(lambda: env.of("bundle.refused")[n:], 15, f"the {what} refused", 0.2)
+        return dict(got[0])
+
+    def web_budget() -> object:
+        payload = peek_payload((env.state / "bundle" / "bundle.json").read_bytes()) or {}
+        return next(c["drainBudgetSeconds"] for c in payload["contracts"] if c["name"] == "web")
+
+    serve(current)
+    try:
+        env.start()
+        taken(2)  # control: the mirror over TLS reaches the agent
+        assert serial() == 2 and web_budget() == 8 and not env.of("bundle.error"), env.of("bundle.error")
+
+        # the hall's own previous bundle, replayed: signed, not expired, but older (serial 1, issued an hour ago)
+        rollback = refused(old, "replayed older bundle")
+        # a later serial, signed by the hall, expired an hour ago (a stale mirror of a bundle since replaced)
+        expired = refused(sign(_payload(repo, -3600, previous=first, serial=3), [env.key]), "expired bundle")
+        # a later serial without an expiry (older-dated: as a release before expiry signed them)
+        undated = {k: v for k, v in compile_repo(repo, previous=first, serial=4).items() if k != "expiresAt"}
+        no_expiry = refused(sign(undated, [env.key]), "undated bundle")
+
+        assert "serial 1 is lower than the cached serial 2 (rollback)" in str(rollback["reason"]), rollback
+        assert "bundle serial 3 expired at" in str(expired["reason"]), expired
+        assert "carries no expiry" in str(no_expiry["reason"]) and "older-dated" in str(no_expiry["reason"])
+        # the bundle in use kept: its serial, its bytes, its budgets
+        assert serial() == 2 and (env.state / "bundle" / "bundle.json").read_bytes() == current
+        assert web_budget() == 8
+        assert samples(scrape(env.metrics_url))["sco_agent_bundle_expired"] == 0
+        # each refusal said once in the agent's own log, with its reason
+        warned = [ln for ln in env.logtext().splitlines() if "WARNING" in ln and "bundle refused, serial 2 kept" in ln]
+        assert len(warned) == 3 and "(rollback)" in warned[0] and "expired at" in warned[1], warned
+        assert "older-dated" in warned[2], warned
+
+        # control: a fresh one through the same mirror is taken
+        serve(sign(compile_repo(repo, previous=first, serial=5), [env.key]))
+        taken(5)
+        assert serial() == 5
+    finally:
+        env.stop()
+        mirror.shutdown()
+        mirror.server_close()

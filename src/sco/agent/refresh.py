@@ -1,7 +1,8 @@
 """The bundle refresh: ask the distributor for a newer bundle every ``bundleRefreshSeconds`` (60 s by default).
 
 A refused or failed refresh keeps the last good bundle; each new refusal or error is spooled once (not every
-minute while it lasts), each accepted bundle once.
+minute while it lasts) and said once in the agent's log (a WARNING naming the reason: a distributor whose TLS
+certificate is not the hall's, an expired or rolled-back bundle), each accepted bundle once.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class BundleRefresh:
                 self.on_accepted()
             elif offer.outcome in ("refused", "error") and (offer.outcome, offer.reason) != last:
                 self.spool.append(f"bundle.{offer.outcome}", ROUTINE, serial=offer.serial, reason=offer.reason)
+                log.warning("bundle %s, serial %s kept: %s", offer.outcome, offer.serial, offer.reason)
             last = (offer.outcome, offer.reason)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval())
