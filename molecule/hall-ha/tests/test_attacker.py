@@ -692,15 +692,28 @@ def _register(
     return dict(json.loads(r.stdout.splitlines()[0]))
 
 
+def _metrics_scheme(node: str) -> str:
+    """https when role node_agent gave the agent a /metrics certificate (the hall's default, sco_metrics_tls: TLS
+    only, a plain request gets no answer), else http."""
+    conf = (SC.root(node) / "etc" / "sco" / "agent.toml").read_text()
+    return "https" if re.search(r'^metrics_tls_cert_file = "/', conf, re.M) else "http"
+
+
+_SCRAPE = """
+import ssl, sys, urllib.request
+ctx = ssl.create_default_context(cafile=sys.argv[2]) if sys.argv[2] else None
+print(urllib.request.urlopen(sys.argv[1], timeout=5, context=ctx).read().decode())
+"""
+
+
 def _metrics(node: str, wait_s: float = 30) -> str:
-    """The agent's /metrics, scraped on the node's loopback (waited for: an agent just restarted opens it soon)."""
-    url = "http://127.0.0.1:9469/metrics"
-    probe = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
+    """The agent's /metrics, scraped on the node's loopback, over TLS checked against the hall's CA when it serves
+    TLS (waited for: an agent just restarted opens it soon)."""
+    scheme = _metrics_scheme(node)
+    argv = [sys.executable, "-c", _SCRAPE, f"{scheme}://127.0.0.1:9469/metrics", str(CA) if scheme == "https" else ""]
     end = time.monotonic() + wait_s
     while True:
-        r = subprocess.run(
-            ["ip", "netns", "exec", _ns(node), sys.executable, "-c", probe], capture_output=True, text=True, timeout=30
-        )
+        r = subprocess.run(["ip", "netns", "exec", _ns(node), *argv], capture_output=True, text=True, timeout=30)
         if r.returncode == 0 or time.monotonic() > end:
             break
         time.sleep(0.5)
@@ -717,10 +730,11 @@ def _metric(text: str, name: str) -> float:
 
 def test_the_agents_metrics_are_not_served_to_the_network() -> None:
     """The agent's /metrics listens on the node's loopback (metrics_listen 127.0.0.1:9469): a stranger's scrape, or
-    its idle connections, never reach it (control: the node itself scrapes it)."""
-    got = attack([{"op": "http", "method": "GET", "url": f"http://{ADDRESS[NODE]}:9469/metrics"}])[0]
+    its idle connections, never reach it (control: the node itself scrapes it, over TLS against the hall's CA)."""
+    scheme = _metrics_scheme(NODE)
+    got = attack([{"op": "http", "method": "GET", "url": f"{scheme}://{ADDRESS[NODE]}:9469/metrics"}])[0]
     own = _metrics(NODE)
-    record("agent /metrics", f"GET {NODE}:9469/metrics from ha-attacker", _said(got), "error" in got)
+    record("agent /metrics", f"GET {scheme}://{NODE}:9469/metrics from ha-attacker", _said(got), "error" in got)
     record(
         "agent /metrics",
         f"control: the same on {NODE}'s loopback",
