@@ -11,19 +11,29 @@ Operations (``op``):
   and a PING -> what came back or what refused it;
 - ``nats_raw``: the client port spoken by hand (CONNECT with a creds file's JWT and signed nonce, PING), in the
   clear, ignoring the INFO's tls_required, or over TLS -> whether a PONG came;
-- ``pg``: psycopg with ``dsn`` and ``password`` -> connected (and whether over TLS) or the error.
+- ``pg``: psycopg with ``dsn`` and ``password`` -> connected (and whether over TLS) or the error;
+- ``cert``: a key and a certificate for ``name`` written in ``dir``, signed by ``ca_cert``/``ca_key`` (a CA's files
+  on the controller) or, without them, self-signed (an intruder's own) -> their paths.
+
+``attacker.py serve BIND PORT ROOT LOG [CERT KEY]`` is the fake distributor: ROOT's files over HTTP, or over HTTPS
+with CERT and KEY, until killed; each connection and request a JSON line in LOG (the TLS handshake's outcome, the
+request line and status, the server's error for what is not HTTP), the first line once it listens.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import http.client
+import http.server
 import json
 import socket
 import ssl
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -62,27 +72,46 @@ def http_op(o: dict[str, Any]) -> dict[str, Any]:
         c.close()
 
 
-def _self_signed(d: Path) -> tuple[str, str]:
-    """A certificate and key of a CA that is not the hall's (an intruder's own)."""
+def _certificate(d: Path, name: str, ca_cert: str | None = None, ca_key: str | None = None) -> tuple[str, str]:
+    """A key and a server certificate for ``name`` in ``d``: signed by the CA ``ca_cert``/``ca_key``, or (without)
+    self-signed, a CA that is not the hall's (an intruder's own)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ha-infra1")])
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    issuer, signer, issuer_public = subject, key, key.public_key()
+    if ca_cert and ca_key:
+        ca = x509.load_pem_x509_certificate(Path(ca_cert).read_bytes())
+        signer = serialization.load_pem_private_key(Path(ca_key).read_bytes(), None)  # type: ignore[assignment]
+        issuer, issuer_public = ca.subject, ca.public_key()  # type: ignore[assignment]
     now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(1))
-        .sign(key, hashes.SHA256())
+        x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_public), critical=False)
+        .sign(signer, hashes.SHA256())
     )  # fmt: skip
-    crt, k = d / "intruder.crt", d / "intruder.key"
+    d.mkdir(parents=True, exist_ok=True)
+    crt, k = d / f"{name}.crt", d / f"{name}.key"
     crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    k.touch(mode=0o600)
     k.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return str(crt), str(k)
+
+
+def cert_op(o: dict[str, Any]) -> dict[str, Any]:
+    crt, key = _certificate(Path(o["dir"]), o["name"], o.get("ca_cert"), o.get("ca_key"))
+    return {"cert": crt, "key": key}
 
 
 def route_op(o: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +120,7 @@ def route_op(o: dict[str, Any]) -> dict[str, Any]:
         ctx = _context(None)
         cert, key = o.get("cert"), o.get("key")
         if cert == "self-signed":
-            cert, key = _self_signed(Path(tmp))
+            cert, key = _certificate(Path(tmp), "ha-infra1")
         if cert:
             ctx.load_cert_chain(cert, key)
         try:
@@ -177,10 +206,59 @@ def pg_op(o: dict[str, Any]) -> dict[str, Any]:
         return {"connected": False, "error": f"{type(e).__name__}: {str(e).strip()}"}
 
 
-OPS = {"http": http_op, "route": route_op, "nats_raw": nats_raw_op, "pg": pg_op}
+OPS = {"http": http_op, "route": route_op, "nats_raw": nats_raw_op, "pg": pg_op, "cert": cert_op}
+
+
+class _FakeDistributor(http.server.SimpleHTTPRequestHandler):
+    """A file server that notes each connection: its TLS handshake (done, or why not), its request and status, and
+    the server's error for what is not HTTP (a TLS ClientHello sent to the plain port)."""
+
+    timeout = 10  # a client that stalls is cut
+    note: Any = None  # the LOG writer (one JSON line per event, shared by the connections' threads)
+
+    def handle(self) -> None:
+        if isinstance(self.connection, ssl.SSLSocket):
+            try:
+                self.connection.do_handshake()
+            except (OSError, ssl.SSLError) as e:
+                self.note(self.client_address[0], tls=f"failed: {type(e).__name__}: {e}")
+                return
+            self.note(self.client_address[0], tls="done")
+        super().handle()
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        self.note(self.client_address[0], request=self.requestline[:200], status=int(code))
+
+    def log_error(self, format: str, *args: Any) -> None:
+        self.note(self.client_address[0], error=(format % args)[:300])
+
+
+def serve(bind: str, port: int, root: str, log: str, cert: str = "", key: str = "") -> None:
+    lock = threading.Lock()
+    out = open(log, "a")  # noqa: SIM115 (open until the process is killed)
+
+    def note(peer: str, **what: Any) -> None:
+        with lock:
+            out.write(json.dumps({"at": round(time.time(), 3), "peer": peer, **what}) + "\n")
+            out.flush()
+
+    _FakeDistributor.note = staticmethod(note)
+    srv = http.server.ThreadingHTTPServer((bind, port), functools.partial(_FakeDistributor, directory=root))
+    srv.daemon_threads = True
+    if cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        # the handshake on the connection's thread (handle), where its failure is noted
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True, do_handshake_on_connect=False)
+    note("", serving="https" if cert else "http", listen=f"{bind}:{port}")
+    srv.serve_forever()
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["serve"]:
+        bind, port, root, log, *tls = sys.argv[2:]
+        serve(bind, int(port), root, log, *tls)
+        return
     ops = json.load(sys.stdin)
     print(json.dumps([OPS[o["op"]](o) for o in ops]))
 

@@ -13,18 +13,19 @@ Patroni and PostgreSQL as the role runs them) and must fail at each:
 - a secret of the hall's in any of its hosts' process arguments (what `ps` shows every local user), sampled while
   it runs, and in the control hosts' ansible-runner artifacts and logs;
 - registering on a node's checkpoint socket as another contract: a user outside the socket's group, a root process
-  in no pod, a pod's process naming another pod's contract.
+  in no pod, a pod's process naming another pod's contract;
+- serving a node bundles from ha-attacker, the node's way to the distributor taken over (its name for ha-ctl1
+  pointed at ha-attacker, which forwards the Kubernetes API on): as a man in the middle without the hall's
+  certificate (its own certificate, plain HTTP), and as a stale mirror the hall's CA vouches for (an expired
+  bundle, an undated one, the node's previous one replayed).
 
 Each attack has its control where that is safe: the same client with the right credentials, address, certificate
 or contract succeeds, so a refusal is the defence's and not a network error. Each attack's service, attack and
 result go to a table printed at the end and written to .work/molecule/hall-ha-verify/attacks.txt.
 
-Not here yet: serving a node a stale or older-dated bundle from ha-attacker (its first run timed out: no request
-reached the fake distributor within 60 s of the agent's restart, cause not found; tests/test_bundle_expiry.py runs
-that defence against the real agent and distributor).
-
 Runs before test_drill.py (file order) and leaves the hall as it found it: the services it started stopped (and
-waited for), the pod cgroup removed.
+waited for), the pod cgroup removed, the node's bundle cache and /etc/hosts restored (its agent's log and spool
+of the bundle attacks copied to the table's directory first: the drill starts them afresh).
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ from test_drill import (  # noqa: F401 (agents, kube, relays: fixtures this modu
     HALL,
     INFRA,
     SC,
+    _agent_exec_start,
     _kill,
     _patroni_primary,
     _pids,
+    _spool,
+    _wait,
     agents,
     kube,
     relays,
@@ -807,3 +811,285 @@ def test_registering_on_the_checkpoint_socket_as_another_contract_is_refused() -
     assert forged.get("op") == "error" and "is not this process's" in forged["error"], forged
     assert own.get("op") == "registered" and own.get("contract") == "ci-runners", own
     assert grew == {"not_a_workload": 1, "wrong_contract": 1}, grew
+
+
+# --- the bundle's way to a node --------------------------------------------------------------------------------------
+
+WWW = SC.work / "attacker"  # the fake distributor's files and certificates (the controller's; never under tls/)
+TAKEN_OR_NOT = ("bundle.accepted", "bundle.refused", "bundle.error")  # a fetch's outcome, whichever it is
+
+
+def attacker_address() -> str:
+    """ha-attacker's address on the hall's network (create.yml gave it; it is in no inventory)."""
+    members: dict[str, str] = json.loads((hosts.scenario_dir(HALL) / "network.json").read_text())
+    return members[ATTACKER]
+
+
+def _sign(payload: dict[str, Any]) -> bytes:
+    from sco.contract.signing import load_private, sign
+
+    return sign(payload, [load_private(SC.work / "keys" / "hall.key")])
+
+
+def _notes(log: Path) -> list[dict[str, Any]]:
+    """The fake distributor's log: one JSON object per connection's handshake, request or error."""
+    return [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")] if log.is_file() else []
+
+
+def _fetched(node: str, what: str) -> dict[str, Any]:
+    """The node's agent stopped and started again as the drill starts it (its log appended to, its first refresh at
+    once): the first fetch outcome it spools since, taken, refused or failed."""
+    n = len(_spool(node))
+    _kill(node, "sco-agent", signal.SIGTERM)
+    _wait(lambda: not _pids(node, "sco-agent"), 30, f"{node}'s agent to stop")
+    h = SC.host(node)
+    assert h.run(f"setsid {_agent_exec_start(h)} >> /var/log/sco-agent.log 2>&1 < /dev/null &").rc == 0
+    got: dict[str, Any] = _wait(
+        lambda: next((e for e in _spool(node)[n:] if e.get("type") in TAKEN_OR_NOT), None),
+        90,
+        f"{node}'s agent to fetch {what} (the fake distributor's log is in {REPORT.parent})",
+        1,
+    )
+    return got
+
+
+@contextlib.contextmanager
+def fake_distributor(name: str, tls: dict[str, str] | None) -> Iterator[Path]:
+    """attacker.py's fake distributor on ha-attacker at the distributor's port, serving WWW/www over HTTPS with
+    ``tls`` (its cert and key) or plain HTTP, until the block ends; its log (kept in the report's directory) is
+    yielded."""
+    log = REPORT.parent / f"fake-distributor-{name}.log"
+    log.unlink(missing_ok=True)
+    argv = ["ip", "netns", "exec", _ns(ATTACKER), sys.executable, str(TOOLS), "serve", attacker_address(), "8470"]
+    argv += [str(WWW / "www"), str(log), *((tls["cert"], tls["key"]) if tls else ())]
+    with open(REPORT.parent / "fake-distributor.out", "ab") as out:
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait(lambda: p.poll() is not None or any("serving" in n for n in _notes(log)), 30, f"the {name} distributor")
+        assert p.poll() is None, (REPORT.parent / "fake-distributor.out").read_text()[-2000:]
+        yield log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
+@contextlib.contextmanager
+def kube_forwarded() -> Iterator[None]:
+    """ha-attacker forwarding the Kubernetes API on to ha-ctl1 (sco_kube_url names ha-ctl1 too): the node's agent
+    keeps its API while its name for ha-ctl1 leads to ha-attacker."""
+    me = attacker_address()
+    with open(REPORT.parent / "fake-distributor.out", "ab") as out:
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", _ns(ATTACKER), "socat", f"TCP-LISTEN:6443,bind={me},fork,reuseaddr",
+             f"TCP:{ADDRESS['ha-ctl1']}:6443"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
+@contextlib.contextmanager
+def node_led_to_attacker(node: str) -> Iterator[None]:
+    """The node's way to ha-ctl1 taken over (its /etc/hosts entry for it: a poisoned resolver), its bundle cache
+    kept aside. After: the agent's log and spool copied to the report's directory (the drill's fixture starts the
+    log afresh), the resolver and the cache put back, the agent running on them as before."""
+    root = SC.root(node)
+    etc_hosts = root / "etc" / "hosts"
+    saved = etc_hosts.read_text()
+    h = SC.host(node)
+    keep = "/var/lib/sco/.bundle-before-attack"
+    assert h.run(f"rm -rf {keep} && cp -a /var/lib/sco/bundle {keep}").rc == 0
+    me = attacker_address()
+    etc_hosts.write_text(re.sub(rf"^{re.escape(ADDRESS['ha-ctl1'])} ha-ctl1$", f"{me} ha-ctl1", saved, flags=re.M))
+    assert f"{me} ha-ctl1" in etc_hosts.read_text()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.copyfile(root / "var" / "log" / "sco-agent.log", REPORT.parent / f"{node}-agent.log")
+        with contextlib.suppress(AssertionError):
+            (REPORT.parent / f"{node}-events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _spool(node)))
+        etc_hosts.write_text(saved)
+        _kill(node, "sco-agent", signal.SIGTERM)
+        _wait(lambda: not _pids(node, "sco-agent"), 30, f"{node}'s agent to stop")
+        assert h.run(f"rm -rf /var/lib/sco/bundle && cp -a {keep} /var/lib/sco/bundle && rm -rf {keep}").rc == 0
+        assert h.run(f"setsid {_agent_exec_start(h)} >> /var/log/sco-agent.log 2>&1 < /dev/null &").rc == 0
+
+
+def test_a_bundle_from_a_man_in_the_middle_or_a_stale_mirror_is_refused_and_the_last_good_one_kept() -> None:
+    """ha-node1's name for ha-ctl1 (the host of its bundle_url) leads to ha-attacker, which serves its own bundles
+    at the distributor's port and path (and forwards the Kubernetes API on):
+
+    (a) a man in the middle without the hall's certificate, serving a bundle the node would take (the hall's, fresh,
+        the next serial: better than the replays such an attacker holds), over HTTPS with a certificate of its own,
+        then over plain HTTP: the agent refuses at TLS (a failed fetch, CERTIFICATE_VERIFY_FAILED / an SSL error,
+        in its spool and its log); the fake distributor saw it come (its handshake refused, or a ClientHello where
+        HTTP was expected) and served nothing;
+    (b) a stale mirror the hall trusts (a certificate for ha-ctl1 signed by the hall's CA): a later serial signed by
+        the hall that expired an hour ago, a later serial without an expiry (older-dated), then, after the control,
+        the node's own bundle replayed (a lower serial, issued earlier, not expired): each refused with its reason;
+        control: a fresh bundle through the same mirror is taken, and when it expires the node keeps it
+        (sco_agent_bundle_expired 1).
+
+    After each refusal the bundle in use (serial, file, so its budgets) is the one held before. Until TLS became the
+    default (b678433) the agent fetched http:// and (b) was the only line. This test's first form (left out in
+    887d20b) served plain HTTP, which an https:// bundle_url meets with a failed handshake, not the refusal it waited
+    for; its outcomes here are taken as they come (taken, refused or failed) and said."""
+    from sco.contract.bundle import Bundle
+    from sco.contract.signing import Keyring, load_public
+
+    conf = SC.host(NODE).file("/etc/sco/agent.toml").content_string
+    url = re.search(r'^bundle_url = "https://ha-ctl1:8470(/[^"]+)"$', conf, re.M)
+    assert url and re.search(r'^bundle_ca_file = "/', conf, re.M), conf  # TLS, checked against the hall's CA
+    cache = SC.root(NODE) / "var" / "lib" / "sco" / "bundle"
+    held_raw = (cache / "bundle.json").read_bytes()
+    held = Bundle.from_bytes(held_raw, Keyring([load_public(SC.work / "keys" / "hall.pub")]))
+    s = held.serial
+    assert _metric(_metrics(NODE), "sco_agent_bundle_serial") == s
+    assert held.expires_at is not None, "the node's bundle carries no expiry: an undated one would not be older-dated"
+    payload = dict(held.verified.payload)
+    agent_log = SC.root(NODE) / "var" / "log" / "sco-agent.log"
+    shutil.rmtree(WWW, ignore_errors=True)
+    served = WWW / "www" / url.group(1).lstrip("/")
+    served.parent.mkdir(parents=True)
+    own, mirror = attack(
+        [
+            {"op": "cert", "dir": str(WWW / "own"), "name": "ha-ctl1"},  # self-signed: a CA of the attacker's own
+            {"op": "cert", "dir": str(WWW / "mirror"), "name": "ha-ctl1", "ca_cert": str(CA),
+             "ca_key": str(SC.work / "tls" / "ca.key")},  # the hall's CA (the controller's state directory)
+        ]
+    )  # fmt: skip
+
+    def fetch(what: str, raw: bytes, log: Path) -> dict[str, Any]:
+        """``raw`` served, the agent restarted: its outcome, the bundle it holds after, what the fake saw."""
+        served.write_bytes(raw)
+        seen = len(_notes(log))
+        ev = _fetched(NODE, what)
+        return {
+            "event": ev,
+            "reason": str(ev.get("reason", "")),
+            "serial": _metric(_metrics(NODE), "sco_agent_bundle_serial"),
+            "held": (cache / "bundle.json").read_bytes(),
+            "notes": _notes(log)[seen:],
+        }
+
+    def short(r: dict[str, Any]) -> str:
+        return f"{r['event']['type']}: {r['reason'][-70:]}; held serial {r['serial']:g}".replace(": ;", ";")
+
+    try:
+        with kube_forwarded(), node_led_to_attacker(NODE):
+            log_from = agent_log.stat().st_size
+            refused_before = json.loads((cache / "state.json").read_text()).get("refused", 0)
+            now = int(time.time())
+            would_take = _sign({**payload, "serial": s + 1, "issuedAt": now, "expiresAt": now + 3600})
+            with fake_distributor("own-certificate", own) as log:
+                own_tls = fetch("the bundle over TLS with ha-attacker's own certificate", would_take, log)
+            with fake_distributor("plain-http", None) as log:
+                plain = fetch("the bundle over plain HTTP", would_take, log)
+            with fake_distributor("hall-ca-mirror", mirror) as log:
+                now = int(time.time())
+                expired = fetch(
+                    "an expired bundle from the mirror",
+                    _sign({**payload, "serial": s + 1, "issuedAt": now - 7 * 86_400 - 3600, "expiresAt": now - 3600}),
+                    log,
+                )
+                undated = fetch(
+                    "an undated bundle from the mirror",
+                    _sign({k: v for k, v in {**payload, "serial": s + 2}.items() if k != "expiresAt"}),
+                    log,
+                )
+                # control: fresh, through the same mirror; it expires 90 s after it is served
+                now = int(time.time())
+                fresh_raw = _sign({**payload, "serial": s + 3, "issuedAt": now, "expiresAt": now + 90})
+                fresh = fetch("a fresh bundle from the mirror", fresh_raw, log)
+                # the node's own bundle of before, replayed: the hall's, not expired, but an older serial and issue
+                replay = fetch("the node's previous bundle replayed by the mirror", held_raw, log)
+                _wait(lambda: _metric(_metrics(NODE), "sco_agent_bundle_expired") == 1,
+                      max(0.0, now + 90 - time.time()) + 60, "the held bundle to expire", 2)  # fmt: skip
+                expired_held = _metrics(NODE)
+                held_after = (cache / "bundle.json").read_bytes()
+            refused_after = json.loads((cache / "state.json").read_text()).get("refused", 0)
+            warned = [ln for ln in agent_log.read_bytes()[log_from:].decode(errors="replace").splitlines() if
+                      "WARNING" in ln and "bundle " in ln]  # fmt: skip
+    finally:
+        shutil.rmtree(WWW, ignore_errors=True)  # the mirror's key: the hall's CA signed its certificate
+
+    def said(*words: str) -> bool:
+        """The agent's own log says it: a WARNING with each of ``words``."""
+        return any(all(w in ln for w in words) for ln in warned)
+
+    kept = f"bundle error, serial {s} kept"
+    checks = [
+        (
+            "HTTPS with ha-attacker's own certificate for ha-ctl1",
+            own_tls,
+            own_tls["event"]["type"] == "bundle.error" and "CERTIFICATE_VERIFY_FAILED" in own_tls["reason"]
+            and said(kept, "CERTIFICATE_VERIFY_FAILED") and own_tls["held"] == held_raw and own_tls["serial"] == s
+            and any(str(n.get("tls", "")).startswith("failed") for n in own_tls["notes"])
+            and not any("request" in n for n in own_tls["notes"]),
+        ),
+        (
+            "plain HTTP on the distributor's port",
+            plain,
+            plain["event"]["type"] == "bundle.error" and "[SSL: " in plain["reason"] and said(kept, "[SSL: ")
+            and plain["held"] == held_raw and plain["serial"] == s and any("error" in n for n in plain["notes"])
+            and not any(n.get("status") == 200 for n in plain["notes"]),
+        ),
+    ]  # fmt: skip
+    for attack_, r, ok in checks:
+        record("bundle (MITM)", f"{attack_}, serving serial {s + 1} (hall-signed, fresh)", short(r), ok)
+    mirror_checks = [
+        (
+            f"serial {s + 1} signed by the hall, expired 1 h ago",
+            expired,
+            expired["event"]["type"] == "bundle.refused" and "expired at" in expired["reason"]
+            and expired["held"] == held_raw and expired["serial"] == s
+            and any(n.get("status") == 200 for n in expired["notes"]),
+        ),
+        (
+            f"serial {s + 2} signed by the hall, undated (older-dated)",
+            undated,
+            undated["event"]["type"] == "bundle.refused" and "older-dated" in undated["reason"]
+            and undated["held"] == held_raw and undated["serial"] == s,
+        ),
+        (
+            f"control: serial {s + 3}, fresh (90 s), same mirror",
+            fresh,
+            fresh["event"]["type"] == "bundle.accepted" and fresh["serial"] == s + 3 and fresh["held"] == fresh_raw,
+        ),
+        (
+            f"the node's previous serial {s} replayed (issued earlier, not expired)",
+            replay,
+            replay["event"]["type"] == "bundle.refused" and "(rollback)" in replay["reason"]
+            and replay["held"] == fresh_raw and replay["serial"] == s + 3,
+        ),
+    ]  # fmt: skip
+    for attack_, r, ok in mirror_checks:
+        record("bundle (hall-CA mirror)", attack_, short(r), ok)
+    held_expired = _metric(expired_held, "sco_agent_bundle_expired") == 1 and held_after == fresh_raw
+    record(
+        "bundle (hall-CA mirror)",
+        "the held bundle expires: kept, sco_agent_bundle_expired",
+        f"expired {_metric(expired_held, 'sco_agent_bundle_expired'):g}, serial "
+        f"{_metric(expired_held, 'sco_agent_bundle_serial'):g}, file unchanged {held_after == fresh_raw}",
+        held_expired and _metric(expired_held, "sco_agent_bundle_serial") == s + 3,
+    )
+    counted = refused_after - refused_before == 3 and said("bundle refused", "expired at") and said("older-dated")
+    record(
+        "bundle (hall-CA mirror)",
+        "refusals counted (sco-agent status) and said in the agent's log",
+        f"refused +{refused_after - refused_before}, {len(warned)} WARNING lines",
+        counted and said("bundle refused", "(rollback)"),
+    )
+    for what, r, ok in [*checks, *mirror_checks]:
+        assert ok, (what, r["event"], r["serial"], r["notes"][-3:], warned)
+    assert held_expired and _metric(expired_held, "sco_agent_bundle_serial") == s + 3, expired_held
+    assert counted and said("bundle refused", "(rollback)"), (refused_before, refused_after, warned)
+    # put back: the node's own cache and resolver (node_led_to_attacker), its agent on the hall's bundle again
+    _wait(lambda: _metric(_metrics(NODE), "sco_agent_bundle_serial") == s, 60, f"{NODE} back on serial {s}")
+    assert (cache / "bundle.json").read_bytes() == held_raw
