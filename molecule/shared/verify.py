@@ -16,7 +16,7 @@ import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import testinfra
 
@@ -89,12 +89,67 @@ def unit_settings(run: Any, unit: str) -> dict[str, list[str]]:
     return out
 
 
+class UnitAccount(NamedTuple):
+    """Whom systemd runs a unit's commands as and what it says about that user in their environment."""
+
+    name: str  # the user the harness runs the command as (root for a dynamic user: no dynamic users here)
+    uid: int
+    gid: int  # Group=, else the user's own group
+    environment: dict[str, str | None]  # USER, LOGNAME, HOME, SHELL; None: unset
+
+
+def _getent(run: Any, db: str, key: str) -> list[str]:
+    out = run(f"getent {db} {shlex.quote(key)}; true").strip()
+    return out.splitlines()[0].split(":") if out else []
+
+
+def unit_account(run: Any, unit: str, u: dict[str, list[str]], user: str | None = None) -> UnitAccount:
+    """The account of ``unit`` (settings ``u``; ``user``: another user and its own group instead of User= and
+    Group=) and the environment systemd (252, the hosts' Debian's) gives it for that user, as systemd.exec(5)'s
+    "$USER, $LOGNAME, $HOME, $SHELL" says: with User=, the user's name twice, its home directory and its login shell
+    from its passwd entry; with DynamicUser=, only the dynamic user's name twice (User= or the unit's name); with
+    neither, none of the four. ``run`` runs a shell command on the host and returns its stdout."""
+    dynamic = (u.get("DynamicUser") or ["no"])[-1] in ("yes", "true", "on", "1")
+    name = user or (u.get("User") or [""])[-1]
+    if dynamic and not user:
+        name = name or unit.removesuffix(".service").split("@")[0]
+        return UnitAccount("root", 0, 0, {"USER": name, "LOGNAME": name, "HOME": None, "SHELL": None})
+    if not name:
+        return UnitAccount("root", 0, 0, dict.fromkeys(("USER", "LOGNAME", "HOME", "SHELL")))
+    pw = _getent(run, "passwd", name)
+    if len(pw) < 7:  # systemd would not start it: status=217/USER
+        raise AssertionError(f"{unit}: User={name} has no passwd entry on the host (systemd: 217/USER)")
+    gid = int(pw[3])
+    group = "" if user else (u.get("Group") or [""])[-1]
+    if group:
+        gr = _getent(run, "group", group)
+        if len(gr) < 3:  # status=216/GROUP
+            raise AssertionError(f"{unit}: Group={group} has no group entry on the host (systemd: 216/GROUP)")
+        gid = int(gr[2])
+    env: dict[str, str | None] = {"USER": pw[0], "LOGNAME": pw[0], "HOME": pw[5], "SHELL": pw[6]}
+    return UnitAccount(pw[0], int(pw[2]), gid, env)
+
+
 def service_command(run: Any, unit: str, key: str = "ExecStart", user: str | None = None, index: int = -1) -> str:
-    """The shell line that runs ``unit``'s ``key`` command (its ``index``-th) as systemd would: as its User
-    (DynamicUser: root, no dynamic users here), its EnvironmentFile and Environment set, its LoadCredential files
-    copied into $CREDENTIALS_DIRECTORY."""
+    """The shell line that runs ``unit``'s ``key`` command (its ``index``-th) as systemd would: as its User and
+    Group (``user``: another user, with its own group; DynamicUser: root, no dynamic users here), with the
+    environment systemd hands it (USER, LOGNAME, HOME and SHELL for that user: unit_account; its EnvironmentFile
+    and Environment), its RuntimeDirectory and StateDirectory made and given to its user, its LoadCredential files
+    copied into $CREDENTIALS_DIRECTORY. ``run`` runs a shell command on the host and returns its stdout. The line
+    holds the environment's values: where they are secrets, give it on stdin (``bash -s``), not as an argument."""
     u = unit_settings(run, unit)
+    raw = u[key][index]
+    prefix = raw[: len(raw) - len(raw.lstrip("+-@:!"))]
+    # systemd's "$$" is a literal "$" (a shell would read the pid)
+    cmd = raw.removeprefix(prefix).replace("$$", "$")
+    acct = unit_account(run, unit, u, user)
+    # what the SSH session set is not the unit's: systemd starts from its own environment
     pre = ["set -a"]
+    pre += [f"unset {k}" if v is None else f"export {k}={shlex.quote(v)}" for k, v in acct.environment.items()]
+    # systemd's order: its own variables, Environment=, then EnvironmentFile= (each overrides the one before)
+    for e in u.get("Environment", []):
+        k, v = e.split("=", 1)
+        pre.append(f"export {k}={shlex.quote(v)}")
     for f in u.get("EnvironmentFile", []):
         # systemd's syntax (KEY=VALUE, the rest of the line the value, quotes around it removed), not a shell's:
         # a DSN's spaces would split it
@@ -106,13 +161,18 @@ def service_command(run: Any, unit: str, key: str = "ExecStart", user: str | Non
                 if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
                     v = v[1:-1]
                 pre.append(f"export {k.strip()}={shlex.quote(v)}")
-    for e in u.get("Environment", []):
-        k, v = e.split("=", 1)
-        pre.append(f"export {k}={shlex.quote(v)}")
-    for d in u.get("RuntimeDirectory", []):
-        pre.append(f"mkdir -p /run/{d}; chmod 0755 /run/{d}; export RUNTIME_DIRECTORY=/run/{d}")
-    for d in u.get("StateDirectory", []):
-        pre.append(f"mkdir -p /var/lib/{d}; export STATE_DIRECTORY=/var/lib/{d}")
+    # systemd makes them with their mode and gives them to the unit's user and group (everything below too, when
+    # the directory's owner is another)
+    owner = f"{acct.uid}:{acct.gid}"
+    for setting, base, var in (("RuntimeDirectory", "/run", "RUNTIME_DIRECTORY"),
+                               ("StateDirectory", "/var/lib", "STATE_DIRECTORY")):  # fmt: skip
+        mode = (u.get(f"{setting}Mode") or ["0755"])[-1]
+        for d in u.get(setting, []):
+            path = shlex.quote(f"{base}/{d}")
+            pre.append(
+                f"mkdir -p {path}; chmod {mode} {path}; "
+                f'[ "$(stat -c %u:%g {path})" = {owner} ] || chown -R {owner} {path}; export {var}={path}'
+            )
     creds = u.get("LoadCredential", [])
     if creds:
         d = f"/run/credentials/{unit}"
@@ -120,15 +180,14 @@ def service_command(run: Any, unit: str, key: str = "ExecStart", user: str | Non
         for c in creds:
             name, src = c.split(":", 1)
             pre.append(f"cp {src} {d}/{name}")
-        pre.append(f"export CREDENTIALS_DIRECTORY={d}")
+        # readable by the unit's user only, as systemd's
+        pre.append(f"chown -R {owner} {d}; chmod -R go-rwx {d}; export CREDENTIALS_DIRECTORY={d}")
     pre.append("set +a")
-    raw = u[key][index]
-    # systemd's "$$" is a literal "$" (a shell would read the pid)
-    cmd = raw.lstrip("+-@:!").replace("$$", "$")
-    # "+": the command runs with full privileges (root), whatever User says
-    user = "root" if "+" in raw[: len(raw) - len(cmd)] else user or (u.get("User") or ["root"])[-1]
-    as_user = f"runuser -u {user} -- " if user != "root" else ""
-    # the environment reaches the command through runuser (it keeps it, as systemd hands it the unit's)
+    # "+": the command runs with full privileges (root), whatever User says; its environment is the user's still.
+    # setpriv keeps the environment (set above, as systemd hands the unit its own); --init-groups: the user's groups
+    as_user = ""
+    if acct.uid != 0 and "+" not in prefix:
+        as_user = f"setpriv --reuid={shlex.quote(acct.name)} --regid={acct.gid} --init-groups "
     return "; ".join(pre) + f"; exec {as_user}{cmd}"
 
 

@@ -51,6 +51,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared"))
 import hosts  # molecule/shared/hosts.py
+import verify  # molecule/shared/verify.py
 
 # the drill's fixtures (module scope: started again for this module, stopped at its end) and helpers
 from test_drill import (  # noqa: F401 (agents, kube, relays: fixtures this module's tests use)
@@ -517,36 +518,15 @@ def test_no_secret_in_the_halls_process_arguments() -> None:
 
 
 def _unit_run(host: str, unit: str) -> str:
-    """A shell script that runs ``unit``'s ExecStart as systemd would: its EnvironmentFile (systemd's syntax: the
-    rest of the line the value, quotes around it removed) and Environment exported, then its command as its User
-    (setpriv keeps the environment, as systemd hands the unit its own). Given on stdin: the secrets in it never
-    reach a command line."""
-    root = SC.root(host)
-    d = root / "etc" / "systemd" / "system"
-    text = "\n".join(p.read_text() for p in [d / unit, *sorted((d / f"{unit}.d").glob("*.conf"))])
-    env: dict[str, str] = {}
-    user, group, start = "root", "", ""
-    for line in text.splitlines():
-        key, _, value = line.partition("=")
-        if key == "EnvironmentFile":
-            for ln in (root / value.lstrip("-").lstrip("/")).read_text().splitlines():
-                k, eq, v = ln.partition("=")
-                if eq and not ln.lstrip().startswith(("#", ";")):
-                    v = v.strip()
-                    env[k.strip()] = v[1:-1] if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"" else v
-        elif key == "Environment":
-            k, _, v = value.partition("=")
-            env[k] = v
-        elif key == "User":
-            user = value
-        elif key == "Group":
-            group = value
-        elif key == "ExecStart" and value:
-            start = value.lstrip("+-@:!")
-    assert start, text
-    lines = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    as_user = f"setpriv --reuid={user} --regid={group or user} --init-groups " if user != "root" else ""
-    return "\n".join([*lines, f"exec {as_user}{start}", ""])
+    """A shell script that runs ``unit``'s ExecStart as systemd would (verify.service_command: its User and Group,
+    the USER, LOGNAME, HOME and SHELL systemd sets for that user, its Environment and EnvironmentFile), given on
+    stdin: the secrets in it never reach a command line."""
+    th = hosts.test_host(HALL, host)
+
+    def run(cmd: str) -> str:
+        return th.ssh("bash", "-c", shlex.quote(cmd), timeout=60).stdout
+
+    return verify.service_command(run, unit) + "\n"
 
 
 def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
