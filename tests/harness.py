@@ -700,3 +700,17 @@ class PodCgroups:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.05)
+
+
+def plaintext_answer(port: int, path: str) -> bytes:
+    """What a plaintext HTTP client gets from ``port`` on the loopback for ``GET path`` (everything until the server
+    closes): a TLS-only listener sends nothing."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except OSError:
+            pass
+        return got

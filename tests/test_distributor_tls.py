@@ -29,7 +29,7 @@ from sco.contract.compiler import compile_repo
 from sco.contract.distributor import DistributorServer, publish
 from sco.contract.signing import Keyring, PrivateKey, sign, write_keypair
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
-from tests.harness import BIN, AgentEnv, NatsServer, hall_bundle, make_tls, wait_for
+from tests.harness import BIN, AgentEnv, NatsServer, hall_bundle, make_tls, plaintext_answer, wait_for
 from tests.prom import PROMTOOL, MonitoringDeployment, samples
 
 HALL_PATH = "/v1/halls/local/bundle.json"
@@ -61,19 +61,6 @@ def tls_distributor(tmp_path: Path, hall_ca: tuple[Path, Path, Path]) -> Iterato
     yield srv
     srv.shutdown()
     srv.server_close()
-
-
-def plaintext_answer(port: int, path: str) -> bytes:
-    """What a plaintext HTTP client gets from ``port`` for ``GET path`` (everything until the server closes)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
-        got = b""
-        try:
-            while chunk := s.recv(65536):
-                got += chunk
-        except OSError:
-            pass
-        return got
 
 
 def test_the_agent_fetches_its_bundle_over_tls_checked_against_the_hall_ca(

@@ -9,7 +9,9 @@ import asyncio
 import concurrent.futures
 import json
 import re
+import ssl
 import stat
+import subprocess
 import threading
 import time
 import urllib.error
@@ -22,15 +24,17 @@ from typing import Any
 
 import nats
 import pytest
+import yaml
 
+from sco._tls import ServerTls
 from sco.contract.enrolment import creds_text
 from sco.control.acquirer import ENROL_TOKEN, ENROL_URL, Acquirer
-from sco.control.enrolment import EnrolmentServer, Issuer, KubeSettings, Settings
+from sco.control.enrolment import EnrolmentServer, Issuer, KubeSettings, MetricsServer, Settings
 from sco.provider import relay_identity as ri
 from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.enrol_client import post, request
-from tests.harness import AgentEnv, MetadataServer, free_port, wait_for
+from tests.harness import BIN, AgentEnv, MetadataServer, free_port, make_tls, plaintext_answer, wait_for
 from tests.relays import (
     HALL,
     JwtRelay,
@@ -837,3 +841,102 @@ def test_an_enrolling_agents_configuration_names_where_enrolment_writes(tmp_path
         load(None, {**enrolling, "SCO_AGENT_ENROL_URL": "ftp://x"})
     assert "is not an http(s) URL" in " ".join(e.value.lines())
     assert load(None, base).nats_creds_file == ""  # no enrolment: nothing defaulted
+
+
+# --- /metrics over TLS on a listener of its own -----------------------------------------------------------------------
+
+
+def test_the_metrics_are_served_over_tls_only_on_their_own_listener(
+    make_hall: Callable[..., Hall], tmp_path: Path
+) -> None:
+    """With a /metrics listener of its own given a certificate of the hall's CA (what role control_loop gives the
+    unit): a scraper checking the hall's CA reads the counters, a scraper checking another CA is refused, a
+    plaintext request gets no answer (each failed handshake counted), and the enrolment listener, still plain HTTP
+    for the agents, answers /metrics 404 while it enrols."""
+    hall_ca, other_ca = make_tls(tmp_path / "hall-ca"), make_tls(tmp_path / "other-ca")
+    h = make_hall()
+    metrics = MetricsServer(h.server, ("127.0.0.1", 0), tls=ServerTls(str(hall_ca[1]), str(hall_ca[2])))
+    threading.Thread(target=metrics.serve_forever, daemon=True).start()
+    port = metrics.server_address[1]
+    url = f"https://127.0.0.1:{port}/metrics"
+    try:
+        assert metrics.url == f"https://127.0.0.1:{port}"
+        node, server_id, token = h.launch(0)
+        assert post(h.url, request(node, server_id, token, ri.NKey.generate("user").public))[0] == 200
+
+        def scrape(ca: Path) -> str:
+            ctx = ssl.create_default_context(cafile=str(ca))
+            return urllib.request.urlopen(url, timeout=5, context=ctx).read().decode()
+
+        text = scrape(hall_ca[0])
+        assert re.search(r"^sco_enrol_issued_total 1$", text, re.M), text
+        assert re.search(r"^sco_enrol_metrics_tls_handshake_failures_total 0$", text, re.M), text
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            scrape(other_ca[0])
+        assert plaintext_answer(port, "/metrics") == b""
+        # the enrolment listener: no counters there any more, enrolment and health as before
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{h.url}/metrics", timeout=5)
+        assert e.value.code == 404
+        assert urllib.request.urlopen(f"{h.url}/healthz", timeout=5).status == 200
+        assert h.url.startswith("http://")
+        failed = re.search(r"^sco_enrol_metrics_tls_handshake_failures_total (\d+)$", scrape(hall_ca[0]), re.M)
+        assert failed and int(failed.group(1)) == 2, failed  # the other CA's client and the plaintext one
+    finally:
+        metrics.shutdown()
+        metrics.server_close()
+
+
+def test_a_metrics_certificate_without_its_listener_is_refused_at_start(tmp_path: Path) -> None:
+    hall_ca = make_tls(tmp_path / "hall-ca")
+    p = subprocess.run(
+        [str(BIN / "sco"), "enrol", "serve", "--hall", HALL, "--nats-url", "nats://127.0.0.1:1",
+         "--relay-keys", str(tmp_path), "--dsn", "host=127.0.0.1 dbname=none",
+         "--metrics-tls-cert-file", str(hall_ca[1]), "--metrics-tls-key-file", str(hall_ca[2])],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode != 0 and "--metrics-listen" in p.stderr, p.stdout + p.stderr
+
+
+def test_prometheus_scrapes_the_enrolment_service_over_tls_with_the_roles_config(
+    make_hall: Callable[..., Hall], tmp_path: Path
+) -> None:
+    """Debian's Prometheus, run from the configuration role monitoring renders with the enrolment service's TLS on
+    (job sco-enrol over https, the hall's CA as tls_config.ca_file), scrapes the service's TLS /metrics: up."""
+    from tests.prom import PROMTOOL, MonitoringDeployment
+
+    hall_ca = make_tls(tmp_path / "hall-ca")
+    h = make_hall()
+    metrics = MetricsServer(h.server, ("127.0.0.1", 0), tls=ServerTls(str(hall_ca[1]), str(hall_ca[2])))
+    threading.Thread(target=metrics.serve_forever, daemon=True).start()
+    root = tmp_path / "monitoring"
+    prom = MonitoringDeployment(
+        root, monitoring_enrol_targets=[f"127.0.0.1:{metrics.server_address[1]}"], monitoring_enrol_tls=True,
+        monitoring_tls_ca=hall_ca[0].read_text(), monitoring_tls_ca_dest=str(root / "sco-ca.crt"),
+    )  # fmt: skip
+    try:
+        jobs = {j["job_name"]: j for j in yaml.safe_load((root / "prometheus.yml").read_text())["scrape_configs"]}
+        assert jobs["sco-enrol"]["scheme"] == "https"
+        assert jobs["sco-enrol"]["tls_config"] == {"ca_file": str(root / "sco-ca.crt")}
+        check = subprocess.run(
+            [PROMTOOL, "check", "config", str(root / "prometheus.yml")], capture_output=True, text=True, timeout=60
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+        prom.start()
+        wait_for(
+            lambda: prom.api("query", query='up{job="sco-enrol"} == 1')["result"], 30, "sco-enrol up over TLS", 0.5
+        )
+        got = prom.api("query", query='sco_enrol_issued_total{job="sco-enrol"}')["result"]
+        assert [r["value"][1] for r in got] == ["0"], got
+    finally:
+        prom.stop()
+        metrics.shutdown()
+        metrics.server_close()
+
+
+def test_the_roles_prometheus_has_no_enrolment_job_where_no_service_runs(tmp_path: Path) -> None:
+    from tests.prom import MonitoringDeployment
+
+    MonitoringDeployment(tmp_path / "m")  # monitoring_enrol_enabled false: a relay in static mode has no service
+    jobs = [j["job_name"] for j in yaml.safe_load((tmp_path / "m" / "prometheus.yml").read_text())["scrape_configs"]]
+    assert "sco-enrol" not in jobs and "sco-control" in jobs, jobs

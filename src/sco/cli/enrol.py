@@ -43,34 +43,65 @@ def _settings(args: argparse.Namespace) -> Any:
     )  # fmt: skip
 
 
+def _metrics_tls(args: argparse.Namespace) -> Any:
+    """The /metrics listener's TLS pair (None: plain HTTP); a pair without its listener is an error at start-up."""
+    from sco._tls import ServerTls, TlsSettingError
+
+    cert, key = getattr(args, "metrics_tls_cert_file", None), getattr(args, "metrics_tls_key_file", None)
+    if not cert and not key:
+        return None
+    if not getattr(args, "metrics_listen", None):
+        raise ConfigError("--metrics-tls-cert-file/--metrics-tls-key-file are for --metrics-listen's listener: give it")
+    if not cert or not key:
+        raise ConfigError("/metrics over TLS needs both --metrics-tls-cert-file and --metrics-tls-key-file")
+    try:
+        return ServerTls(cert, key)
+    except TlsSettingError as e:
+        raise ConfigError(f"/metrics TLS: {e}") from None
+
+
 def cmd_enrol_serve(args: argparse.Namespace) -> int:
     from sco.contract.distributor import parse_listen
-    from sco.control.enrolment import MAX_CONNECTIONS, EnrolmentServer, Issuer
+    from sco.control.enrolment import MAX_CONNECTIONS, EnrolmentServer, Issuer, MetricsServer
 
     if not 1 <= args.max_per_address <= MAX_CONNECTIONS:
         raise ConfigError(f"--max-per-address {args.max_per_address}: give 1 to {MAX_CONNECTIONS} (the listener's)")
+    tls = _metrics_tls(args)
     issuer = Issuer(_settings(args))
+    metrics: MetricsServer | None = None
     try:
         server = EnrolmentServer(
             issuer, parse_listen(args.listen), verbose=args.verbose, max_per_client=args.max_per_address
         )
+        if args.metrics_listen:
+            try:
+                metrics = MetricsServer(server, parse_listen(args.metrics_listen), tls=tls)
+            except BaseException:
+                server.server_close()
+                raise
     except BaseException:
         issuer.close()
         raise
     if issuer.s.scrape_targets_file is not None:
         issuer.write_targets()  # at once: Prometheus finds the live agents after a restart too
     issuer.start_sweeper()
+    if metrics is not None:
+        threading.Thread(target=metrics.serve_forever, name="enrol-metrics", daemon=True).start()
 
     def stop(*_: object) -> None:  # serve_forever's shutdown must come from another thread
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
-    print(f"enrolling hall {args.hall} at {server.url}/v1/enrol (metrics at {server.url}/metrics)", flush=True)
+    where = f"{server.url}/metrics" if metrics is None else f"{metrics.url}/metrics"
+    print(f"enrolling hall {args.hall} at {server.url}/v1/enrol (metrics at {where})", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         server.server_close()
         issuer.close()
     return 0
@@ -127,6 +158,20 @@ def register(sub: Any) -> None:
         help="connections open at once from one address (instances behind SNAT share one; more are closed at once)",
     )  # fmt: skip
     s.add_argument("--revoke-every", type=float, default=5.0, help="seconds between revocation sweeps")
+    s.add_argument(
+        "--metrics-listen", default=_env("SCO_ENROL_METRICS_LISTEN"), metavar="HOST:PORT",
+        help="serve /metrics on a listener of its own (the enrolment listener then answers it 404); unset: on the"
+        " enrolment listener [$SCO_ENROL_METRICS_LISTEN]",
+    )  # fmt: skip
+    s.add_argument(
+        "--metrics-tls-cert-file", default=_env("SCO_ENROL_METRICS_TLS_CERT_FILE"), metavar="PATH",
+        help="the /metrics listener's certificate (chain): TLS only, a plaintext request gets no answer; read again"
+        " when it changes [$SCO_ENROL_METRICS_TLS_CERT_FILE]",
+    )  # fmt: skip
+    s.add_argument(
+        "--metrics-tls-key-file", default=_env("SCO_ENROL_METRICS_TLS_KEY_FILE"), metavar="PATH",
+        help="its key [$SCO_ENROL_METRICS_TLS_KEY_FILE]",
+    )  # fmt: skip
     s.add_argument(
         "--scrape-targets-file", default=_env("SCO_ENROL_SCRAPE_TARGETS_FILE"), metavar="PATH",
         help="Prometheus file_sd of the live launched instances' agents (job sco-agent), kept up to date"

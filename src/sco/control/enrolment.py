@@ -17,6 +17,12 @@ per-address limit sized for a hall's burst of launches behind one SNAT address, 
 one deadline, bodies of at most 4 KiB), and each source address has a token bucket (a flood is answered 429 without
 touching the database).
 
+``/metrics`` is served on the enrolment listener unless the service is given a listener of its own for it
+(:class:`MetricsServer`, ``sco enrol serve --metrics-listen``), which speaks TLS only when given a certificate and key
+(``sco._tls.ServerTls``: a plaintext request gets no answer, a renewed pair is served from the next connection); the
+enrolment listener then answers ``/metrics`` 404. The enrolment listener itself is plain HTTP (its clients, the
+agents at first boot, have no CA for it yet).
+
 Revocation (:func:`revoke_deleted`): every enrolment whose instance is deleted, lost or failed and not yet revoked
 is revoked on the relay (a newer account JWT revoking every user, read back), then marked revoked; with Kubernetes,
 the Node its token was bound to is deleted (only that object, by its uid, and only while no live instance holds the
@@ -40,6 +46,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sco._http_server import BoundedHandler, BoundedHTTPServer
+from sco._tls import ServerTls
 from sco.contract import enrolment as wire
 from sco.provider import relay_identity as ri
 from sco.state import enrolment as rows
@@ -190,7 +197,9 @@ class Metrics:
         with self._lock:
             setattr(self, what, getattr(self, what) + n)
 
-    def text(self, refused_connections: int) -> bytes:
+    def text(self, refused_connections: int, metrics_tls_failures: int | None = None) -> bytes:
+        """The exposition; ``metrics_tls_failures``: the TLS /metrics listener's failed handshakes (None: no such
+        listener, the series left out)."""
         with self._lock:
             refused = sorted(self.refused.items())
             issued, revoked, failures = self.issued, self.revoked, self.revoke_failures
@@ -215,6 +224,13 @@ class Metrics:
             "# TYPE sco_enrol_refused_connections_total counter",
             f"sco_enrol_refused_connections_total {refused_connections}",
         ]
+        if metrics_tls_failures is not None:
+            lines += [
+                "# HELP sco_enrol_metrics_tls_handshake_failures_total TLS handshakes failed on the /metrics listener"
+                " (plaintext scrapers, other CAs' clients, handshakes cut at the deadline).",
+                "# TYPE sco_enrol_metrics_tls_handshake_failures_total counter",
+                f"sco_enrol_metrics_tls_handshake_failures_total {metrics_tls_failures}",
+            ]
         return ("\n".join(lines) + "\n").encode()
 
 
@@ -527,7 +543,7 @@ class _Handler(BoundedHandler):
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
-        if path == "/metrics":
+        if path == "/metrics" and self.server.metrics_server is None:
             text = self.server.issuer.metrics.text(self.server.refused_connections)
             self._answer(200, text, "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/healthz":
@@ -592,7 +608,61 @@ class EnrolmentServer(BoundedHTTPServer):
     ) -> None:
         self.issuer = issuer
         self.verbose = verbose
+        self.metrics_server: MetricsServer | None = None  # set by MetricsServer: /metrics is served there only
         super().__init__(
             address, _Handler, max_connections=max_connections, max_per_client=max_per_client,
             header_timeout=header_timeout, idle_timeout=idle_timeout, name="enrol-deadlines",
         )  # fmt: skip
+
+
+class _MetricsHandler(BoundedHandler):
+    server: MetricsServer
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        status, ctype = 200, "text/plain"
+        if path == "/metrics":
+            enrol = self.server.enrolment
+            tls_failures = self.server.tls_handshake_failures if self.server.tls is not None else None
+            body = enrol.issuer.metrics.text(enrol.refused_connections, tls_failures)
+            ctype = "text/plain; version=0.0.4; charset=utf-8"
+        elif path == "/healthz":
+            body = b"ok\n"
+        else:
+            self.close_connection = True
+            status, body = 404, b"not found\n"
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.idle_timeout)
+        try:
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+        finally:
+            self.server.deadlines.disarm(self.connection)
+
+
+class MetricsServer(BoundedHTTPServer):
+    """The enrolment service's ``/metrics`` on a listener of its own (``tls``: TLS only), so that the counters are
+    scraped over TLS while the enrolment listener stays plain HTTP; ``enrolment`` then answers ``/metrics`` 404. A
+    scraper's few connections: a handful of slots, a short header deadline (the handshake counts in it)."""
+
+    def __init__(
+        self,
+        enrolment: EnrolmentServer,
+        address: tuple[str, int],
+        *,
+        tls: ServerTls | None = None,
+        max_connections: int = 16,
+        max_per_client: int = 4,
+        header_timeout: float = 5.0,
+        idle_timeout: float = 10.0,
+    ) -> None:
+        self.enrolment = enrolment
+        self.verbose = enrolment.verbose
+        super().__init__(
+            address, _MetricsHandler, max_connections=max_connections, max_per_client=max_per_client,
+            header_timeout=header_timeout, idle_timeout=idle_timeout, name="enrol-metrics-deadlines", tls=tls,
+        )  # fmt: skip
+        enrolment.metrics_server = self
