@@ -18,8 +18,10 @@ import os
 import re
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -34,7 +36,7 @@ from sco.provider import relay_identity as ri
 from sco.state.fleet import FleetState, Pool
 from sco_devkit.standins.kube_apiserver import KubeApiStandIn
 from tests.enrol_client import post, request
-from tests.harness import free_port, render_with_roles, wait_for
+from tests.harness import free_port, make_tls, plaintext_answer, render_with_roles, wait_for
 from tests.relays import HALL, Deployed, notices_reach
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +143,7 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
     kube = KubeApiStandIn().start()
     service_token, _ = kube.issue_token("sco-system", "sco-enrol")
     kube.add_serviceaccount("sco-system", "sco-agent")
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     proc: subprocess.Popen[bytes] | None = None
     state = FleetState(fleet_dsn)
     try:
@@ -150,6 +152,7 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
             sco_credentials_dir=str(relay.creds.parent), control_loop_hall=HALL,
             control_loop_kubernetes={"url": kube.url}, control_loop_enrolment_listen="127.0.0.1",
             control_loop_enrolment_port=port, control_loop_node_env={"SCO_AGENT_LOG_LEVEL": "debug"},
+            control_loop_enrolment_metrics_port=metrics_port,
             # the hall's CA as the relay's role made it, and where the control host keeps its copy (here: that file)
             sco_relay_ca_file=str(relay.ca), _control_loop_nats_ca_file=str(relay.ca),
         )  # fmt: skip
@@ -175,6 +178,11 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
         host = {str(keys_dir / f): relay.creds / "operator" / f for f in facts["files"]}
         (tmp_path / "enrol.token").write_text(service_token)
         host["/etc/sco/enrol.token"] = tmp_path / "enrol.token"
+        # /metrics's certificate and key, as tasks/enrolment_tls.yml copies them (here a CA of the test's own)
+        hall_ca, other_ca = make_tls(tmp_path / "hall-ca"), make_tls(tmp_path / "other-ca")
+        host["/etc/sco/enrol/metrics-tls/metrics.crt"] = hall_ca[1]
+        host["/etc/sco/enrol/metrics-tls/metrics.key"] = hall_ca[2]
+        assert f"--metrics-listen 127.0.0.1:{metrics_port} --metrics-tls-cert-file" in text
         creds = tmp_path / "credentials"
         load_credentials(unit, creds, host)
         loaded = sorted(p.name for p in creds.iterdir())
@@ -236,6 +244,21 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
         # the same token again is refused
         status, body = post(f"http://127.0.0.1:{port}", request(node, server_id, envs[node][ENROL_TOKEN], key.public))
         assert status == 409, body
+
+        # /metrics on its own port, over TLS only, checked against the hall's CA (role monitoring's job sco-enrol);
+        # a plaintext request or another CA's client gets nothing; the enrolment port (plain HTTP) answers it 404
+        def scrape(ca: Path) -> str:
+            ctx = ssl.create_default_context(cafile=str(ca))
+            url = f"https://127.0.0.1:{metrics_port}/metrics"
+            return urllib.request.urlopen(url, timeout=5, context=ctx).read().decode()
+
+        assert re.search(r"^sco_enrol_issued_total 1$", scrape(hall_ca[0]), re.M)
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            scrape(other_ca[0])
+        assert plaintext_answer(metrics_port, "/metrics") == b""
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert e.value.code == 404
     finally:
         if proc is not None:
             proc.terminate()
@@ -297,6 +320,7 @@ def test_the_roles_tasks_copy_only_the_keys_the_unit_loads_and_change_nothing_th
     # `systemctl enable` is skipped where its link exists (creates:): this machine's systemd is not touched
     (units / "multi-user.target.wants").mkdir(parents=True)
     (units / "multi-user.target.wants" / UNIT).touch()
+    (tmp_path / "textfile").mkdir()  # role control_loop's metrics.yml makes it before
     (tmp_path / "play.yml").write_text(APPLY)
     ev = {
         "ansible_python_interpreter": sys.executable, "sco_hall": HALL, "sco_relay_url": "nats://127.0.0.1:4222",
@@ -307,6 +331,11 @@ def test_the_roles_tasks_copy_only_the_keys_the_unit_loads_and_change_nothing_th
         # the role's own paths (vars/main.yml), here under the test's directory
         "_control_loop_enrolment_keys_dir": str(tmp_path / "keys"),
         "_control_loop_enrolment_env_file": str(tmp_path / "enrol.env"), "_control_loop_unit_dir": str(units),
+        # the hall's CA and the certificates it signs on the controller (sco_state_dir/tls), /metrics's pair on the
+        # host and its expiry's textfile, under the test's directory
+        "sco_state_dir": str(tmp_path / "state"),
+        "_control_loop_enrolment_metrics_tls_host_dir": str(tmp_path / "metrics-tls"),
+        "control_loop_metrics_textfile_dir": str(tmp_path / "textfile"),
     }  # fmt: skip
     env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "ANSIBLE_NOCOLOR": "1"}
 
@@ -335,7 +364,25 @@ def test_the_roles_tasks_copy_only_the_keys_the_unit_loads_and_change_nothing_th
     unit = units / UNIT
     # every file the unit loads is one the role put there (or the token the role warned about)
     loaded = {e.split(":", 1)[1] for e in settings(unit, "LoadCredential")}
-    assert loaded == {str(keys / p.name) for p in keys.iterdir()} | {str(tmp_path / "enrol.token")}
+    tls = tmp_path / "metrics-tls"
+    assert loaded == {str(keys / p.name) for p in keys.iterdir()} | {str(tmp_path / "enrol.token")} | {
+        str(tls / "metrics.crt"),
+        str(tls / "metrics.key"),
+    }
+    # /metrics's pair: signed on the controller by the hall's CA the role made under sco_state_dir, for this host's
+    # names; root's 0600 copies; its expiry for ScoCertificateExpiring
+    assert tls.stat().st_mode & 0o777 == 0o700
+    assert all((tls / f).stat().st_mode & 0o777 == 0o600 for f in ("metrics.crt", "metrics.key"))
+    ca = tmp_path / "state" / "tls" / "ca.crt"
+    check = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(ca), "-verify_ip", "127.0.0.1", str(tls / "metrics.crt")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    prom = (tmp_path / "textfile" / "sco_enrol_certificates.prom").read_text()
+    labels = '{certificate="control_loop_enrolment_metrics",host="localhost"}'
+    assert f"sco_certificate_expiry_timestamp_seconds{labels} " in prom, prom
+    assert "--metrics-tls-cert-file ${CREDENTIALS_DIRECTORY}/metrics.crt" in unit.read_text()
     assert changed(apply()) == 0
     # role kyverno_policies read the service's token back from the cluster onto the controller: installed from there,
     # root's 0600, the warning gone; nothing made by hand
