@@ -78,7 +78,7 @@ USERS = ["sco-agent", "sco-control", "sco-nats"]
 # read the distributor's key (kept with the users until the purge)
 GROUPS = ["sco-agent", "sco-control", "sco-nats", "sco-checkpoint", "sco-distributor"]
 TEXTFILES = "/var/lib/prometheus/node-exporter"
-PORTS = [4222, 8222, 8470, 8471, 9090, 9100, 9469]
+PORTS = [4222, 8222, 8470, 8471, 8472, 9090, 9100, 9469]
 PROCESSES = ["/opt/sco/", "nats-server", "prometheus"]
 
 
