@@ -278,6 +278,7 @@ def test_prometheus_scrapes_everything_and_the_overrun_alert_fires_for_the_overr
             # (tests/test_enrolment.py scrapes them)
             "sco_enrol_issued_total", "sco_enrol_refused_total", "sco_enrol_refused_connections_total",
             "sco_enrol_revoked_total", "sco_enrol_revoke_failures_total", "sco_enrol_nodes_deleted_total",
+            "sco_enrol_metrics_tls_handshake_failures_total",
         }  # fmt: skip
         assert documented - have == absent, documented - have
         rules = prom.api("rules")["groups"]
