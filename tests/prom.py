@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -109,11 +110,15 @@ class NodeExporter:
 class MonitoringDeployment:
     """The files the roles deployed under ``root``, and node_exporter and Prometheus started from them."""
 
-    def __init__(self, root: Path, **more: Any) -> None:
-        """``more``: other variables of the roles (tests/test_enrolment.py's file_sd of launched agents)."""
+    def __init__(
+        self, root: Path, ports: tuple[int, int] | None = None, flags: tuple[str, ...] = (), **more: Any
+    ) -> None:
+        """``more``: other variables of the roles (tests/test_enrolment.py's file_sd of launched agents); ``flags``:
+        ansible-playbook's (``--tags``)."""
         self.root = root
         self.textfile = root / "textfile"
-        self.ne_port, self.prom_port = free_port(), free_port()
+        # a run again over the same root gives the first run's ports (node_exporter's, Prometheus's)
+        self.ne_port, self.prom_port = ports or (free_port(), free_port())
         ev = {
             "ansible_python_interpreter": sys.executable, "roles_dir": str(ROLES), "out": str(root),
             "monitoring_manage_packages": False, "monitoring_services_enabled": False,
@@ -122,6 +127,11 @@ class MonitoringDeployment:
             "monitoring_node_exporter_textfile_dir": str(self.textfile),
             "monitoring_node_exporter_port": self.ne_port,
             "monitoring_node_exporter_args_file": str(root / "default-node-exporter"),
+            # its TLS files (a hall's: tests/test_node_exporter_tls.py) and the hall's CA Prometheus reads, under root
+            "monitoring_node_exporter_web_config": str(root / "node-exporter-web.yml"),
+            "monitoring_node_exporter_tls_host_dir": str(root / "node-exporter-tls"),
+            "monitoring_node_exporter_user": pwd.getpwuid(os.getuid()).pw_name,
+            "monitoring_tls_ca_dest": str(root / "sco-ca.crt"),
             # only the host's textfile collector: the machine's own collectors say nothing here
             "monitoring_node_exporter_extra_args": ["--collector.disable-defaults", "--collector.textfile"],
             "monitoring_control_targets": [f"127.0.0.1:{self.ne_port}"],
@@ -140,10 +150,11 @@ class MonitoringDeployment:
         env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "ANSIBLE_NOCOLOR": "1",
                "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
         p = subprocess.run(
-            [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(book), "-e", json.dumps(ev)],
+            [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(book), "-e", json.dumps(ev), *flags],
             capture_output=True, text=True, timeout=300, env=env,
         )  # fmt: skip
         assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        self.output = p.stdout
         self.unit = root / "sco-control-loop.service"
         self.procs: list[subprocess.Popen[bytes]] = []
 

@@ -231,7 +231,8 @@ def test_prometheus_scrapes_the_distributor_and_an_agent_over_tls_with_the_roles
         for job in ("sco-distributor", "sco-agent"):
             assert jobs[job]["scheme"] == "https" and jobs[job]["tls_config"] == {"ca_file": str(root / "sco-ca.crt")}
         assert (root / "sco-ca.crt").read_text().strip() == hall_ca[0].read_text().strip()
-        assert jobs["sco-control"].get("scheme", "http") == "http"  # node_exporter (textfiles): not SCO's listener
+        # node_exporter serves TLS with monitoring_node_exporter_tls (off here: tests/test_node_exporter_tls.py)
+        assert jobs["sco-control"].get("scheme", "http") == "http"
         check = subprocess.run(
             [PROMTOOL, "check", "config", str(root / "prometheus.yml")], capture_output=True, text=True, timeout=60
         )

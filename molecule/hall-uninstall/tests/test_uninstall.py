@@ -67,6 +67,9 @@ FILES = [
     "/etc/sco/distributor-tls", "/etc/sco/distributor-ca.crt", "/etc/sco/metrics-tls", "/etc/prometheus/sco-ca.crt",
     "/var/lib/prometheus/node-exporter/sco_distributor_certificates.prom",
     "/var/lib/prometheus/node-exporter/sco_agent_certificates.prom",
+    # node_exporter serves TLS (sco_metrics_tls): its web configuration, its certificate and key, their expiry
+    "/etc/prometheus/node-exporter-web.yml", "/etc/prometheus/node-exporter-tls",
+    "/var/lib/prometheus/node-exporter/sco_node_exporter_certificates.prom",
 ]  # fmt: skip
 DATA = [
     "/var/lib/sco/spool", "/var/lib/sco/distributor/local/bundle.json", "/var/lib/sco/control-loop/project",

@@ -180,6 +180,14 @@ def test_monitoring_reads_the_control_loops_textfiles_and_loads_the_rules() -> N
     assert "job_name: sco-control" in conf and "/etc/prometheus/rules.d/*.yml" in conf
     check = h.run("promtool check config /etc/prometheus/prometheus.yml")
     assert check.rc == 0 and "SUCCESS" in check.stdout + check.stderr, check.stdout + check.stderr
+    # node_exporter over TLS (sco_metrics_tls): its web configuration on the command line, the key its user's alone,
+    # job sco-control over https against the hall's CA
+    assert "--web.config.file=/etc/prometheus/node-exporter-web.yml" in args
+    key = h.file("/etc/prometheus/node-exporter-tls/node-exporter.key")
+    assert key.user == "prometheus" and key.mode == 0o600
+    assert h.file("/etc/prometheus/node-exporter-tls").mode == 0o700
+    job = next(j for j in yaml.safe_load(conf)["scrape_configs"] if j["job_name"] == "sco-control")
+    assert job["scheme"] == "https" and job["tls_config"] == {"ca_file": "/etc/prometheus/sco-ca.crt"}, job
 
 
 def test_the_contracts_configmap_publisher_is_installed() -> None:
