@@ -129,6 +129,7 @@ def test_control_loop_end_to_end(openstack_cloud, fleet_dsn, slurm: SlurmCluster
                 "control_loop_clouds_yaml": str(clouds),
                 "control_loop_bundle": str(tmp_path / "bundle.json"),
                 "control_loop_trust_dir": str(trust),
+                "control_loop_trusted_keys": [],  # the test fills its trust directory itself
                 "control_loop_launch_key": str(controller / "launch.key"),
                 "control_loop_launch_delegation": str(controller / "launch.delegation"),
                 "_control_loop_launch_dir": str(tmp_path / "etc" / "control-loop"),

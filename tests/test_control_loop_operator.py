@@ -41,6 +41,7 @@ def test_an_operator_mode_hall_gives_the_loop_creds_files_and_its_reader_connect
                 "control_loop_collections_path": str(ROOT / "collections"),
                 "control_loop_data_dir": str(tmp_path / "runner"), "control_loop_state_dsn": "host=db dbname=sco",
                 "control_loop_bundle": str(tmp_path / "bundle.json"), "control_loop_trust_dir": str(tmp_path),
+                "control_loop_trusted_keys": [],  # the test fills its trust directory itself
                 "control_loop_signing_keys": [str(tmp_path / "signing.key")],
                 "control_loop_launch_key": "",  # signing as before the launch key (test_control_loop_e2e has it)
                 "control_loop_kubernetes": {"url": "http://127.0.0.1:6443"},

@@ -144,6 +144,7 @@ def lay_out_blazar_hall(tmp: Path, blazar: Any, cfg: dict[str, Any], fleet_dsn: 
             "control_loop_clouds_yaml": str(tmp / "clouds.yaml"),
             "control_loop_bundle": str(tmp / "bundle.json"),
             "control_loop_trust_dir": str(trust),
+            "control_loop_trusted_keys": [],  # the test fills its trust directory itself
             "control_loop_signing_keys": [str(tmp / "signing.key")],
             "control_loop_launch_key": "",  # signing as before the launch key (test_control_loop_e2e has it)
             "control_loop_kubernetes": {"url": kube_url},

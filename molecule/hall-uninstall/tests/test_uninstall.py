@@ -50,6 +50,7 @@ WANTS = [
 # environment and relay keys; the agent's own user its polkit rule (a Kubernetes node)
 FILES = [
     "/etc/sco/agent.toml", "/etc/sco/trusted", "/etc/sco/nats.creds", "/etc/sco/distributor-trusted",
+    "/etc/sco/control-loop-trusted",
     "/etc/sco/contracts-configmap", "/etc/sco/control-loop.env", "/etc/sco/control-loop-nats.creds",
     "/etc/sco/enrol.env", "/etc/sco/enrol", "/etc/polkit-1/rules.d/60-sco-agent.rules",
     "/etc/sco/fleet-state.env", "/etc/sco-nats", "/usr/local/bin/nats-server", "/usr/local/lib/sco",
