@@ -66,3 +66,17 @@ def test_the_roles_default_trust_directory_is_its_own_and_role_hall_maps_the_hal
     assert defaults["control_loop_trust_dir"] not in str(node_agent)
     hall = yaml.safe_load((coll / "hall/defaults/main.yml").read_text())
     assert "sco_trusted_keys" in hall["control_loop_trusted_keys"]
+
+
+def test_the_loops_data_directory_is_not_inside_the_agents_own_state_directory() -> None:
+    """A control host is often a node too (the local hall): the agent's state directory is its user's (0750 sco-agent),
+    so a loop directory inside it cannot be entered by the loop's user (hall-upgrade: Permission denied on
+    project/control_loop.yml)."""
+    coll = ROOT / "collections/ansible_collections/sco/orchestrator/roles"
+    loop = yaml.safe_load((coll / "control_loop/defaults/main.yml").read_text())
+    agent = yaml.safe_load((coll / "node_agent/defaults/main.yml").read_text())
+    state = agent["node_agent_state_dir"].rstrip("/") + "/"
+    for name in ("control_loop_data_dir", "control_loop_trust_dir"):
+        assert not (loop[name].rstrip("/") + "/").startswith(state), (name, loop[name], state)
+    configure = (coll / "node_agent/tasks/configure.yml").read_text()
+    assert 'path: "{{ node_agent_state_dir }}"' in configure and 'mode: "0750"' in configure  # why it matters

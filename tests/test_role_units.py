@@ -133,7 +133,7 @@ def test_write_access_only_where_each_writes(rendered: dict[str, Path]) -> None:
     loop = service(rendered["control_loop"] / "sco-control-loop.service")["Service"]
     # its data directory, and node_exporter's textfile directory its runs write their metrics to
     assert loop["ProtectSystem"] == "strict"
-    assert loop["ReadWritePaths"].split() == ["/var/lib/sco/control-loop", "/var/lib/prometheus/node-exporter"]
+    assert loop["ReadWritePaths"].split() == ["/var/lib/sco-control-loop", "/var/lib/prometheus/node-exporter"]
     assert loop["Environment"] == "SCO_METRICS_TEXTFILE_DIR=/var/lib/prometheus/node-exporter"
     slurm = service(rendered["slurm_admission"] / "sco-slurm-contracts.service")["Service"]
     # the table's own directory beside slurm.conf and the bundle cache: never /etc/slurm itself

@@ -73,7 +73,7 @@ FILES = [
     "/var/lib/prometheus/node-exporter/sco_node_exporter_certificates.prom",
 ]  # fmt: skip
 DATA = [
-    "/var/lib/sco/spool", "/var/lib/sco/distributor/local/bundle.json", "/var/lib/sco/control-loop/project",
+    "/var/lib/sco/spool", "/var/lib/sco/distributor/local/bundle.json", "/var/lib/sco-control-loop/project",
     "/var/lib/sco-nats",
 ]  # fmt: skip
 # system users the roles made; the ones owning kept data stay until the purge
@@ -205,7 +205,7 @@ def test_the_hall_installed_again_finds_its_kept_data() -> None:
     missing = [u for u in UNITS if not exists(h, f"/etc/systemd/system/{u}")]
     missing += [f for f in FILES + DATA if not exists(h, f) and "prometheus" not in f]
     assert missing == []
-    owners = h.run("stat -c %U /var/lib/sco-nats /var/lib/sco/control-loop /var/lib/sco/spool").stdout.split()
+    owners = h.run("stat -c %U /var/lib/sco-nats /var/lib/sco-control-loop /var/lib/sco/spool").stdout.split()
     assert owners == ["sco-nats", "sco-control", "sco-agent"]
     # the same contracts, so the same bundle at the same serial (canonical bytes), not a new one from serial 1
     assert before and h.run(bundle).stdout == before

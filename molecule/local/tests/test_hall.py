@@ -92,22 +92,22 @@ def test_control_loop_laid_out_with_its_timer_enabled() -> None:
     h = SC.host(HOST)
     lines = verify.unit_text(h, "sco-control-loop.service").splitlines()
     for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
-                 "ReadWritePaths=/var/lib/sco/control-loop /var/lib/prometheus/node-exporter",
+                 "ReadWritePaths=/var/lib/sco-control-loop /var/lib/prometheus/node-exporter",
                  "Environment=SCO_METRICS_TEXTFILE_DIR=/var/lib/prometheus/node-exporter",
                  "EnvironmentFile=/etc/sco/control-loop.env"):  # fmt: skip
         assert line in lines, line
     assert verify.exec_line(h, "sco-control-loop.service", "ExecStart").startswith(
-        f"/opt/sco/bin/sco-control-loop --private-data-dir /var/lib/sco/control-loop --hall {HALL} "
+        f"/opt/sco/bin/sco-control-loop --private-data-dir /var/lib/sco-control-loop --hall {HALL} "
     )
     link = h.file("/etc/systemd/system/timers.target.wants/sco-control-loop.timer")
     assert link.is_symlink and link.linked_to == "/etc/systemd/system/sco-control-loop.timer"
     assert h.run("systemctl is-enabled sco-control-loop.timer").stdout.strip() == "enabled"
-    extra = yaml.safe_load(h.file("/var/lib/sco/control-loop/env/extravars").content_string)
+    extra = yaml.safe_load(h.file("/var/lib/sco-control-loop/env/extravars").content_string)
     # the local inventory's settings, with the bundle the distributor publishes on this host
     assert extra["sco_hall"] == HALL and extra["sco_pools"][0]["name"] == "local-spot"
     assert extra["sco_bundle"] == f"/var/lib/sco/distributor/{HALL}/bundle.json"
     assert h.file(extra["sco_bundle"]).exists
-    assert h.file("/var/lib/sco/control-loop/project/control_loop.yml").exists
+    assert h.file("/var/lib/sco-control-loop/project/control_loop.yml").exists
 
 
 def test_the_control_host_holds_the_launch_key_and_its_delegation_never_the_root_key() -> None:
@@ -120,7 +120,7 @@ def test_the_control_host_holds_the_launch_key_and_its_delegation_never_the_root
     key = h.file("/etc/sco/control-loop/launch.key")
     assert key.exists and key.user == "sco-control" and key.mode == 0o600
     assert load_private_text(key.content_string).keyid == launch.keyid
-    extra = yaml.safe_load(h.file("/var/lib/sco/control-loop/env/extravars").content_string)
+    extra = yaml.safe_load(h.file("/var/lib/sco-control-loop/env/extravars").content_string)
     assert extra["sco_signing_keys"] == ["/etc/sco/control-loop/launch.key"]
     assert extra["sco_launch_delegation"] == "/etc/sco/control-loop/launch.delegation"
     d = Delegation.verify(json.loads(h.file(extra["sco_launch_delegation"]).content_string), Keyring([root.public]))
