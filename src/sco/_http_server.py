@@ -112,6 +112,18 @@ class BoundedHandler(BaseHTTPRequestHandler):
         self.server.deadlines.disarm(self.connection)  # headers complete: the answer is not held to it
         return ok
 
+    def end_and_write(self, body: bytes | None) -> None:
+        """The headers sent so far and ``body`` (None: none, a HEAD) under the idle deadline, and sheddable: a
+        client that sends complete requests and never reads would hold its thread blocked in a write."""
+        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.idle_timeout)
+        try:
+            self.end_headers()
+            if body is not None:
+                self.wfile.write(body)
+                self.wfile.flush()
+        finally:
+            self.server.deadlines.disarm(self.connection)
+
     def log_message(self, format: str, *args: object) -> None:
         if getattr(self.server, "verbose", False):
             super().log_message(format, *args)

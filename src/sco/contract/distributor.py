@@ -18,7 +18,6 @@ import hashlib
 import os
 import re
 import threading
-import time
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -133,14 +132,7 @@ class _Handler(BoundedHandler):
         # The answer is under a deadline too, and sheddable: a client that sends complete requests (pipelined by
         # the thousand) and never reads holds its thread blocked in a write; with every slot taken by such, a
         # node's GET went unanswered for up to idle_timeout, again and again.
-        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.idle_timeout)
-        try:
-            self.end_headers()
-            if not head:
-                self.wfile.write(body)
-                self.wfile.flush()
-        finally:
-            self.server.deadlines.disarm(self.connection)
+        self.end_and_write(None if head else body)
 
     def do_GET(self) -> None:
         self._serve(head=False)

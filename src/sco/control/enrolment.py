@@ -529,13 +529,7 @@ class _Handler(BoundedHandler):
         self.send_header("Cache-Control", "no-store")
         if status == 503:
             self.send_header("Retry-After", "5")
-        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.idle_timeout)
-        try:
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
-        finally:
-            self.server.deadlines.disarm(self.connection)
+        self.end_and_write(body)
 
     def _refuse(self, e: Refused) -> None:
         self.close_connection = True
@@ -634,13 +628,7 @@ class _MetricsHandler(BoundedHandler):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
-        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.idle_timeout)
-        try:
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
-        finally:
-            self.server.deadlines.disarm(self.connection)
+        self.end_and_write(body)
 
 
 class MetricsServer(BoundedHTTPServer):
