@@ -405,7 +405,7 @@ def check_distributor_serves_the_signed_bundle(sc: Scenario, host: str, hall: st
     h = sc.host(host)
     check_unit_enabled_and_hardened(h, "sco-distributor.service", ["DynamicUser=yes"])
     verify = h.run(
-        f"/opt/sco/bin/sco contract verify /var/lib/sco/distributor/{hall}/bundle.json --trust-dir "
+        f"/opt/sco/bin/sco contract verify /var/lib/sco-distributor/{hall}/bundle.json --trust-dir "
         "/etc/sco/distributor-trusted"
     )
     assert verify.rc == 0, verify.stderr

@@ -73,7 +73,7 @@ FILES = [
     "/var/lib/prometheus/node-exporter/sco_node_exporter_certificates.prom",
 ]  # fmt: skip
 DATA = [
-    "/var/lib/sco/spool", "/var/lib/sco/distributor/local/bundle.json", "/var/lib/sco-control-loop/project",
+    "/var/lib/sco/spool", "/var/lib/sco-distributor/local/bundle.json", "/var/lib/sco-control-loop/project",
     "/var/lib/sco-nats",
 ]  # fmt: skip
 # system users the roles made; the ones owning kept data stay until the purge
@@ -197,7 +197,7 @@ def test_the_hall_installed_again_finds_its_kept_data() -> None:
     """site.yml on the uninstalled host: everything back, the kept data its own again (the distributor continues
     from the published bundle, the relay's store and the runner directory are their users' again)."""
     h = SC.host(HOST)
-    bundle = "sha256sum /var/lib/sco/distributor/local/bundle.json"
+    bundle = "sha256sum /var/lib/sco-distributor/local/bundle.json"
     before = h.run(bundle).stdout
     # not monitoring: Debian's Prometheus packages the uninstall removed cannot come back on a host without network
     recap = uninstall("--skip-tags", "monitoring", playbook="sco.orchestrator.site")

@@ -105,7 +105,7 @@ def test_control_loop_laid_out_with_its_timer_enabled() -> None:
     extra = yaml.safe_load(h.file("/var/lib/sco-control-loop/env/extravars").content_string)
     # the local inventory's settings, with the bundle the distributor publishes on this host
     assert extra["sco_hall"] == HALL and extra["sco_pools"][0]["name"] == "local-spot"
-    assert extra["sco_bundle"] == f"/var/lib/sco/distributor/{HALL}/bundle.json"
+    assert extra["sco_bundle"] == f"/var/lib/sco-distributor/{HALL}/bundle.json"
     assert h.file(extra["sco_bundle"]).exists
     assert h.file("/var/lib/sco-control-loop/project/control_loop.yml").exists
 

@@ -321,7 +321,7 @@ def register(sub: Any) -> None:
     x.set_defaults(func=cmd_publish)
 
     x = cs.add_parser("serve", help="serve published bundles over HTTPS or HTTP (ETag / If-None-Match)")
-    x.add_argument("--root", default=_env("SCO_DISTRIBUTOR_ROOT", "/var/lib/sco/distributor"))
+    x.add_argument("--root", default=_env("SCO_DISTRIBUTOR_ROOT", "/var/lib/sco-distributor"))
     x.add_argument("--listen", default=_env("SCO_DISTRIBUTOR_LISTEN", "127.0.0.1:8470"))
     x.add_argument(
         "--tls-cert",

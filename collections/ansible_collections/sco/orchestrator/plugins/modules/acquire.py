@@ -88,7 +88,7 @@ EXAMPLES = r"""
     hall: hall-a
     cloud: hall-a
     state_dsn: "{{ sco_state_dsn }}"
-    bundle: /var/lib/sco/distributor/hall-a/bundle.json
+    bundle: /var/lib/sco-distributor/hall-a/bundle.json
     trust_dir: /etc/sco/trusted
     plan: "{{ plan }}"
     arbitration: "{{ arbitration }}"

@@ -40,7 +40,7 @@ EXAMPLES = r"""
 - name: Arbitrate the shortfall
   sco.orchestrator.arbitrate:
     hall: hall-a
-    bundle: /var/lib/sco/distributor/hall-a/bundle.json
+    bundle: /var/lib/sco-distributor/hall-a/bundle.json
     trust_dir: /etc/sco/trusted
     plan: "{{ plan }}"
     pools: "{{ sco_pools }}"

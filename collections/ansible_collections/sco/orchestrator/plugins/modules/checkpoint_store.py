@@ -64,7 +64,7 @@ requirements:
 EXAMPLES = r"""
 - name: Checkpoint buckets and users for the hall's contracts
   sco.orchestrator.checkpoint_store:
-    bundle: /var/lib/sco/distributor/hall-a/bundle.json
+    bundle: /var/lib/sco-distributor/hall-a/bundle.json
     trust: [keys/2026-11.pub]
     admin_access_key: "{{ vault_rgw_admin_access_key }}"
     admin_secret_key: "{{ vault_rgw_admin_secret_key }}"

@@ -46,7 +46,7 @@ EXAMPLES = r"""
 - name: Compile and sign the hall's contracts
   sco.orchestrator.contract_bundle:
     repo: /srv/contracts/hall-a
-    dest: /var/lib/sco/distributor/hall-a/bundle.json
+    dest: /var/lib/sco-distributor/hall-a/bundle.json
     signing_keys:
       - /etc/sco/keys/2026-11.key
   delegate_to: localhost

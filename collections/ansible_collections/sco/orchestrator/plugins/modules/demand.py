@@ -65,7 +65,7 @@ EXAMPLES = r"""
 - name: Read pending work
   sco.orchestrator.demand:
     hall: hall-a
-    bundle: /var/lib/sco/distributor/hall-a/bundle.json
+    bundle: /var/lib/sco-distributor/hall-a/bundle.json
     trust_dir: /etc/sco/trusted
     kubernetes:
       kubeconfig: /etc/sco/control/kubeconfig

@@ -38,7 +38,7 @@ EXAMPLES = r"""
 - name: Plan
   sco.orchestrator.plan:
     hall: hall-a
-    bundle: /var/lib/sco/distributor/hall-a/bundle.json
+    bundle: /var/lib/sco-distributor/hall-a/bundle.json
     trust_dir: /etc/sco/trusted
     demand: "{{ demand }}"
     pools: "{{ sco_pools }}"
