@@ -483,11 +483,13 @@ def test_no_secret_in_the_halls_process_arguments() -> None:
     assert kinds["seed"] >= 5 and kinds["fleet-state"] >= 4 and "keys/hall.key" in wanted, sorted(wanted)
     # control: a process of the node's with a canary in its arguments is seen by the same sampler
     canary = "canary-" + secrets.token_hex(12)
-    assert SC.host(NODE).run(f"setsid sleep 120 {canary} > /dev/null 2>&1 < /dev/null &").rc == 0
+    # the canary is the shell's $0, so it stays in that process's arguments for 120 s (`sleep 120 CANARY` exits at
+    # once on the argument it cannot parse, and the sampler had nothing to see)
+    assert SC.host(NODE).run(f"setsid sh -c 'sleep 120; :' {canary} > /dev/null 2>&1 < /dev/null &").rc == 0
     try:
         args, env, procs, passes = _sample(_for(6.0), {**wanted, "canary": canary})
     finally:
-        for pid in _pids(NODE, "sleep"):
+        for pid in _pids(NODE, "sh"):
             with contextlib.suppress(OSError):
                 if canary.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGKILL)
