@@ -409,7 +409,7 @@ class AgentEnv:
             reachable(Path(str(lines["checkpoint_socket"])).parent, user=self.user)
         if str(lines.get("kube_token_file", "")).startswith("/"):  # its own, as role node_agent makes it
             reachable(Path(str(lines["kube_token_file"])), user=self.user)
-        for k in ("kube_ca_file", "kube_kubeconfig", "logind_bus", "nats_ca_file", "bundle_ca_file",
+        for k in ("kube_ca_file", "kube_kubeconfig", "logind_bus", "nats_ca_file", "bundle_ca_file", "enrol_ca_file",
                   "metrics_tls_cert_file", "metrics_tls_key_file"):  # fmt: skip
             where = str(lines.get(k, "")).removeprefix("unix:path=")
             if where.startswith("/"):

@@ -63,7 +63,8 @@ RENDER = """
       ansible.builtin.copy:
         content: >-
           {{ {'enabled': _control_loop_enrolment_on | bool, 'keys': control_loop_enrolment_relay_keys,
-              'files': _control_loop_enrolment_key_files, 'node_env': _control_loop_extravars.sco_node_env}
+              'files': _control_loop_enrolment_key_files, 'node_env': _control_loop_extravars.sco_node_env,
+              'enrol_ca': _control_loop_extravars.sco_enrol_ca_file_here}
              | to_json }}
         dest: "{{ out }}/facts.json"
         mode: "0644"
@@ -137,6 +138,18 @@ def test_a_static_relay_gets_no_enrolment_service(tmp_path: Path) -> None:
     assert facts["node_env"] == {"SCO_AGENT_LOG_LEVEL": "debug"}
 
 
+def test_with_enrolment_tls_off_the_port_and_the_url_are_plain_http(tmp_path: Path) -> None:
+    """sco_enrol_tls: false (images baked before the agent knew SCO_AGENT_ENROL_CA_FILE): http, no CA handed out."""
+    facts = render(
+        tmp_path, sco_hall=HALL, sco_relay_url="nats://127.0.0.1:4222", notice_relay_auth_mode="operator",
+        sco_credentials_dir=str(tmp_path / "creds"), control_loop_hall=HALL, sco_enrol_tls=False,
+    )  # fmt: skip
+    assert facts["enabled"] is True and facts["enrol_ca"] == ""
+    assert facts["node_env"][ENROL_URL] == "http://localhost:8471"
+    text = (tmp_path / UNIT).read_text()
+    assert " --tls-cert-file" not in text and " --metrics-tls-cert-file" in text
+
+
 def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path, fleet_dsn: str) -> None:
     relay = Deployed(tmp_path / "relay")
     relay.apply(["a"])  # the hall's operator keys on the controller, the relay's configuration
@@ -157,7 +170,10 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
             sco_relay_ca_file=str(relay.ca), _control_loop_nats_ca_file=str(relay.ca),
         )  # fmt: skip
         unit = tmp_path / "unit" / UNIT
-        url = f"http://localhost:{port}"  # ansible_host unset: the inventory name, here localhost
+        # the enrolment port over TLS (role hall's sco_enrol_tls, on by default): its answer carries the node's
+        # Kubernetes token; every new instance's user-data carries the CA (the loop's copy of it here)
+        url = f"https://localhost:{port}"  # ansible_host unset: the inventory name, here localhost
+        assert facts["enrol_ca"] == "/etc/sco/enrol-ca.crt"
         assert facts["enabled"] is True and facts["keys"] == str(relay.creds / "operator")
         # where the agent serves metrics, so that it tells the service and Prometheus's file_sd lists it
         assert facts["node_env"] == {
@@ -183,6 +199,10 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
         host["/etc/sco/enrol/metrics-tls/metrics.crt"] = hall_ca[1]
         host["/etc/sco/enrol/metrics-tls/metrics.key"] = hall_ca[2]
         assert f"--metrics-listen 127.0.0.1:{metrics_port} --metrics-tls-cert-file" in text
+        pair = (
+            "--tls-cert-file ${CREDENTIALS_DIRECTORY}/metrics.crt --tls-key-file ${CREDENTIALS_DIRECTORY}/metrics.key"
+        )
+        assert f" {pair}" in text
         creds = tmp_path / "credentials"
         load_credentials(unit, creds, host)
         loaded = sorted(p.name for p in creds.iterdir())
@@ -201,8 +221,9 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
 
         def up() -> bool:
             assert proc is not None and proc.poll() is None, (tmp_path / "enrol.log").read_text()[-2000:]
+            ctx = ssl.create_default_context(cafile=str(hall_ca[0]))
             try:
-                return urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200
+                return urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", timeout=2, context=ctx).status == 200
             except OSError:
                 return False
 
@@ -230,7 +251,8 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
 
         # the agent's exchange at first boot (here on the loopback address the service listens on)
         key = ri.NKey.generate("user")
-        status, body = post(f"http://127.0.0.1:{port}", request(node, server_id, envs[node][ENROL_TOKEN], key.public))
+        enrol = f"https://127.0.0.1:{port}"
+        status, body = post(enrol, request(node, server_id, envs[node][ENROL_TOKEN], key.public), ca=hall_ca[0])
         assert status == 200, body
         answer = json.loads(body)
         assert answer["kube_token"] and answer["kube_expires"] > 0
@@ -242,11 +264,20 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
         got = asyncio.run(notices_reach(relay.url, relay.creds / "reclaimer.creds", {node: node_creds}))
         assert got == {node: [f"notice for {node}".encode()]}, got
         # the same token again is refused
-        status, body = post(f"http://127.0.0.1:{port}", request(node, server_id, envs[node][ENROL_TOKEN], key.public))
+        status, body = post(enrol, request(node, server_id, envs[node][ENROL_TOKEN], key.public), ca=hall_ca[0])
         assert status == 409, body
 
+        # the enrolment port: a plaintext request or another CA's client gets nothing
+        assert plaintext_answer(port, "/healthz") == b""
+        status_or_error: Any
+        try:
+            status_or_error = post(enrol, request(node, server_id, "x" * 43, key.public), ca=other_ca[0])
+        except urllib.error.URLError as err:
+            status_or_error = str(err)
+        assert "CERTIFICATE_VERIFY_FAILED" in str(status_or_error), status_or_error
+
         # /metrics on its own port, over TLS only, checked against the hall's CA (role monitoring's job sco-enrol);
-        # a plaintext request or another CA's client gets nothing; the enrolment port (plain HTTP) answers it 404
+        # a plaintext request or another CA's client gets nothing; the enrolment port answers it 404
         def scrape(ca: Path) -> str:
             ctx = ssl.create_default_context(cafile=str(ca))
             url = f"https://127.0.0.1:{metrics_port}/metrics"
@@ -257,7 +288,8 @@ def test_the_roles_enrolment_service_answers_a_launched_instance(tmp_path: Path,
             scrape(other_ca[0])
         assert plaintext_answer(metrics_port, "/metrics") == b""
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+            ctx = ssl.create_default_context(cafile=str(hall_ca[0]))
+            urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=5, context=ctx)
         assert e.value.code == 404
     finally:
         if proc is not None:
@@ -336,6 +368,7 @@ def test_the_roles_tasks_copy_only_the_keys_the_unit_loads_and_change_nothing_th
         "sco_state_dir": str(tmp_path / "state"),
         "_control_loop_enrolment_metrics_tls_host_dir": str(tmp_path / "metrics-tls"),
         "control_loop_metrics_textfile_dir": str(tmp_path / "textfile"),
+        "_control_loop_enrolment_ca_file": str(tmp_path / "enrol-ca.crt"),  # the loop's copy of the hall's CA
     }  # fmt: skip
     env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(ROOT / "collections"), "ANSIBLE_NOCOLOR": "1"}
 
@@ -383,6 +416,10 @@ def test_the_roles_tasks_copy_only_the_keys_the_unit_loads_and_change_nothing_th
     labels = '{certificate="control_loop_enrolment_metrics",host="localhost"}'
     assert f"sco_certificate_expiry_timestamp_seconds{labels} " in prom, prom
     assert "--metrics-tls-cert-file ${CREDENTIALS_DIRECTORY}/metrics.crt" in unit.read_text()
+    # the same pair on the enrolment port; the loop's copy of the CA it chains to (public: the loop's user reads it)
+    assert "--tls-cert-file ${CREDENTIALS_DIRECTORY}/metrics.crt" in unit.read_text()
+    loop_ca = tmp_path / "enrol-ca.crt"
+    assert loop_ca.read_bytes() == ca.read_bytes() and loop_ca.stat().st_mode & 0o777 == 0o644
     assert changed(apply()) == 0
     # role kyverno_policies read the service's token back from the cluster onto the controller: installed from there,
     # root's 0600, the warning gone; nothing made by hand

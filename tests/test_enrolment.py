@@ -92,8 +92,9 @@ class Hall:
         self.kube.cluster.add_node(name)  # kubelet registered it
         return name, server_id, self.envs[name][ENROL_TOKEN]
 
-    def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
+    def metrics(self, ca: Path | None = None) -> dict[str, float]:
+        ctx = ssl.create_default_context(cafile=str(ca)) if ca else None
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5, context=ctx).read().decode()
         return {k: float(v) for k, v in re.findall(r"^(sco_enrol_\S+) (\S+)$", text, re.M)}
 
 
@@ -102,7 +103,7 @@ def make_hall(relay: JwtRelay, kube_auth: tuple[KubeApiStandIn, Path], fleet_dsn
     made: list[Hall] = []
     kube, token_file = kube_auth
 
-    def make(api: tuple[KubeApiStandIn, Path] | None = None, **more: Any) -> Hall:
+    def make(api: tuple[KubeApiStandIn, Path] | None = None, tls: ServerTls | None = None, **more: Any) -> Hall:
         k, tf = api or (kube, token_file)
         state = FleetState(fleet_dsn)
         state.ensure_pool(Pool(HALL, "p", "m1.small", "img"))
@@ -112,7 +113,7 @@ def make_hall(relay: JwtRelay, kube_auth: tuple[KubeApiStandIn, Path], fleet_dsn
             kube=KubeSettings(k.url, str(tf), token_seconds=3600), **more,
         )  # fmt: skip
         issuer = Issuer(s)
-        server = EnrolmentServer(issuer, ("127.0.0.1", free_port()))
+        server = EnrolmentServer(issuer, ("127.0.0.1", free_port()), tls=tls)
         concurrent.futures.ThreadPoolExecutor(1).submit(server.serve_forever)
         envs: dict[str, dict[str, str]] = {}
 
@@ -652,6 +653,66 @@ def test_the_agent_enrols_at_first_boot_and_connects(make_hall: Callable[..., Ha
         agent.stop()
 
 
+def test_the_agent_enrols_over_tls_checked_against_the_ca_its_user_data_gave(
+    make_hall: Callable[..., Hall], tmp_path: Path
+) -> None:
+    """The answer carries the node's Kubernetes token: the enrolment port speaks TLS only (a plaintext request gets
+    nothing) and the agent checks the certificate against agent.enrol_ca_file, the hall's CA the acquirer writes into
+    the user-data. An agent given another CA sends nothing (its token stays unspent) and says why once; given the
+    hall's it enrols."""
+    hall_ca, other_ca = make_tls(tmp_path / "hall-ca"), make_tls(tmp_path / "other-ca")
+    h = make_hall(tls=ServerTls(str(hall_ca[1]), str(hall_ca[2])))
+    assert h.url.startswith("https://"), h.url
+    assert plaintext_answer(h.server.server_address[1], "/healthz") == b""
+    node, server_id, token = h.launch(0)
+    metadata = MetadataServer(node)
+    metadata.doc["uuid"] = server_id
+    common = {"node": node, "metadata": metadata, "enrol_token": token, "enrol_url": h.url,
+              "nats_ca_file": str(ca_for(h.relay.url)), "hall": HALL}  # fmt: skip
+    wrong = AgentEnv(tmp_path / "wrong", h.kube, h.relay.srv, enrol_ca_file=str(other_ca[0]), **common)
+    try:
+        wrong.start()
+        log = wrong.root / "agent.log"
+        wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in log.read_text(errors="replace"), 20, "the refused handshake")
+        time.sleep(3)  # retries meanwhile: said once
+        assert log.read_text(errors="replace").count("CERTIFICATE_VERIFY_FAILED") == 1
+        assert not (wrong.state / "nats.creds").exists()
+        assert h.metrics(hall_ca[0]).get("sco_enrol_issued_total", 0) == 0
+    finally:
+        wrong.stop()
+    agent = AgentEnv(tmp_path / "agent", h.kube, h.relay.srv, enrol_ca_file=str(hall_ca[0]), **common)
+    try:
+        agent.start()
+        agent.wait_subscribed()
+        assert h.kube.issued[(agent.state / "kube-token").read_text().strip()]["node"] == node
+        assert h.metrics(hall_ca[0])["sco_enrol_issued_total"] == 1
+    finally:
+        agent.stop()
+        metadata.shutdown()
+
+
+def test_a_launched_instances_user_data_carries_the_enrolment_services_ca(tmp_path: Path) -> None:
+    from sco.contract.bundle import Bundle
+    from sco.contract.compiler import compile_repo
+    from sco.contract.signing import Keyring, generate, sign
+    from sco.contract.userdata import ENROL_CA_PATH, render
+    from sco.errors import ConfigError
+    from tests.conftest import SAMPLE
+
+    key = generate()
+    bundle = Bundle.from_bytes(sign(compile_repo(SAMPLE), [key]), Keyring([key.public]))
+    ca = make_tls(tmp_path / "pki")[0].read_text()
+    doc = yaml.safe_load(render(bundle, [key], [key.public], node_env={ENROL_URL: "https://ctl:8471"}, enrol_ca=ca))
+    files = {f["path"]: f for f in doc["write_files"]}
+    assert files[ENROL_CA_PATH]["content"] == ca and files[ENROL_CA_PATH]["permissions"] == "0644"
+    assert f"SCO_AGENT_ENROL_CA_FILE={ENROL_CA_PATH}\n" in files["/etc/sco/agent.env"]["content"]
+    from sco.agent.config import AgentConfig
+
+    assert "enrol_ca_file" in AgentConfig.__dataclass_fields__
+    with pytest.raises(ConfigError, match="enrolment CA: not a PEM certificate"):
+        render(bundle, [key], [key.public], enrol_ca="not a certificate")
+
+
 def test_a_normal_first_boot_logs_no_error_and_says_each_wait_once(
     make_hall: Callable[..., Hall], tmp_path: Path
 ) -> None:
@@ -940,3 +1001,16 @@ def test_the_roles_prometheus_has_no_enrolment_job_where_no_service_runs(tmp_pat
     MonitoringDeployment(tmp_path / "m")  # monitoring_enrol_enabled false: a relay in static mode has no service
     jobs = [j["job_name"] for j in yaml.safe_load((tmp_path / "m" / "prometheus.yml").read_text())["scrape_configs"]]
     assert "sco-enrol" not in jobs and "sco-control" in jobs, jobs
+
+
+def test_an_enrolment_certificate_without_its_key_or_unreadable_is_refused_at_start(tmp_path: Path) -> None:
+    hall_ca = make_tls(tmp_path / "hall-ca")
+    base = [str(BIN / "sco"), "enrol", "serve", "--hall", HALL, "--nats-url", "nats://127.0.0.1:1",
+            "--relay-keys", str(tmp_path), "--dsn", "host=127.0.0.1 dbname=none"]  # fmt: skip
+    p = subprocess.run([*base, "--tls-cert-file", str(hall_ca[1])], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "needs both --tls-cert-file and --tls-key-file" in p.stderr, p.stdout + p.stderr
+    p = subprocess.run(
+        [*base, "--tls-cert-file", str(hall_ca[1]), "--tls-key-file", str(tmp_path / "missing.key")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode != 0 and "enrolment TLS:" in p.stderr and "missing.key" in p.stderr, p.stdout + p.stderr

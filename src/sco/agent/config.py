@@ -77,6 +77,9 @@ class AgentConfig:
     state_dir/nats.creds and state_dir/kube-token."""
     enrol_url: str = ""
     """The hall's enrolment service (http(s)://host:port); see enrol_token."""
+    enrol_ca_file: str = ""
+    """The CA (PEM) an https enrolment service's certificate must chain to (the hall's; the acquirer writes it with
+    the user-data); empty: the system's trust store."""
     notice_subject: str = "sco.notice.{hall}.{node}"
     events_subject: str = "sco.events.{hall}.{node}"
     heartbeat_subject: str = "sco.heartbeat.{hall}.{node}"
@@ -438,11 +441,12 @@ def _check_tls_files(cfg: AgentConfig, where: str) -> list[Problem]:
     from sco._tls import ServerTls, TlsSettingError, client_context
 
     p: list[Problem] = []
-    if cfg.bundle_ca_file:
-        try:
-            client_context(cfg.bundle_ca_file)
-        except TlsSettingError as e:
-            p.append(Problem(where, "agent.bundle_ca_file", str(e)))
+    for name in ("bundle_ca_file", "enrol_ca_file"):
+        if getattr(cfg, name):
+            try:
+                client_context(getattr(cfg, name))
+            except TlsSettingError as e:
+                p.append(Problem(where, f"agent.{name}", str(e)))
     if bool(cfg.metrics_tls_cert_file) != bool(cfg.metrics_tls_key_file):
         p.append(Problem(where, "agent.metrics_tls_cert_file", "give both it and metrics_tls_key_file, or neither"))
     elif cfg.metrics_tls_cert_file:
@@ -600,7 +604,7 @@ nats_url = "nats://127.0.0.1:4222"
 nats_creds_file = ""                # e.g. /etc/sco/nats/node-1.creds
 nats_ca_file = ""                   # the hall's CA the relay's certificate must chain to, e.g. /etc/sco/nats/ca.crt
 metadata_url = "http://169.254.169.254/openstack/latest/meta_data.json"
-# enrol_token / enrol_url: written into agent.env by the acquirer at launch (SCO_AGENT_ENROL_*), never here
+# enrol_token / enrol_url / enrol_ca_file: written into agent.env by the acquirer at launch (SCO_AGENT_ENROL_*)
 kube_url = "https://127.0.0.1:6443"
 kube_token_file = ""                # e.g. /var/lib/sco/kube-token: a node-bound token, its own node only (renewed)
 kube_token_renew = 1                # renew that token (TokenRequest, bound to this node) at 80% of its life

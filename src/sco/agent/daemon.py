@@ -272,6 +272,7 @@ class Agent:
             hall=c.hall, node=c.node, url=c.enrol_url, token=c.enrol_token, metadata_url=c.metadata_url,
             creds_file=Path(c.nats_creds_file), kube_token_file=Path(c.kube_token_file) if c.kube_token_file else None,
             spool=self.spool, on_done=self.relay.creds_ready.set, metrics_listen=c.metrics_listen,
+            ca_file=c.enrol_ca_file,
         )  # fmt: skip
         self._spawn(self.enrolment.run(self._stop), "enrol")
 

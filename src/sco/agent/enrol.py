@@ -25,6 +25,7 @@ from typing import Any
 from sco._fs import atomic_write
 from sco._http import AsyncHttpClient, HttpError
 from sco._retry import Backoff
+from sco._tls import client_context
 from sco.agent.spool import CRITICAL, ROUTINE, Spool
 from sco.contract.enrolment import PATH, RETRY, creds_text
 
@@ -60,6 +61,8 @@ class Enrolment:
     kube_token_file: Path | None
     spool: Spool
     on_done: Callable[[], None] = lambda: None
+    ca_file: str = ""
+    """The CA an https service's certificate must chain to (agent.enrol_ca_file); "": the system's."""
     metrics_listen: str = ""
     """The agent's metrics address (agent.metrics_listen): told to the service for Prometheus's discovery unless it
     is a loopback address (nothing else could scrape it); a wildcard is told as the address this node reaches
@@ -122,7 +125,9 @@ class Enrolment:
         return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
     async def exchange(self, server_id: str, public: str) -> dict[str, Any]:
-        client = AsyncHttpClient(self.url, timeout=self.deadline_s, max_connections=1)
+        # the answer carries the node's Kubernetes token: over https, checked against the hall's CA
+        tls = client_context(self.ca_file) if self.url.startswith("https:") else None
+        client = AsyncHttpClient(self.url, timeout=self.deadline_s, max_connections=1, ssl_context=tls)
         body = {"hall": self.hall, "node": self.node, "instance_id": server_id, "token": self.token}
         metrics = await self.metrics_address()
         if metrics:

@@ -43,21 +43,27 @@ def _settings(args: argparse.Namespace) -> Any:
     )  # fmt: skip
 
 
-def _metrics_tls(args: argparse.Namespace) -> Any:
-    """The /metrics listener's TLS pair (None: plain HTTP); a pair without its listener is an error at start-up."""
+def _tls_pair(args: argparse.Namespace, prefix: str, what: str) -> Any:
+    """A listener's TLS pair from --{prefix}tls-cert-file and --{prefix}tls-key-file (None: plain HTTP)."""
     from sco._tls import ServerTls, TlsSettingError
 
-    cert, key = getattr(args, "metrics_tls_cert_file", None), getattr(args, "metrics_tls_key_file", None)
+    attr = prefix.replace("-", "_")
+    cert, key = getattr(args, f"{attr}tls_cert_file", None), getattr(args, f"{attr}tls_key_file", None)
     if not cert and not key:
         return None
-    if not getattr(args, "metrics_listen", None):
-        raise ConfigError("--metrics-tls-cert-file/--metrics-tls-key-file are for --metrics-listen's listener: give it")
     if not cert or not key:
-        raise ConfigError("/metrics over TLS needs both --metrics-tls-cert-file and --metrics-tls-key-file")
+        raise ConfigError(f"{what} over TLS needs both --{prefix}tls-cert-file and --{prefix}tls-key-file")
     try:
         return ServerTls(cert, key)
     except TlsSettingError as e:
-        raise ConfigError(f"/metrics TLS: {e}") from None
+        raise ConfigError(f"{what} TLS: {e}") from None
+
+
+def _metrics_tls(args: argparse.Namespace) -> Any:
+    """The /metrics listener's TLS pair (None: plain HTTP); a pair without its listener is an error at start-up."""
+    if (args.metrics_tls_cert_file or args.metrics_tls_key_file) and not args.metrics_listen:
+        raise ConfigError("--metrics-tls-cert-file/--metrics-tls-key-file are for --metrics-listen's listener: give it")
+    return _tls_pair(args, "metrics-", "/metrics")
 
 
 def cmd_enrol_serve(args: argparse.Namespace) -> int:
@@ -67,11 +73,13 @@ def cmd_enrol_serve(args: argparse.Namespace) -> int:
     if not 1 <= args.max_per_address <= MAX_CONNECTIONS:
         raise ConfigError(f"--max-per-address {args.max_per_address}: give 1 to {MAX_CONNECTIONS} (the listener's)")
     tls = _metrics_tls(args)
+    # TLS only on the enrolment listener too: its answer carries the new node's Kubernetes token
+    enrol_tls = _tls_pair(args, "", "enrolment")
     issuer = Issuer(_settings(args))
     metrics: MetricsServer | None = None
     try:
         server = EnrolmentServer(
-            issuer, parse_listen(args.listen), verbose=args.verbose, max_per_client=args.max_per_address
+            issuer, parse_listen(args.listen), verbose=args.verbose, max_per_client=args.max_per_address, tls=enrol_tls
         )
         if args.metrics_listen:
             try:
@@ -143,6 +151,17 @@ def register(sub: Any) -> None:
     s = es.add_parser("serve", help="answer POST /v1/enrol; revoke deleted instances' identities every few seconds")
     _common(s)
     s.add_argument("--listen", default=_env("SCO_ENROL_LISTEN", "127.0.0.1:8471"), help="HOST:PORT [$SCO_ENROL_LISTEN]")
+    s.add_argument(
+        "--tls-cert-file", default=_env("SCO_ENROL_TLS_CERT_FILE"), metavar="PATH",
+        help="the enrolment listener's certificate (chain): TLS only, a plaintext request gets no answer; read again"
+        " when it changes [$SCO_ENROL_TLS_CERT_FILE]",
+    )  # fmt: skip
+    s.add_argument(
+        "--tls-key-file",
+        default=_env("SCO_ENROL_TLS_KEY_FILE"),
+        metavar="PATH",
+        help="its key [$SCO_ENROL_TLS_KEY_FILE]",
+    )
     s.add_argument("--kube-url", default=_env("SCO_KUBE_URL"), help="API server; unset: no token [$SCO_KUBE_URL]")
     s.add_argument("--kube-token-file", default=_env("SCO_KUBE_TOKEN_FILE"), help="[$SCO_KUBE_TOKEN_FILE]")
     s.add_argument("--kube-ca-file", default=_env("SCO_KUBE_CA_FILE"), help='CA, or "system" [$SCO_KUBE_CA_FILE]')

@@ -61,6 +61,7 @@ def _check_delegation(d: Delegation, keys: list[PrivateKey], trusted: list[Publi
 
 RELAY_CA_PATH = "/etc/sco/relay-ca.crt"  # as role node_agent writes it (node_agent_nats_ca)
 DISTRIBUTOR_CA_PATH = "/etc/sco/distributor-ca.crt"  # as role node_agent writes it (node_agent_distributor_ca)
+ENROL_CA_PATH = "/etc/sco/enrol-ca.crt"  # launched instances only: inventory nodes do not enrol
 
 
 def render(
@@ -75,6 +76,7 @@ def render(
     relay_ca: str = "",
     delegation: Delegation | None = None,
     distributor_ca: str = "",
+    enrol_ca: str = "",
 ) -> str:
     """The instance's user-data. Its subset bundle is dated from ``now`` (the launch) for the hall's bundle
     lifetime, not the full bundle's ``expiresAt``: the launch signs it, and a hall whose full bundle was last
@@ -82,7 +84,8 @@ def render(
     ``relay_ca``: the CA (PEM) the hall's relays' TLS certificates chain to, written to RELAY_CA_PATH and named by
     agent.env's SCO_AGENT_NATS_CA_FILE (unless the operator's node_env names another), so the new instance checks
     the relay before it enrols or sends anything. ``distributor_ca``: the CA an https distributor's certificate
-    chains to, written to DISTRIBUTOR_CA_PATH and named by SCO_AGENT_BUNDLE_CA_FILE (the same way).
+    chains to, written to DISTRIBUTOR_CA_PATH and named by SCO_AGENT_BUNDLE_CA_FILE (the same way); ``enrol_ca``:
+    an https enrolment service's, written to ENROL_CA_PATH and named by SCO_AGENT_ENROL_CA_FILE.
     ``delegation``: the hall root's certificate for the one key in ``signing_keys`` (the control host's launch key):
     the subset carries it, is dated inside it, and ``trusted`` must hold the root that signed it (the nodes trust
     the root, never the launch key)."""
@@ -94,6 +97,10 @@ def render(
         if "-----BEGIN CERTIFICATE-----" not in distributor_ca:
             raise ConfigError("distributor CA: not a PEM certificate (-----BEGIN CERTIFICATE-----)")
         node_env = {"SCO_AGENT_BUNDLE_CA_FILE": DISTRIBUTOR_CA_PATH, **(node_env or {})}
+    if enrol_ca:
+        if "-----BEGIN CERTIFICATE-----" not in enrol_ca:
+            raise ConfigError("enrolment CA: not a PEM certificate (-----BEGIN CERTIFICATE-----)")
+        node_env = {"SCO_AGENT_ENROL_CA_FILE": ENROL_CA_PATH, **(node_env or {})}
     bad = [f"{k!r}: {why}" for k, v in sorted((node_env or {}).items()) if (why := _env_problem(k, v))]
     if bad:
         raise ConfigError(f"node environment: {'; '.join(bad)}")
@@ -126,6 +133,8 @@ def render(
         files.append({"path": RELAY_CA_PATH, "permissions": "0644", "content": relay_ca.strip() + "\n"})
     if distributor_ca:
         files.append({"path": DISTRIBUTOR_CA_PATH, "permissions": "0644", "content": distributor_ca.strip() + "\n"})
+    if enrol_ca:
+        files.append({"path": ENROL_CA_PATH, "permissions": "0644", "content": enrol_ca.strip() + "\n"})
     if node_env:
         files.append(
             {

@@ -20,8 +20,9 @@ touching the database).
 ``/metrics`` is served on the enrolment listener unless the service is given a listener of its own for it
 (:class:`MetricsServer`, ``sco enrol serve --metrics-listen``), which speaks TLS only when given a certificate and key
 (``sco._tls.ServerTls``: a plaintext request gets no answer, a renewed pair is served from the next connection); the
-enrolment listener then answers ``/metrics`` 404. The enrolment listener itself is plain HTTP (its clients, the
-agents at first boot, have no CA for it yet).
+enrolment listener then answers ``/metrics`` 404. The enrolment listener speaks TLS only when given a pair of its own
+(``sco enrol serve --tls-cert-file``): its answer carries the new node's Kubernetes token, and the agent checks the
+certificate against the hall's CA, which the acquirer writes into the instance's user-data with the token.
 
 Revocation (:func:`revoke_deleted`): every enrolment whose instance is deleted, lost or failed and not yet revoked
 is revoked on the relay (a newer account JWT revoking every user, read back), then marked revoked; with Kubernetes,
@@ -599,13 +600,15 @@ class EnrolmentServer(BoundedHTTPServer):
         max_per_client: int = wire.MAX_PER_ADDRESS,
         header_timeout: float = 10.0,
         idle_timeout: float = 15.0,
+        tls: ServerTls | None = None,
     ) -> None:
         self.issuer = issuer
         self.verbose = verbose
         self.metrics_server: MetricsServer | None = None  # set by MetricsServer: /metrics is served there only
+        # tls: TLS only (the answer carries the node's Kubernetes token); the handshake counts in header_timeout
         super().__init__(
             address, _Handler, max_connections=max_connections, max_per_client=max_per_client,
-            header_timeout=header_timeout, idle_timeout=idle_timeout, name="enrol-deadlines",
+            header_timeout=header_timeout, idle_timeout=idle_timeout, name="enrol-deadlines", tls=tls,
         )  # fmt: skip
 
 

@@ -223,6 +223,8 @@ class AcquireOptions:
     """The hall root's delegation (a file) for the one launch key in signing_keys: each subset carries it."""
     distributor_ca: str = ""
     """The distributor's CA (PEM text, read from distributor_ca_file): each new instance's user-data carries it."""
+    enrol_ca: str = ""
+    """An https enrolment service's CA (PEM text, read from enrol_ca_file): each new instance's user-data carries it."""
 
     @classmethod
     def from_params(cls, p: Params) -> AcquireOptions:
@@ -239,6 +241,7 @@ class AcquireOptions:
             relay_ca,
             str(p.get("launch_delegation") or ""),
             distributor_ca,
+            _text_file(p, "enrol_ca_file"),
         )
 
 

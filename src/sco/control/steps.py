@@ -492,6 +492,7 @@ def _acquire(
                 relay_ca=o.relay_ca,
                 delegation=delegation,
                 distributor_ca=o.distributor_ca,
+                enrol_ca=o.enrol_ca,
             )
 
         # node_env naming the enrolment service: each instance gets a one-time token of its own (the acquirer)

@@ -65,6 +65,12 @@ options:
       - The CA (PEM) the hall's distributor's TLS certificate chains to, on the host the module runs on; every new
         instance's user-data carries it (C(/etc/sco/distributor-ca.crt), named by C(SCO_AGENT_BUNDLE_CA_FILE)).
     type: path
+  enrol_ca_file:
+    description:
+      - The CA (PEM) an https enrolment service's certificate chains to, on the host the module runs on; every new
+        instance's user-data carries it (C(/etc/sco/enrol-ca.crt), named by C(SCO_AGENT_ENROL_CA_FILE)), so its agent
+        checks the service that answers with its Kubernetes token.
+    type: path
   concurrency:
     description: Creates (and deletes) sent at once.
     type: int
@@ -175,6 +181,7 @@ def main() -> None:
         "node_env": {"type": "dict", "default": {}, "no_log": True},
         "relay_ca_file": {"type": "path"},
         "distributor_ca_file": {"type": "path"},
+        "enrol_ca_file": {"type": "path"},
         "launch_delegation": {"type": "path"},
         "concurrency": {"type": "int", "default": 8},
     }
