@@ -4,7 +4,8 @@ A pending pod on the Kubernetes API stand-in -> the control loop's demand, plan,
 collection's modules through ansible-runner, as the timer runs them) launch one instance on the real Nova, its
 agent.env naming the enrolment service -> the user-data Nova stores, read back through the metadata API as the
 instance sees it, written out as cloud-init would -> the real ``sco-agent`` started on that agent.env enrols with
-the real ``sco enrol serve`` (its one-time token for its own relay identity and a node-bound Kubernetes token),
+the real ``sco enrol serve`` over TLS, checked against the hall's CA the user-data carries (its one-time token for
+its own relay identity and a node-bound Kubernetes token),
 connects to the operator-mode relay under its own identity and heartbeats -> a pod of the contract lands on the
 node -> the reclaimer notices the node over NATS, the agent drains (the pod evicted), the reclaimer deletes the
 server at T, the fleet state records both -> the enrolment service's sweep revokes the node's identity: its
@@ -17,6 +18,7 @@ import base64
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -35,7 +37,7 @@ from sco.provider.reclaim_job import ReclaimSettings, reclaim
 from sco.state.db import connect
 from sco.state.fleet import FleetState
 from sco_devkit.standins.kube_apiserver import ApiError, KubeApiStandIn
-from tests.harness import add_pod, free_port, hall_bundle, wait_for
+from tests.harness import add_pod, free_port, hall_bundle, make_tls, wait_for
 from tests.relays import HALL, JwtRelay, ca_for, relay_refusal, start_jwt_relay
 
 pytestmark = pytest.mark.slow
@@ -81,6 +83,7 @@ PLAY = """
         signing_keys: ["{{ signing_key }}"]
         launch_delegation: "{{ launch_delegation }}"
         node_env: "{{ node_env }}"
+        enrol_ca_file: "{{ enrol_ca_file }}"
       register: acquire
 """
 
@@ -109,16 +112,19 @@ def kube(tmp_path: Path) -> Iterator[tuple[KubeApiStandIn, Path, Path]]:
 
 
 class Enrol:
-    """``sco enrol serve`` as its unit runs it (a process of its own), sweeping for revocations every 0.5 s."""
+    """``sco enrol serve`` as its unit runs it (a process of its own, TLS only with a certificate of the test's hall
+    CA, as role control_loop gives it), sweeping for revocations every 0.5 s."""
 
     def __init__(self, tmp: Path, relay: JwtRelay, kube: KubeApiStandIn, token_file: Path, dsn: str) -> None:
         self.port = free_port()
         self.log = tmp / "enrol.log"
+        self.ca, cert, key = make_tls(tmp / "enrol-tls")
         argv = [
             str(BIN / "sco"), "enrol", "serve", "--hall", HALL, "--dsn", dsn,
             "--relay-keys", str(relay.dir / "hall-keys"), "--nats-url", relay.url, "--listen", f"127.0.0.1:{self.port}",
             "--nats-ca-file", str(ca_for(relay.url)),
             "--kube-url", kube.url, "--kube-token-file", str(token_file), "--revoke-every", "0.5",
+            "--tls-cert-file", str(cert), "--tls-key-file", str(key),
         ]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
         wait_for(lambda: "enrolling hall" in self.text() or self.proc.poll() is not None, 30, "sco enrol serve")
@@ -126,13 +132,14 @@ class Enrol:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"https://127.0.0.1:{self.port}"
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5, context=ctx).read().decode()
         return {k: float(v) for k, v in re.findall(r"^(sco_enrol_\S+) (\S+)$", text, re.M)}
 
     def stop(self) -> None:
@@ -231,7 +238,7 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
             extravars={
                 "hall": HALL, "bundle": str(bundle), "trust_dir": str(trust), "dsn": fleet_dsn, "pools": pools,
                 "cloud": cfg, "signing_key": str(tmp_path / "launch.key"), "node_env": node_env,
-                "launch_delegation": str(tmp_path / "launch.delegation"),
+                "launch_delegation": str(tmp_path / "launch.delegation"), "enrol_ca_file": str(enrol.ca),
                 "kube_url": api.url, "kube_token_file": str(control_kube_token),
                 "ansible_python_interpreter": sys.executable,
             },
@@ -261,6 +268,9 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
         agent_env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if line)
         assert agent_env[ENROL_URL] == enrol.url and len(agent_env[ENROL_TOKEN]) >= 43
         assert agent_env["SCO_AGENT_HALL"] == HALL and agent_env["SCO_AGENT_NODE"] == node
+        # the enrolment service's CA, as the user-data wrote it: the agent checks the service against it
+        assert agent_env["SCO_AGENT_ENROL_CA_FILE"] == "/etc/sco/enrol-ca.crt"
+        assert files["/etc/sco/enrol-ca.crt"].read_bytes() == enrol.ca.read_bytes()
         assert "/var/lib/sco/bundle/bundle.json" in files
         # the node trusts the hall's root only, never the control host's launch key
         assert [p for p in files if p.startswith("/etc/sco/trusted/")] == [f"/etc/sco/trusted/{key.keyid}.pub"]
@@ -279,6 +289,7 @@ def test_a_hall_lives_the_chain_from_pending_pod_to_revoked_identity(  # type: i
             SCO_AGENT_STATE_DIR=str(state), SCO_AGENT_TRUST_DIR=str(disk / "etc/sco/trusted"),
             SCO_AGENT_METADATA_URL=proxy.url, SCO_AGENT_METRICS_LISTEN=metrics_at,
             SCO_AGENT_CHECKPOINT_SOCKET="", SCO_AGENT_HEARTBEAT_SECONDS="1",
+            SCO_AGENT_ENROL_CA_FILE=str(files["/etc/sco/enrol-ca.crt"]),
         )  # fmt: skip
         agent_log = tmp_path / "agent.log"
         out_file = open(agent_log, "ab")  # noqa: SIM115
