@@ -75,7 +75,13 @@ def test_launch_30_instances_active_with_user_data_and_tags(openstack_cloud, clo
         st.ensure_pool(Pool(hall, "spot", flavor=openstack_cloud.flavors["sco.small"], image=openstack_cloud.image_id))
         try:
             out = Acquirer(cloud, st, userdata).apply(PlanEntry(hall, "spot", "e1", 30))
-            assert (out.launched, out.active, out.failed, out.adopted) == (30, 30, 0, 0)
+            said = (
+                out.warnings, out.errors, sorted((i.name, i.state) for i in out.instances if i.state != "active"),
+                [(k, n) for k, n in st.conn.execute(
+                    "SELECT kind, count(*) FROM lifecycle_event WHERE hall = %s GROUP BY kind ORDER BY kind", (hall,)
+                ).fetchall()],
+            )  # fmt: skip
+            assert (out.launched, out.active, out.failed, out.adopted) == (30, 30, 0, 0), said
             servers = tagged(cloud, hall, "spot", "e1")
             assert sorted(s.name for s in servers) == sorted(f"{hall}-spot-e1-{i}" for i in range(30))
             assert {s.status for s in servers} == {"ACTIVE"}

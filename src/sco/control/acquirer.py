@@ -374,8 +374,10 @@ class Acquirer:
         expected = self.state.build_seconds(e.hall, e.pool)
         first = max(self.poll_s, min(expected or 0.0, self.active_timeout_s))
         try:
+            # look_up: a build the tagged list does not show is looked up by id before it is called lost (a GET
+            # only then, none in a run where every build is listed)
             done = io.settle_builds(
-                act, by=None, look_up=False, started=started, first_wait=first, timeout_s=self.active_timeout_s
+                act, by=None, look_up=True, started=started, first_wait=first, timeout_s=self.active_timeout_s
             )
         finally:
             # A server in ERROR holds quota and a name: take it back now; the next run launches anew if allowed.

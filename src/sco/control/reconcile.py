@@ -313,6 +313,11 @@ def decide_builds(v: View, *, by: str | None) -> Decisions:
         if r.state not in SETTLING or not r.server_id:
             continue
         s = listed.get(r.server_id)
+        found = v.still_there.get(r.server_id)
+        if s is None and found is not None and (found.pool, found.entry, found.slot) == (r.pool, r.plan_entry, r.slot):
+            # looked up by id, its tags intact: the tagged list missed a server still building (under load Nova
+            # listed 29 of 30 fresh creates once); what the GET says, not a loss
+            s = found
         if s is None:  # created, then gone before it was ever ACTIVE
             changes.append(_unlisted(v, r, f"server {r.server_id} vanished while launching"))
         else:
