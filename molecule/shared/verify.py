@@ -417,7 +417,7 @@ def check_distributor_serves_the_signed_bundle(sc: Scenario, host: str, hall: st
         ca = str(sc.root(host) / "etc/sco/distributor-tls/ca.crt")
         url = f"https://127.0.0.1:8470/v1/halls/{hall}/bundle.json"
         out = sc.in_netns(host, sys.executable, "-c", _FETCH, url, ca)
-        published = (sc.root(host) / f"var/lib/sco/distributor/{hall}/bundle.json").read_bytes()
+        published = (sc.root(host) / f"var/lib/sco-distributor/{hall}/bundle.json").read_bytes()
         assert out.stdout.split() == ["200", str(len(published)), "304", "plaintext-refused"], out.stdout + out.stderr
     finally:
         h.run("kill -TERM -- -$(cat /run/sco-verify-dist.pgid) 2>/dev/null; rm -f /run/sco-verify-dist.pgid")

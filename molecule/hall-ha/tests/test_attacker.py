@@ -579,7 +579,8 @@ def test_no_secret_in_a_control_loop_runs_arguments_artifacts_or_logs() -> None:
     wanted = {**wanted, "canary": canary}
     for host in HALL_HOSTS:
         root = SC.root(host)
-        for d in (root / "var" / "lib" / "sco" / "control-loop", root / "var" / "log", root / "tmp"):
+        # the loop's ansible-runner directory (role control_loop's control_loop_data_dir since it left /var/lib/sco)
+        for d in (root / "var" / "lib" / "sco-control-loop", root / "var" / "log", root / "tmp"):
             for p in sorted(d.rglob("*")) if d.is_dir() else []:
                 if not p.is_file() or p.is_symlink():
                     continue
