@@ -89,18 +89,16 @@ def render(
     ``delegation``: the hall root's certificate for the one key in ``signing_keys`` (the control host's launch key):
     the subset carries it, is dated inside it, and ``trusted`` must hold the root that signed it (the nodes trust
     the root, never the launch key)."""
-    if relay_ca:
-        if "-----BEGIN CERTIFICATE-----" not in relay_ca:
-            raise ConfigError("relay CA: not a PEM certificate (-----BEGIN CERTIFICATE-----)")
-        node_env = {"SCO_AGENT_NATS_CA_FILE": RELAY_CA_PATH, **(node_env or {})}
-    if distributor_ca:
-        if "-----BEGIN CERTIFICATE-----" not in distributor_ca:
-            raise ConfigError("distributor CA: not a PEM certificate (-----BEGIN CERTIFICATE-----)")
-        node_env = {"SCO_AGENT_BUNDLE_CA_FILE": DISTRIBUTOR_CA_PATH, **(node_env or {})}
-    if enrol_ca:
-        if "-----BEGIN CERTIFICATE-----" not in enrol_ca:
-            raise ConfigError("enrolment CA: not a PEM certificate (-----BEGIN CERTIFICATE-----)")
-        node_env = {"SCO_AGENT_ENROL_CA_FILE": ENROL_CA_PATH, **(node_env or {})}
+    # each CA the instance checks a hall service against: (its text, what it is, where it goes, the setting naming it)
+    cas = [(ca, what, path, env) for ca, what, path, env in (
+        (relay_ca, "relay CA", RELAY_CA_PATH, "SCO_AGENT_NATS_CA_FILE"),
+        (distributor_ca, "distributor CA", DISTRIBUTOR_CA_PATH, "SCO_AGENT_BUNDLE_CA_FILE"),
+        (enrol_ca, "enrolment CA", ENROL_CA_PATH, "SCO_AGENT_ENROL_CA_FILE"),
+    ) if ca]  # fmt: skip
+    for ca, what, path, env in cas:
+        if "-----BEGIN CERTIFICATE-----" not in ca:
+            raise ConfigError(f"{what}: not a PEM certificate (-----BEGIN CERTIFICATE-----)")
+        node_env = {env: path, **(node_env or {})}  # the operator's node_env wins
     bad = [f"{k!r}: {why}" for k, v in sorted((node_env or {}).items()) if (why := _env_problem(k, v))]
     if bad:
         raise ConfigError(f"node environment: {'; '.join(bad)}")
@@ -129,12 +127,7 @@ def render(
             "content": base64.b64encode(subset).decode("ascii"),
         }
     )
-    if relay_ca:
-        files.append({"path": RELAY_CA_PATH, "permissions": "0644", "content": relay_ca.strip() + "\n"})
-    if distributor_ca:
-        files.append({"path": DISTRIBUTOR_CA_PATH, "permissions": "0644", "content": distributor_ca.strip() + "\n"})
-    if enrol_ca:
-        files.append({"path": ENROL_CA_PATH, "permissions": "0644", "content": enrol_ca.strip() + "\n"})
+    files += [{"path": path, "permissions": "0644", "content": ca.strip() + "\n"} for ca, _, path, _ in cas]
     if node_env:
         files.append(
             {
