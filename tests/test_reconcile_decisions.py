@@ -208,6 +208,33 @@ def test_builds_settle_with_novas_build_time_fail_or_vanish() -> None:
     assert isinstance(d.changes[0], Lose) and "is no longer in Nova" in d.changes[0].why
 
 
+def test_a_build_stopped_before_it_settled_fails_and_goes_and_a_transient_status_waits() -> None:
+    """Nova's power sync stops an instance whose host reports it off ("Instance shutdown by itself. Calling the stop
+    API"): seen once in CI on Ironic's fake hardware, a launch then waited its whole 600 s for an ACTIVE that could
+    not come. Stopped, paused, suspended or shelved while settling is a failed launch, its server taken back at
+    once; a reboot, a migration or an UNKNOWN status (its compute away) is waited for."""
+    stopped = ["SHUTOFF", "PAUSED", "SUSPENDED", "SHELVED", "SHELVED_OFFLOADED", "SOFT_DELETED"]
+    waits = ["BUILD", "REBOOT", "HARD_REBOOT", "MIGRATING", "UNKNOWN"]
+    statuses = stopped + waits
+    records = [rec(i + 1, i, "launching", f"s{i}") for i in range(len(statuses))]
+    servers = [srv(f"s{i}", i, st) for i, st in enumerate(statuses)]
+    servers[0] = srv("s0", 0, "SHUTOFF", fault="stopped by its host")
+    for by, said in ((None, {}), ("reconcile", {"by": "reconcile"})):
+        d = decide_builds(view(servers, records), by=by)
+        expected = [[("fail:launching->failed", f"h-spot-e1-{i}"), ("delete", f"s{i}")] for i in range(len(stopped))]
+        assert kinds(d) == [k for pair in expected for k in pair]
+        fail, delete = d.changes[0], d.changes[1]
+        assert isinstance(fail, Move) and isinstance(delete, Delete)
+        why = "SHUTOFF before it was ever settled ACTIVE: stopped by its host"
+        assert fail.detail == {"error": why, "status": "SHUTOFF", **said} and delete.why == why
+        assert resolved(d) == len(stopped)
+    # the hall's reconciliation (decide) settles the same way
+    d = decide(view(servers[:1], records[:1]))
+    assert kinds(d)[:2] == [("fail:launching->failed", "h-spot-e1-0"), ("delete", "s0")]
+    # an active instance stopped later is not a launch: nothing here (the reclaim and the plan see it)
+    assert decide_builds(view([srv("x", 0, "SHUTOFF")], [rec(1, 0, "active", "x")]), by=None).changes == ()
+
+
 def test_a_build_the_tagged_list_missed_but_nova_still_has_with_its_tags_is_not_lost() -> None:
     """The acquirer looks up a build its tagged list does not show (under load Nova listed 29 of 30 fresh creates
     once: the 30th was lost while it built, and the run ended with 29 active and nothing pending). Found by id with

@@ -5,7 +5,9 @@ One tagged list call (``sco-hall=<hall>``) is compared with the hall's records:
 * a server with no record (a run killed between Nova's answer and the fleet state's write) is **adopted** into
   its slot's record, or a new one;
 * a record stuck in ``requested``/``launching`` is **settled** to what Nova says (ACTIVE -> ``active``; ERROR ->
-  ``failed`` and the server deleted, with Nova's fault as the reason);
+  ``failed`` and the server deleted, with Nova's fault as the reason; a server already stopped, paused, suspended
+  or shelved before it was settled will not run by itself: ``failed`` and deleted the same way, its status the
+  reason, not waited for until the run's timeout);
 * a record whose server the tagged list no longer shows but Nova still has (its tags removed by hand) gets its
   tags back (``retagged``; one GET by id tells it from a deleted one);
 * a record whose server Nova no longer has is **lost** (why, when it was last listed, an ``instance.lost``
@@ -55,6 +57,10 @@ SETTLING = ("requested", "launching")
 # How long after a create was recorded its server may still appear: a killed run's POST finishes inside nova-api
 # (the loop's calls have a 10-30 s deadline; nova-api's own request handling is bounded by its workers' timeouts).
 CREATE_WINDOW_S = 60.0
+# Nova's statuses a fresh server reaches only when something stopped it after its build (Nova's power sync stopping
+# an instance whose host reported it off, an operator): none becomes ACTIVE without another action, so a launch
+# still waiting on one is a failed launch. Transient ones (REBOOT, MIGRATING, UNKNOWN while a compute is down) wait.
+STOPPED = frozenset({"SHUTOFF", "PAUSED", "SUSPENDED", "SHELVED", "SHELVED_OFFLOADED", "SOFT_DELETED"})
 NEVER_REACHED = "the launch never reached Nova (its run stopped before the create was answered)"
 SlotKey = tuple[str, str, int]
 
@@ -210,13 +216,20 @@ def lost_why(r: Instance) -> str:
 
 
 def _settle_listed(r: Instance, s: Server, by: str | None, with_build: bool) -> list[Change]:
-    """A record whose server the list shows: settled to what Nova says (ERROR: failed, and the server deleted)."""
+    """A record whose server the list shows: settled to what Nova says (ERROR, or stopped while still settling:
+    failed, and the server deleted)."""
     said = {"by": by} if by else {}
     if s.status == "ERROR" and r.state in (*SETTLING, "active"):
         fault = s.fault[:500]
         return [
             Move("fail", r, "failed", "launch.failed", None, {"error": fault, "status": "ERROR", **said}, s.id),
             Delete(s.id, s.name, f"in ERROR: {fault[:300]}"),
+        ]
+    if r.state in SETTLING and s.status in STOPPED:
+        why = f"{s.status} before it was ever settled ACTIVE" + (f": {s.fault[:300]}" if s.fault else "")
+        return [
+            Move("fail", r, "failed", "launch.failed", None, {"error": why, "status": s.status, **said}, s.id),
+            Delete(s.id, s.name, why),
         ]
     if r.state in SETTLING and s.status == "ACTIVE":
         built = {"build_s": s.build_s} if with_build and s.build_s is not None else {}
