@@ -27,6 +27,7 @@ from sco.contract.compiler import compile_repo
 from sco.contract.notice import sign_notice
 from sco.contract.signing import PrivateKey, generate, sign, write_keypair
 from sco_devkit.demo import sample_repo
+from sco_devkit.ports import free_port
 from sco_devkit.standins.kube_apiserver import PRESTOP_ANNOTATION, SHUTDOWN_ANNOTATION, KubeApiStandIn
 
 BIN = Path(sys.executable).parent
@@ -108,12 +109,6 @@ def render_with_roles(out: Path, book: str, **extravars: object) -> None:
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

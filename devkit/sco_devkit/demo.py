@@ -34,6 +34,7 @@ from sco.contract.distributor import DistributorServer, bundle_path, publish
 from sco.contract.notice import sign_notice
 from sco.contract.signing import Keyring, PrivateKey, generate, sign, write_keypair
 from sco.errors import ConfigError
+from sco_devkit.ports import free_port
 from sco_devkit.standins.kube_apiserver import PRESTOP_ANNOTATION, KubeApiStandIn
 
 NODE = "local-node-1"
@@ -54,12 +55,6 @@ def sample_repo() -> Path:
 
 def _say(step: str, text: str) -> None:
     print(f"[{step:>9}] {text}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _nats_server() -> str:
@@ -179,7 +174,7 @@ def _demo(work: Path, procs: list[subprocess.Popen[bytes]], servers: list[Any]) 
     url = f"{dist.url}/v1/halls/{published.hall}/bundle.json"
     _say("serve", f"serial {published.serial} at {url}")
 
-    nats_port = _free_port()
+    nats_port = free_port()
     (work / "nats").mkdir()
     procs.append(
         subprocess.Popen(

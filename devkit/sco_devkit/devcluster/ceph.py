@@ -24,13 +24,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from sco_devkit.ports import free_port
+
 ADMIN_UID = "sco-store-admin"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _port_range_free(lo: int, hi: int) -> bool:
@@ -66,7 +62,7 @@ class CephCluster:
             )
             self.access_key, self.secret_key = ports["access_key"], ports["secret_key"]
         else:
-            self.mon_v2, self.mon_v1, self.rgw_port = _free_port(), _free_port(), _free_port()
+            self.mon_v2, self.mon_v1, self.rgw_port = free_port(), free_port(), free_port()
             self.osd_lo = self._osd_range()
         self.fsid = ""
 

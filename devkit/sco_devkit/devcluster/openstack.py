@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sco.state.embedded import EmbeddedPostgres
+from sco_devkit.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_VENV = Path(os.environ.get("SCO_OPENSTACK_VENV", str(REPO / ".venv-openstack")))
@@ -37,12 +38,6 @@ REGION = "RegionOne"
 SERVICES = ("nova", "placement", "glance", "neutron", "blazar")
 # Nova's user-side quota default is 10 instances; the tests and benchmarks launch 30 at once.
 QUOTA = {"instances": 500, "cores": 5000, "ram": 5_120_000}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:

@@ -23,13 +23,14 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sco_devkit.ports import free_ports
 
 PG_BIN = Path(os.environ.get("SCO_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PATRONI = os.environ.get("SCO_PATRONI", "/usr/bin/patroni")
@@ -40,19 +41,6 @@ REPLICATION_PASSWORD = "devcluster-replication"
 
 class PatroniError(RuntimeError):
     pass
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -103,7 +91,7 @@ class PatroniCluster:
     def __post_init__(self) -> None:
         # Not under pytest's 0700 tmp_path: the postgres user must reach its own directories.
         self.root = Path(self.root) if self.root else Path(tempfile.mkdtemp(prefix="sco-patroni-"))
-        ports = _free_ports(4 * self.size)
+        ports = free_ports(4 * self.size)
         self.etcd = [Etcd(f"etcd{i}", self.root / f"etcd{i}", ports[4 * i], ports[4 * i + 1]) for i in range(self.size)]
         self.members = [
             Member(f"pg{i}", self.root / f"pg{i}", ports[4 * i + 2], ports[4 * i + 3]) for i in range(self.size)

@@ -13,16 +13,11 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from sco_devkit.ports import free_port
 
 
 class SlurmError(RuntimeError):
@@ -51,11 +46,11 @@ class SlurmCluster:
         # SlurmUser: Slurm's privileged user besides root (DRAIN, signal and requeue any job). Another user than root
         # for a node agent that runs as its own user and is that (without slurmdbd there is no operator grant).
         self.slurm_user = slurm_user
-        self.ctld_port = _free_port()
+        self.ctld_port = free_port()
         # Job ids of their own (FirstJobId, from the port: clusters alive at once have different ports): a node agent
         # without ptrace access tells stepds apart by job id and start time, and two test clusters on this host each
         # starting at job 1 at once had one cluster's agent signal the other's job.
-        self.node_ports = {n: _free_port() for n in nodes}
+        self.node_ports = {n: free_port() for n in nodes}
         self.conf = self.root / "slurm.conf"
         self.ctld: subprocess.Popen[bytes] | None = None
         self.slurmds: dict[str, subprocess.Popen[bytes]] = {}
