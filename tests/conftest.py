@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import getpass
 import os
 import shutil
 import tempfile
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -64,6 +66,7 @@ _ONE_WORKER = {"test_patroni"}
 
 # Modules that run the notice_relay role on this machine: each run sets the one sco-nats user's home to its own test's
 # store directory, so one module's run between another's two would make the second's idempotence check fail.
+RELAY_ROLE_LOCK = "/var/tmp/.sco-tests-relay-role.lock"  # machine-wide: see relay_role_machine_lock
 _RELAY_ROLE = {"test_drill_operator", "test_enrol_unit", "test_relay_operator_role", "test_relay_operator_cluster"}
 
 
@@ -357,6 +360,33 @@ def own_user_agent_bin(node_wheelhouse: Path) -> Iterator[Path]:
     d.chmod(0o755)
     yield install_venv(node_wheelhouse, d / "venv", python="/usr/bin/python3") / "bin" / "sco-agent"
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def relay_role_machine_lock(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The relay-role modules take a machine-wide lock for their whole run: their xdist group keeps them apart in
+    one pytest run, but two checkouts on one machine (a fresh-clone CI run and a worktree) would each set the one
+    sco-nats user's home and ports mid-run of the other. The second waits (an hour at most, as molecule's locks)."""
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    if module not in _RELAY_ROLE:
+        yield
+        return
+    with open(RELAY_ROLE_LOCK, "a") as f:
+        end = time.monotonic() + 3600
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > end:
+                    raise AssertionError(
+                        "another checkout held /var/tmp/.sco-tests-relay-role.lock for an hour"
+                    ) from None
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session", autouse=True)
