@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sco_devkit.wheels import source_tree_build
+
 REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "agent" / "constraints.txt"
 
@@ -16,15 +18,14 @@ CONSTRAINTS = REPO / "agent" / "constraints.txt"
 def build_wheelhouse(dest: Path) -> Path:
     """``pip wheel -c agent/constraints.txt .``: the product's wheel, its base dependencies at their pins."""
     dest.mkdir(parents=True, exist_ok=True)
-    # setuptools builds in the checkout's build/ and never removes from it: a module moved since an earlier build
-    # (sco/agent/kube_drain.py -> kube/drain.py) was still shipped in the wheel
-    shutil.rmtree(REPO / "build", ignore_errors=True)
-    subprocess.run(
-        # no build isolation: setuptools is in this venv, and an isolated build fetches it again each time (~30 s)
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "--constraint", str(CONSTRAINTS),
-         "--wheel-dir", str(dest), str(REPO)],
-        check=True, timeout=600, capture_output=True,
-    )  # fmt: skip
+    # build/ emptied and one build at a time in this checkout (each pytest worker makes its session's wheelhouse)
+    with source_tree_build(REPO):
+        subprocess.run(
+            # no build isolation: setuptools is in this venv, and an isolated build fetches it again each time (~30 s)
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "--constraint", str(CONSTRAINTS),
+             "--wheel-dir", str(dest), str(REPO)],
+            check=True, timeout=600, capture_output=True,
+        )  # fmt: skip
     return dest
 
 

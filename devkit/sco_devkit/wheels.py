@@ -8,9 +8,13 @@ pins) is the same set for the base dependencies, since setup installs the venv w
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,21 +35,38 @@ def freeze_constraints(dest: Path, python: str = sys.executable) -> Path:
     return dest
 
 
+@contextlib.contextmanager
+def source_tree_build(tree: Path) -> Iterator[None]:
+    """setuptools' ``build/`` emptied, then one build at a time in ``tree``: its scratch is the tree's own, so two
+    builds at once (pytest's workers each making a session's wheelhouse) removed and wrote it under each other ("Failed
+    building wheel for spot-capacity-orchestrator", seen in a fresh-clone CI run). A machine-wide lock per tree."""
+    key = hashlib.sha256(str(tree.resolve()).encode()).hexdigest()[:16]
+    with open(f"/var/tmp/.sco-wheel-build-{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a build takes seconds to a minute; pip's own timeout bounds the holder
+        try:
+            # setuptools' build/ keeps modules moved since an earlier build (sco/agent/kube_drain.py after its move
+            # to kube/drain.py was still shipped)
+            shutil.rmtree(tree / "build", ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def build(dest: Path, *requirements: str, timeout: float = 900, constraints: Path | None = None) -> Path:
     """``pip wheel`` of the requirements into dest, every dependency at the venv's pins (or at those of a
     constraints file given, such as constraints/control.txt), no isolated build (the venv has setuptools; an
     isolated build fetches it again each time)."""
     dest.mkdir(parents=True, exist_ok=True)
-    for req in requirements:  # a source tree: setuptools' build/ keeps modules moved since (shipped stale)
-        tree = Path(req.split("[", 1)[0])
-        if (tree / "pyproject.toml").is_file():
-            shutil.rmtree(tree / "build", ignore_errors=True)
     pins = constraints or freeze_constraints(dest.parent / f".{dest.name}.constraints.txt")
-    r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-build-isolation",
-         "--constraint", str(pins), "--wheel-dir", str(dest), *requirements],
-        timeout=timeout, capture_output=True, text=True,
-    )  # fmt: skip
+    trees = [t for t in (Path(req.split("[", 1)[0]) for req in requirements) if (t / "pyproject.toml").is_file()]
+    with contextlib.ExitStack() as stack:
+        for tree in sorted(set(trees), key=str):  # sorted: two builders of the same trees lock them in one order
+            stack.enter_context(source_tree_build(tree))
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-build-isolation",
+             "--constraint", str(pins), "--wheel-dir", str(dest), *requirements],
+            timeout=timeout, capture_output=True, text=True,
+        )  # fmt: skip
     if r.returncode != 0:  # pip's own words, not a bare CalledProcessError
         raise RuntimeError(f"pip wheel {' '.join(requirements)} failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
     if constraints is None:
