@@ -374,7 +374,8 @@ def test_clients_that_send_whole_requests_and_never_read_leave_a_node_answered(
             # the bound is the old behaviour's 30 s idle timeout, not a speed: CI's load (17) once took past a 5 s
             # client timeout, and the node then read nothing
             got, elapsed = _node_get(port, timeout=25.0)
-            assert got.startswith(b"HTTP/1.1 200") and got.endswith(raw), got[:200]
+            why = (got[:200], f"{elapsed:.2f} s", srv.refused_connections, srv.deadlines.shed, srv.deadlines.reaped)
+            assert got.startswith(b"HTTP/1.1 200") and got.endswith(raw), why
             assert elapsed < 25.0, elapsed
         assert srv.deadlines.shed >= 1
     finally:

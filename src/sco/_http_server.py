@@ -7,7 +7,8 @@ closed at once: one client cannot take every slot); a request's line and headers
 slowly it trickles), and no single read or write waits more than ``idle_timeout``. With every slot taken, a new
 connection takes the slot of the one whose deadline is nearest (one that has waited longest for its headers: a
 client sends its request within milliseconds, so it is never that one); only when none is armed is a new
-connection closed at once. Handlers arm :attr:`BoundedHTTPServer.deadlines` around whatever else must not hang
+connection closed at once. A connection is armed from its accept (its thread may not run for a while on a loaded
+machine). Handlers arm :attr:`BoundedHTTPServer.deadlines` around whatever else must not hang
 (an answer being written, a request body being read).
 
 With ``tls`` (sco._tls.ServerTls) every connection speaks TLS only: the handshake runs on the connection's own
@@ -28,7 +29,9 @@ from typing import Any
 
 from sco._tls import ServerTls
 
-SHED_WAIT_S = 1.0  # for a shed connection's thread to give its slot back (it is woken at once)
+# For a shed connection's thread to give its slot back: it is woken at once, but on a loaded machine it may wait
+# for the CPU (1.18 s measured under 16 CPU burners on 2 cores, and 1 s had a node refused in CI).
+SHED_WAIT_S = 5.0
 
 
 def _cut(conn: socket.socket) -> None:
@@ -189,9 +192,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self.refused_connections += 1
             self.shutdown_request(request)
             return
+        # Sheddable from the moment it is accepted, under its header deadline: on a loaded machine a new thread may
+        # wait seconds for the CPU before it reads the request, and slots whose threads had not yet started could
+        # be neither shed nor used (a node's GET was refused with every slot taken that way).
+        self.deadlines.arm(request, time.monotonic() + self.header_timeout)
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self.deadlines.disarm(request)
             self._give(client)
             raise
 
@@ -203,12 +211,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                     return
             super().process_request_thread(request, client_address)
         finally:
+            self.deadlines.disarm(request)
             self._give(str(client_address[0]))
 
     def _handshake(self, request: socket.socket) -> ssl.SSLSocket | None:
         """The TLS handshake on this connection's thread, within the header deadline; None: it failed (closed)."""
         assert self.tls is not None
         self.tls.refresh()
+        self.deadlines.disarm(request)  # wrapping takes its descriptor: the TLS socket is the one to cut from here
         try:
             conn = self.tls.context.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
         except (OSError, ValueError):

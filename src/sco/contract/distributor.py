@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import threading
+import time
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,14 @@ def publish(raw: bytes, root: Path, keyring: Keyring) -> Bundle:
 
 
 class _Files:
-    """Bundle bytes and ETags by hall, re-read only when the file changes on disk."""
+    """Bundle bytes and ETags by hall, re-read only when the file changes on disk.
+
+    No lock: an entry is one immutable tuple, read and replaced whole (atomic in CPython), and two threads that
+    both find it stale read the same file. A lock here was a convoy: under load every connection's thread queued
+    on it, and a thread queued there held its slot unarmed (neither answered nor sheddable)."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self._lock = threading.Lock()
         self._cache: dict[str, tuple[tuple[int, int, int], bytes, str]] = {}
 
     def get(self, hall: str) -> tuple[bytes, str] | None:
@@ -68,14 +72,12 @@ class _Files:
         except FileNotFoundError:
             return None
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        with self._lock:
-            hit = self._cache.get(hall)
-            if hit and hit[0] == key:
-                return hit[1], hit[2]
+        hit = self._cache.get(hall)
+        if hit and hit[0] == key:
+            return hit[1], hit[2]
         data = path.read_bytes()
         etag = f'"{hashlib.sha256(data).hexdigest()}"'
-        with self._lock:
-            self._cache[hall] = (key, data, etag)
+        self._cache[hall] = (key, data, etag)
         return data, etag
 
 
@@ -93,6 +95,9 @@ class _Handler(BoundedHandler):
 
     def parse_request(self) -> bool:
         ok = super().parse_request()  # headers complete: the answer is not held to their deadline
+        # but to the idle one, and sheddable from here to the end of its write: the answer is a stat and a lookup,
+        # and a thread between requests must not hold its slot unarmed (under load a flood held every slot so)
+        self.server.deadlines.arm(self.connection, time.monotonic() + self.server.idle_timeout)
         if ok and self.headers.get("Content-Length", "0") not in ("", "0"):
             self.close_connection = True  # a body announced is never read: it must not be parsed as a request
         return ok
