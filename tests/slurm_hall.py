@@ -30,7 +30,7 @@ def agent_for(tmp_path: Path, nats: NatsServer, c: SlurmCluster, node: str) -> A
         nats,
         node=node,
         slurm_conf=str(c.conf),
-        slurmd_spool_dir=str(c.root / "spool" / "%n"),
+        slurmd_spool_dir=str(c.spool / "%n"),
     )
 
 

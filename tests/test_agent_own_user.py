@@ -81,7 +81,7 @@ def _around(tmp_path: Path, nats: NatsServer, c: SlurmCluster, agent_bin: Path, 
     # the notice once, and the agent, finding no job process on the node, called it drained
     wait_for(lambda: (c.root / "jobs" / f"marker.{jid}.start").exists(), 30, "the job's script started", 0.2)
     env = AgentEnv(tmp_path / f"agent-{node}", None, nats, node=node, user=USER, slurm_conf=str(c.conf),
-                   slurmd_spool_dir=str(c.root / "spool" / "%n"))  # fmt: skip
+                   slurmd_spool_dir=str(c.spool / "%n"))  # fmt: skip
     env.agent_bin, env.caps = agent_bin, caps
     try:
         env.start().wait_subscribed()
@@ -150,7 +150,7 @@ def _through_slurmctld(tmp_path: Path, nats: NatsServer, c: SlurmCluster, agent_
     jid = c.sbatch(c.root / "jobs" / "job.sh", "--account=climate", "--comment=sco-contract=climate-sims")
     node = running_on(c, jid)
     env = AgentEnv(tmp_path / f"agent-{user}-{node}", None, nats, node=node, user=user, slurm_conf=str(c.conf),
-                   slurmd_spool_dir=str(c.root / "spool" / "%n"))  # fmt: skip
+                   slurmd_spool_dir=str(c.spool / "%n"))  # fmt: skip
     env.agent_bin = agent_bin
     env.start().wait_subscribed()
     env.send(env.notice(f"through-{user}-{jid}", WINDOW))

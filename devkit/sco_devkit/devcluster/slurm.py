@@ -10,6 +10,7 @@ SlurmUser, every node a distinct port on 127.0.0.1, ``auth/none`` + ``cred/none`
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -52,6 +53,11 @@ class SlurmCluster:
         # starting at job 1 at once had one cluster's agent signal the other's job.
         self.node_ports = {n: free_port() for n in nodes}
         self.conf = self.root / "slurm.conf"
+        # slurmstepd's sockets are <SlurmdSpoolDir>/<node>_<job id>.<step id>, and a Unix socket's path has 108 bytes:
+        # under pytest's temporary directories (pytest-113/popen-gw0/<test name>/slurm/spool/n1/...) one had 109 and
+        # every batch job failed to launch. A short directory of its own (named by the root: the same across
+        # restarts), linked from <root>/spool.
+        self.spool = Path("/tmp") / f"sco-slurm-{hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:12]}"
         self.ctld: subprocess.Popen[bytes] | None = None
         self.slurmds: dict[str, subprocess.Popen[bytes]] = {}
         self._fds: list[int] = []
@@ -66,8 +72,11 @@ class SlurmCluster:
 
     def write_conf(self) -> None:
         r = self.root
-        for d in ("state", "spool", "log", "jobs"):
+        for d in ("state", "log", "jobs"):
             (r / d).mkdir(parents=True, exist_ok=True)
+        self.spool.mkdir(mode=0o755, exist_ok=True)
+        if not (r / "spool").is_symlink():
+            (r / "spool").symlink_to(self.spool)
         if self.slurm_user != "root":  # slurmctld runs as SlurmUser: its state, logs and pid file are that user's
             import pwd
 
@@ -102,7 +111,7 @@ AuthInfo=cred_expire=5
 SlurmUser={self.slurm_user}
 SlurmdUser=root
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool/%n
+SlurmdSpoolDir={self.spool}/%n
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd.%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
@@ -169,7 +178,7 @@ InactiveLimit=0
         )
 
     def start_slurmd(self, node: str) -> None:
-        (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
+        (self.spool / node).mkdir(parents=True, exist_ok=True)
         self.slurmds[node] = subprocess.Popen(
             ["slurmd", "-D", "-f", str(self.conf), "-N", node],
             env=self.env(),
@@ -226,7 +235,7 @@ InactiveLimit=0
         from sco.agent.slurm.jobprocs import from_stepd_tree, stepd_pids
 
         for n in self.nodes:
-            spool = self.root / "spool" / n
+            spool = self.spool / n
             doomed = stepd_pids(spool, n) | {p for ps in from_stepd_tree(n, spool).values() for p in ps}
             for pid in doomed:
                 with contextlib.suppress(ProcessLookupError):
