@@ -39,6 +39,7 @@ def places(root: Path) -> list[tuple[Path, str, str]]:
         (c / "plugins/module_utils/product.py", r'^COLLECTION_VERSION = "[^"]*"$', 'COLLECTION_VERSION = "{v}"'),
         (c / "requirements.txt", rf"^{re.escape(DIST)}\[control\]==\S+$", DIST + "[control]=={v}"),
         (c / "roles/hall/defaults/main.yml", r"^sco_version: .*$", "sco_version: {v}"),
+        (c / "roles/hall/vars/main.yml", r"^sco_collection_version: .*$", "sco_collection_version: {v}"),
     ]
 
 

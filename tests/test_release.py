@@ -43,6 +43,7 @@ def literals(root: Path) -> dict[str, str]:
         "product.py": re.search(r'^COLLECTION_VERSION = "([^"]+)"$', product, re.M).group(1),  # type: ignore[union-attr]
         "requirements.txt": req.split("==", 1)[1],
         "hall defaults": str(yaml.safe_load((c / "roles/hall/defaults/main.yml").read_text())["sco_version"]),
+        "hall vars": str(yaml.safe_load((c / "roles/hall/vars/main.yml").read_text())["sco_collection_version"]),
     }
 
 
@@ -62,6 +63,7 @@ def test_the_version_has_one_place_and_its_copies_agree() -> None:
         f"{COLL_REL}/plugins/module_utils/product.py",
         f"{COLL_REL}/requirements.txt",
         f"{COLL_REL}/roles/hall/defaults/main.yml",
+        f"{COLL_REL}/roles/hall/vars/main.yml",
         f"{COLL_REL}/changelogs/changelog.yaml",
         f"{COLL_REL}/CHANGELOG.rst",
         f"{COLL_REL}/roles/notice_relay/README.md",

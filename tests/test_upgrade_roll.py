@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from tests.testhosts import REPO
@@ -54,3 +55,19 @@ def test_reachable_nodes_go_through(tmp_path: Path) -> None:
     r = upgrade(tmp_path, "--limit", "all:!bad1")
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
     assert "ok: [good1]" in r.stdout and "failed=0" in r.stdout
+
+
+def test_a_sco_version_of_another_release_than_the_collections_is_refused(tmp_path: Path) -> None:
+    """An upgrade run with the old collection and -e sco_version=<new> installed a product the collection's modules
+    on the control hosts refuse (another major.minor): every control-loop run failed, and nothing said so."""
+    r = upgrade(tmp_path, "--limit", "localhost", "-e", "sco_version=9.1.0")
+    assert r.returncode == 2, (r.stdout[-3000:], r.stderr[-2000:])
+    assert 'sco_version="9.1.0" but this is collection sco.orchestrator' in r.stdout, r.stdout[-3000:]
+    assert "install collection sco.orchestrator 9.1.0" in r.stdout
+    ok = upgrade(tmp_path, "--limit", "localhost", "-e", f"sco_version={project_version(patch=7)}")
+    assert ok.returncode == 0, (ok.stdout[-3000:], ok.stderr[-2000:])  # another patch of the same release is one
+
+
+def project_version(patch: int) -> str:
+    major, minor, _ = metadata.version("spot-capacity-orchestrator").split(".")
+    return f"{major}.{minor}.{patch}"
