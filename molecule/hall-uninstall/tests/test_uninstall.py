@@ -71,6 +71,8 @@ FILES = [
     # node_exporter serves TLS (sco_metrics_tls): its web configuration, its certificate and key, their expiry
     "/etc/prometheus/node-exporter-web.yml", "/etc/prometheus/node-exporter-tls",
     "/var/lib/prometheus/node-exporter/sco_node_exporter_certificates.prom",
+    # the collection the control loop runs from (role control_loop copies it; it was left after uninstall and purge)
+    "/usr/share/ansible/collections/ansible_collections/sco",
 ]  # fmt: skip
 DATA = [
     "/var/lib/sco/spool", "/var/lib/sco-distributor/local/bundle.json", "/var/lib/sco-control-loop/project",
