@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,9 @@ def test_contract_bundle_module_fails_on_an_inherited_millisecond_issued_at(tmp_
 
 
 def test_same_input_same_payload_and_serial_only_grows(repo: Path, write: WriteFn) -> None:
-    first = compile_repo(repo)
-    assert first == compile_repo(repo)
+    now = time.time()  # the same input includes the clock: expiresAt is now + lifetime, and a second passed once
+    first = compile_repo(repo, now=now)
+    assert first == compile_repo(repo, now=now)
     assert first["serial"] == 1
     same = compile_repo(repo, previous=first)
     assert same == first  # unchanged content keeps the serial: same input, same bytes
