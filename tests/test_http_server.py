@@ -24,6 +24,16 @@ class _Handler(BoundedHandler):
             raise
 
 
+def _node_get(port: int) -> bytes:
+    """A node's GET on a connection of its own: the whole answer (empty: refused)."""
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as node:
+        node.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        while chunk := node.recv(1 << 16):
+            got += chunk
+    return got
+
+
 def test_a_new_client_waits_for_a_shed_thread_slow_to_give_its_slot_back() -> None:
     """Every slot taken by a client that never reads: a new client's connection sheds it and waits for its slot.
     With a 1 s wait a thread slow to give the slot back (1.18 s under load) had the new client refused: a node's
@@ -37,12 +47,7 @@ def test_a_new_client_waits_for_a_shed_thread_slow_to_give_its_slot_back() -> No
         hog.connect(("127.0.0.1", port))
         hog.sendall(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n")
         time.sleep(1.0)  # its thread is blocked writing, armed and sheddable
-        node = socket.create_connection(("127.0.0.1", port), timeout=20)
-        node.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        got = b""
-        with node:
-            while chunk := node.recv(1 << 16):
-                got += chunk
+        got = _node_get(port)
         assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"ok"), got[:200]
         assert (srv.deadlines.shed, srv.refused_connections) == (1, 0)
     finally:
@@ -67,12 +72,7 @@ def test_a_connection_whose_thread_has_not_started_is_sheddable() -> None:
     first = socket.create_connection(("127.0.0.1", port), timeout=20)
     try:
         time.sleep(0.5)  # accepted, its thread not yet reading
-        node = socket.create_connection(("127.0.0.1", port), timeout=20)
-        node.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        got = b""
-        with node:
-            while chunk := node.recv(1 << 16):
-                got += chunk
+        got = _node_get(port)
         assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"ok"), got[:200]
         assert (srv.deadlines.shed, srv.refused_connections) == (1, 0)
     finally:
