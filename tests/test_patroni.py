@@ -42,6 +42,26 @@ def server(conn: Any) -> tuple[int, bool]:
     return int(port), bool(standby)
 
 
+def caught_up(cluster: PatroniCluster, primary: Any, standby: Any, timeout: float = 60) -> None:
+    """Until the standby has replayed everything the primary has written so far. Synchronous replication waits for
+    one standby's flush, not its replay, and the other standby is asynchronous: a read on a standby right after a
+    commit (the CREATE DATABASE of the fixture, a migration) may not see it yet."""
+    with psycopg.connect(cluster.member_dsn(primary), autocommit=True, connect_timeout=3) as c:
+        row = c.execute("SELECT pg_current_wal_lsn()").fetchone()
+    assert row is not None
+    target = row[0]
+
+    def replayed() -> bool:
+        try:
+            with psycopg.connect(cluster.member_dsn(standby), autocommit=True, connect_timeout=3) as c:
+                row = c.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)).fetchone()
+                return bool(row and row[0])
+        except psycopg.OperationalError:
+            return False
+
+    wait_for(replayed, timeout, f"standby {standby.name} to replay the primary's WAL up to {target}", interval=0.1)
+
+
 def without_target(dsn: str) -> str:
     return " ".join(x for x in dsn.split() if not x.startswith("target_session_attrs="))
 
@@ -94,6 +114,7 @@ def test_a_dsn_whose_ports_do_not_match_its_hosts_is_a_configuration_error() -> 
 def test_a_standby_is_never_migrated_nor_locked(cluster: PatroniCluster) -> None:
     primary = cluster.wait_healthy()
     standby = next(m for m in cluster.members if m is not primary)
+    caught_up(cluster, primary, standby)  # the fixture's CREATE DATABASE
     with connect(cluster.member_dsn(standby, DB)) as c:
         with pytest.raises(StateError, match=r"read-only standby"):
             migrate(c)
@@ -120,6 +141,7 @@ def test_sco_db_migrate_on_the_multi_host_dsn_migrates_the_primary_once(cluster:
     # the standbys have it by replication, not by a migration of their own
     for m in cluster.members:
         if m is not primary:
+            caught_up(cluster, primary, m)
             with connect(cluster.member_dsn(m, DB)) as c:
                 assert server(c)[1] is True
                 assert sorted(applied(c)) == [x.version for x in migrations()]
