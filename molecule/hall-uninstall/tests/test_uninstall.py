@@ -1,5 +1,6 @@
 """Uninstall: the converged local hall removed by sco.orchestrator.uninstall over real SSH, run again
-(nothing changes), data kept; then removed with sco_purge_data and run again. The tests run in file order, each on
+(nothing changes), data kept; installed again; removed keeping the data and then with sco_purge_data (the database
+dropped though the venv is gone), and run again. The tests run in file order, each on
 what the one before left.
 
 The hall has a control host, so its relay runs in operator mode (creds files, no nkey seed files; the enrolment
@@ -214,9 +215,16 @@ def test_the_hall_installed_again_finds_its_kept_data() -> None:
 
 
 def test_uninstall_with_purge_removes_the_data_too() -> None:
+    """An operator's natural order: uninstall keeping the data, and purge it later. The first run takes the venv with
+    its last unit, and the purge then had no driver to drop the database with: it said so in a debug line, exited 0,
+    and SCO's database and role (with its password) stayed on the server (review of issue 30). It now makes a
+    driver of its own for the run."""
+    h = SC.host(HOST)
+    recap = uninstall()
+    assert recap["failed"] == 0 and recap["changed"] > 0
+    assert not exists(h, "/opt/sco") and fleet_state_on_postgres() == {"db": True, "role": True}
     recap = uninstall("-e", "sco_purge_data=true")
     assert recap["failed"] == 0 and recap["changed"] > 0
-    h = SC.host(HOST)
     assert [d for d in DATA if exists(h, d)] == []
     assert users(h) == [] and groups(h) == []
     assert fleet_state_on_postgres() == {"db": False, "role": False}
