@@ -435,6 +435,145 @@ def test_node_agent_role_without_systemd_runs_the_agent_as_its_user(
         )
 
 
+def test_node_agent_role_restarts_an_agent_older_than_its_files(
+    tmp_path: Path, host: TestHost, wheelhouse: Path
+) -> None:
+    """A run that changed the agent's files and then stopped before its handlers, with no failure of its own (a
+    batch-mate's failure ends the batch under max_fail_percentage, and Ansible drops the handlers of every host in
+    it), left the agent running the old release or settings and no restart-pending marker: the next run found nothing
+    to change and restarted nothing (review of issue 30). The role now compares the running agent's start with the
+    files it reads at start. Here agent.toml is touched (same bytes, newer time) after the agent started, as that run
+    left it; the next run restarts the agent, and the run after it changes nothing."""
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_wheelhouse": str(wheelhouse),
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_kube_url": "http://127.0.0.1:6443",
+        "node_agent_metadata_url": "",
+        "node_agent_run_without_systemd": True,
+    }
+
+    def agent_pid() -> str:
+        return (host.root / "run/sco-agent.pid").read_text().strip()
+
+    try:
+        r = play(tmp_path, host, ev)
+        assert r.rc == 0, r.stdout.read()
+        before = agent_pid()
+        # more than /proc/stat's whole-second boot time after the agent's start
+        host.ssh("sh", "-c", shlex.quote("sleep 2.5; touch /etc/sco/agent.toml"))
+        assert host.ssh("test", "-e", "/var/lib/sco/restart-pending", check=False).returncode != 0
+        r = play(tmp_path, host, ev)
+        out = r.stdout.read()
+        assert r.rc == 0, out
+        assert "the running agent started before /etc/sco/agent.toml changed" in out, out[-4000:]
+        after = agent_pid()
+        assert after != before, "the agent older than its settings was not restarted"
+        r = play(tmp_path, host, ev)
+        assert r.rc == 0, r.stdout.read()
+        assert r.stats["changed"].get(host.name, 0) == 0, r.stats
+        assert agent_pid() == after
+    finally:
+        host.ssh(
+            "start-stop-daemon --stop --oknodo --retry TERM/15/KILL/5 --pidfile /run/sco-agent.pid --remove-pidfile"
+        )
+
+
+def test_node_agent_role_refuses_a_downgrade(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
+    """pip installs `==version` whatever the venv holds, an older release included: the role refused nothing, and a
+    hall could run an older agent on a newer one's spool (review of issue 30). Refused, naming both releases, the
+    venv left as it was; sco_allow_downgrade lets it go on to pip (which then finds no such release here)."""
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_wheelhouse": str(wheelhouse),
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_kube_url": "http://127.0.0.1:6443",
+        "node_agent_metadata_url": "",
+    }
+    r = play(tmp_path, host, ev)
+    assert r.rc == 0, r.stdout.read()
+    record = "stat -c %Y /opt/sco/lib/python3*/site-packages/spot_capacity_orchestrator-*.dist-info/RECORD"
+    installed = host.ssh("sh", "-c", shlex.quote(record)).stdout
+    r = play(tmp_path, host, {**ev, "node_agent_version": "0.0.1"})
+    out = r.stdout.read()
+    assert r.rc != 0, out
+    assert f"node_agent: /opt/sco on {host.name} holds spot-capacity-orchestrator {__version__}, newer than the 0.0.1" \
+        " asked for" in out, out[-4000:]  # fmt: skip
+    assert "The venv is left as it is" in out
+    assert host.ssh("sh", "-c", shlex.quote(record)).stdout == installed
+    r = play(tmp_path, host, {**ev, "node_agent_version": "0.0.1", "sco_allow_downgrade": True})
+    out = r.stdout.read()
+    assert r.rc != 0 and "spot-capacity-orchestrator==0.0.1" in out, out[-4000:]  # pip's own refusal, not ours
+    assert "newer than the 0.0.1" not in out
+
+
+def _wheel(directory: Path, name: str, version: str) -> Path:
+    """A minimal pure-Python wheel: a release of `name` the tests never ran with (no code, only metadata)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{n},sha256={digest(t)},{len(t.encode())}\n" for n, t in files.items()) + f"{dist}/RECORD,,\n"
+    path = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, t in {**files, f"{dist}/RECORD": record}.items():
+            z.writestr(n, t)
+    return path
+
+
+def test_node_agent_role_holds_an_index_install_to_the_tested_versions(
+    tmp_path: Path, host: TestHost, wheelhouse: Path
+) -> None:
+    """Without a wheelhouse the role installs from the index, where the product's dependencies have open ranges
+    (jeepney>=0.8): a host got whatever was newest that day, not what was tested (review of issue 30). The role now
+    gives pip the collection's constraints (constraints/control.txt's pins). The host's "index" here is pip's global
+    configuration pointing at a directory with the wheelhouse and a jeepney newer than the pin."""
+    from sco_devkit.constraints import read
+
+    pin = read()["jeepney"]
+    index = host.root / "srv/index"
+    index.mkdir(parents=True, exist_ok=True)
+    for w in wheelhouse.glob("*.whl"):
+        (index / w.name).write_bytes(w.read_bytes())
+    _wheel(index, "jeepney", "99.0")
+    (host.root / "etc/pip.conf").write_text("[global]\nno-index = true\nfind-links = /srv/index\n")
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_venv": "/opt/sco-index",
+        "node_agent_wheelhouse": "",
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_kube_url": "http://127.0.0.1:6443",
+        "node_agent_metadata_url": "",
+    }
+    try:
+        r = play(tmp_path, host, ev)
+        assert r.rc == 0, r.stdout.read()
+        got = [p.name for p in (host.root / "opt/sco-index/lib").glob("python3*/site-packages/jeepney-*.dist-info")]
+        assert got == [f"jeepney-{pin}.dist-info"], f"{got} installed, the constraints pin jeepney {pin}"
+        shipped = REPO / "collections/ansible_collections/sco/orchestrator/roles/node_agent/files/constraints.txt"
+        assert (host.root / "opt/sco-index-constraints.txt").read_text() == shipped.read_text()
+        r = play(tmp_path, host, ev)
+        assert r.rc == 0, r.stdout.read()
+        assert r.stats["changed"].get(host.name, 0) == 0, r.stats
+    finally:
+        (host.root / "etc/pip.conf").unlink(missing_ok=True)
+
+
 def test_node_agent_role_purge_leaves_no_owed_restart(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
     """node_agent_state absent with node_agent_purge_data after a run whose drain wait failed the host: the marker that
     run left in the state directory (restart-pending: the restart owed to the next run) goes with the rest, and the

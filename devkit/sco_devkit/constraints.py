@@ -5,12 +5,13 @@ two builds a week apart got different packages. The pins are what this checkout'
 the closure of the roots below, walked through the installed distributions' metadata (markers evaluated for this
 Python), each at its installed version. Nothing is fetched, so the file is the same on every run over the same venv.
 
-    python -m sco_devkit.constraints            write constraints/control.txt (make constraints)
-    python -m sco_devkit.constraints --check    exit 1 unless the file is what the venv resolves
+    python -m sco_devkit.constraints            write constraints/control.txt and its copy (make constraints)
+    python -m sco_devkit.constraints --check    exit 1 unless both are what the venv resolves
 
 Used by `make collection` (the wheelhouse, scripts/collection.py) and `make ee` (ee/execution-environment.yml gives
 it to every pip of the build as PIP_CONSTRAINT); scripts/setup.sh installs the venv with it, so the tests run what
-ships. agent/constraints.txt, the node's, is the base install's part of the same set.
+ships. agent/constraints.txt, the node's, is the base install's part of the same set. The collection carries a copy
+(COLLECTION_FILE) for the hosts that install from the index.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
 FILE = REPO / "constraints" / "control.txt"
+# The same pins in the collection: a host that installs from the index (no wheelhouse) gets them as pip's --constraint
+# (role node_agent's tasks/release_check.yml), so its dependencies are the tested ones, not the newest in the range.
+COLLECTION_FILE = REPO / "collections/ansible_collections/sco/orchestrator/roles/node_agent/files/constraints.txt"
 PRODUCT = "spot-capacity-orchestrator"
 # The product with the control extra (what the collection's requirements.txt asks for), and what
 # ee/execution-environment.yml installs besides it (its ansible_core, ansible_runner and python dependencies).
@@ -37,7 +41,8 @@ HEADER = """\
 # {roots},
 # resolved in the venv the tests ran in. Written by `make constraints` (python -m sco_devkit.constraints); a test
 # checks it is that closure at those versions. Used by `make collection` (the wheelhouse) and `make ee`
-# (PIP_CONSTRAINT in every stage); agent/constraints.txt (the node's) agrees with it.
+# (PIP_CONSTRAINT in every stage), and by the collection's roles on hosts without a wheelhouse (pip --constraint);
+# agent/constraints.txt (the node's) agrees with it.
 """
 
 
@@ -110,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=FILE)
     args = p.parse_args(argv)
     text = render(closure())
+    outs = [args.out, COLLECTION_FILE] if args.out == FILE else [args.out]
     if args.check:
-        if not args.out.is_file() or args.out.read_text() != text:
-            print(f"constraints: {args.out} is not what this venv resolves: make constraints", file=sys.stderr)
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"constraints: {args.out} ({len(text.splitlines()) - HEADER.count(chr(10))} pins)")
+        stale = [o for o in outs if not o.is_file() or o.read_text() != text]
+        for o in stale:
+            print(f"constraints: {o} is not what this venv resolves: make constraints", file=sys.stderr)
+        return 1 if stale else 0
+    for o in outs:
+        o.parent.mkdir(parents=True, exist_ok=True)
+        o.write_text(text)
+        print(f"constraints: {o} ({len(text.splitlines()) - HEADER.count(chr(10))} pins)")
     return 0
 
 

@@ -515,26 +515,57 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None, cloud: Any) -> None:
     timer = ThreadPoolExecutor(1)  # the loop's timer firing while the upgrade runs
     with open(log_path, "w") as log:
         play = subprocess.Popen(_upgrade_argv(), cwd=REPO, env=_env(N1), stdout=log, stderr=subprocess.STDOUT)
+    held: list[int] = []  # processes stopped here, continued in the finally at the latest
     try:
-        # the notice lands while the node agents' batch installs N+1 (N's agent still runs)
-        def agents_installing() -> bool:
-            text = log_path.read_text(errors="replace")
-            tail = text.split("PLAY [Node agents, in batches]", 1)
-            return len(tail) == 2 and "Install or upgrade sco in it" in tail[1]
+        # The notice lands when the node agents' batch begins, before it installs N+1 (N's agent still runs): the
+        # role waits for the drain before it replaces the release in the agent's venv, and again before the restart.
+        # The order is made, not raced: the playbook is stopped at its node play's banner until the agent accepted
+        # the notice (the reclaim takes seconds to publish), and the agent is then stopped in its drain until the
+        # wait before the install has seen the drain open (a drain is ~25 s, the play's steps before the install as
+        # long under load). Both stops are a slow scheduler and a slow drain to the parts; the drain still ends by T.
+        def agents_batch() -> bool:
+            return "PLAY [Node agents, in batches]" in log_path.read_text(errors="replace") or play.poll() is not None
 
-        _wait(lambda: agents_installing() or play.poll() is not None, 1200, "the upgrade to reach the agents' batch")
+        _wait(agents_batch, 1200, "the upgrade to reach the agents' batch")
         assert play.poll() is None, log_path.read_text()[-6000:]
+        os.kill(play.pid, signal.SIGSTOP)
+        held.append(play.pid)
         noticed_at = time.monotonic()
         notice, terminate_at = _reclaim()
         _say(f"reclaim of {HOST} (notice {notice}) sent {noticed_at - t0:.1f} s into the upgrade, "
              f"T in {terminate_at - time.time():.1f} s")  # fmt: skip
+
+        def accepted() -> bool:
+            return any(e.get("type") == "notice.accepted" and e.get("notice") == notice for e in _local_events())
+
+        _wait(accepted, 30, f"the agent to accept notice {notice}", every=0.1)
+        agent = _agent_pid()
+        os.kill(agent, signal.SIGSTOP)
+        held.append(agent)
+        os.kill(play.pid, signal.SIGCONT)
+        held.remove(play.pid)
         # the timer's run while the roll is half done (the control hosts on N+1, the node's agent on N): its first
         # step finishes the reclaim, deleting the instance at T
         _give_the_loop_its_cloud()
         assert play.poll() is None, "the upgrade ended before the control loop's run could start during it"
         during = timer.submit(_loop, "during the upgrade")
+
+        def install_waited() -> bool:
+            text = log_path.read_text(errors="replace").split("PLAY [Node agents, in batches]", 1)[1]
+            wait = text.split("Wait for a drain under way here before the release in the venv is replaced", 1)
+            return (len(wait) == 2 and "FAILED - RETRYING: [sco-local]: Wait for the agent's drain to end" in wait[1]) \
+                or play.poll() is not None  # fmt: skip
+
+        _wait(install_waited, 600, "the node play's wait before the install to see the drain open")
+        os.kill(agent, signal.SIGCONT)
+        held.remove(agent)
+        _say(f"agent {agent} held in its drain until the wait before the install had seen it "
+             f"({terminate_at - time.time():.1f} s before T)")  # fmt: skip
         rc = play.wait(900)
     finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         if play.poll() is None:
             play.kill()
         timer.shutdown(wait=False)
@@ -576,6 +607,20 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None, cloud: Any) -> None:
     assert len(asked) == 1 and asked[0] >= account["terminate_at"], (asked, account)
     _say(f"the instance deleted {asked[0] - terminate_at:.2f} s after T by the loop's run during the upgrade "
          f"(started {terminate_at - started:.1f} s before T); fleet state: {kinds}")  # fmt: skip
+
+    # N+1 put into the agent's venv only after the drain ended (pip replaces the files under the running agent,
+    # which imports some modules only when it drains): the wait before the install saw the drain open
+    node_play = out.split("PLAY [Node agents, in batches]", 1)[1]
+    before_install = node_play.split("TASK [sco.orchestrator.node_agent : Install or upgrade sco in it]", 1)[0]
+    assert "FAILED - RETRYING: [sco-local]: Wait for the agent's drain to end" in before_install, (
+        "the notice landed after the release check: " + node_play[:6000]
+    )
+    record = SC.host(HOST).run(
+        f"stat -c %Y /opt/sco-agent/lib/python3*/site-packages/spot_capacity_orchestrator-{N1_VERSION}.dist-info/RECORD"
+    )
+    assert record.rc == 0, record.stderr
+    assert int(record.stdout) >= outcome["at"] - 1, (record.stdout, outcome)
+    _say(f"N+1 installed in the agent's venv {int(record.stdout) - outcome['at']:.1f} s after the drain ended")
 
     # restarted only after its drain ended, as N+1, on N's spool
     pid = _agent_pid()
