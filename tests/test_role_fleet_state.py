@@ -634,6 +634,21 @@ def test_a_patroni_member_removed_keeps_its_data_unless_purged(names: dict[str, 
         r = play(tmp, {**ev, "fleet_state_state": "absent"}, inventory=inventory, limit="sco_fleet_state")
         assert r.rc == 0 and changed(r, "m0") == 0, output(r)
 
+        # uninstall.yml's purge after that keep run reaches the control hosts first: their venv went with the keep
+        # run and no member answers. It said nothing and exited 0 before 278372b; with it, every control host failed
+        # on "connection refused" and the members' purge never ran (review of the purge fix). It now says who
+        # removes the database, and goes on.
+        control = {**inventory["all"]["children"], "sco_control": {"hosts": {"localhost": LOCAL}}}
+        purge_control = {**ev, "fleet_state_state": "absent", "fleet_state_purge_data": True,
+                         "fleet_state_venv": str(root / "gone" / "venv"),
+                         "fleet_state_dsn_file": str(root / "control" / "fleet-state.env"),
+                         "fleet_state_ssl_root_cert": str(root / "control" / "ca.crt"),
+                         "fleet_state_tls_textfile_dir": str(root / "control" / "textfile")}  # fmt: skip
+        r = play(tmp, purge_control, inventory={"all": {"children": control}}, limit="sco_control")
+        out = output(r)
+        assert r.rc == 0 and changed(r) == 0, out
+        assert f"no Patroni member answers on port {pg}: database {names['db']} goes with the members' data" in out
+
         purge = {**ev, "fleet_state_state": "absent", "fleet_state_purge_data": True}
         r = play(tmp, purge, inventory=inventory, limit="sco_fleet_state")
         assert r.rc == 0 and changed(r, "m0") > 0, output(r)
