@@ -536,6 +536,76 @@ def test_patroni_members_then_the_database_on_the_primary(names: dict[str, str])
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _purge_after_a_keep_run_over_verify_full(
+    tmp: Path, ev: dict[str, Any], inventory: dict[str, Any], root: Path, names: dict[str, str], wheelhouse: Path
+) -> None:
+    """uninstall.yml's keep run then its purge, on the control host, while the member runs: the keep run removed the
+    venv and the CA the clients checked the server with, so the purge drops the database and the role with a driver
+    made for the run from the wheelhouse, checking the server's certificate (verify-full) against the hall's CA it
+    copies; the scratch goes, and a second purge changes nothing. hall-uninstall runs this path in plaintext."""
+    control = {"all": {"children": {**inventory["all"]["children"], "sco_control": {"hosts": {"localhost": LOCAL}}}}}
+    client = {
+        **ev,
+        "fleet_state_dsn_file": str(root / "control" / "fleet-state.env"),
+        "fleet_state_ssl_root_cert": str(root / "control" / "ca.crt"),
+        "fleet_state_tls_textfile_dir": str(root / "control" / "textfile"),
+    }
+    r = play(tmp, client, inventory=control, limit="sco_control")  # the database and role, on the primary
+    assert r.rc == 0, output(r)
+    ca = root / "state" / "tls" / "ca.crt"
+    admin = (f"host=127.0.0.1 port={ev['fleet_state_port']} user=postgres password={ev['fleet_state_admin_password']}"
+             f" dbname=postgres sslmode=verify-full sslrootcert={ca}")  # fmt: skip
+
+    def left() -> tuple[bool, bool]:
+        with connect(admin) as c:
+            db = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (names["db"],)).fetchone()
+            role = c.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (names["user"],)).fetchone()
+        return db is not None, role is not None
+
+    assert left() == (True, True)
+    # a run that failed after the fleet state's play: the CA is gone, the venv stays (it goes with its last unit, in a
+    # later play). The next purge failed on the missing CA file before: it now checks against a scratch copy.
+    r = play(tmp, {**client, "fleet_state_state": "absent"}, inventory=control, limit="sco_control")
+    assert r.rc == 0 and not (root / "control" / "ca.crt").exists() and VENV.exists(), output(r)
+    r = play(tmp, {**client, "fleet_state_state": "absent", "fleet_state_purge_data": True}, inventory=control,
+             limit="sco_control")  # fmt: skip
+    assert r.rc == 0 and left() == (False, False), output(r)
+    r = play(tmp, client, inventory=control, limit="sco_control")
+    assert r.rc == 0 and left() == (True, True), output(r)
+    # the keep run: what the hall installed on the control host goes (a venv of its own, here a path beside /opt)
+    (root / "opt").mkdir()
+    gone = {**client, "fleet_state_venv": str(root / "opt" / "sco"), "fleet_state_wheelhouse": str(wheelhouse),
+            "fleet_state_state": "absent"}  # fmt: skip
+    r = play(tmp, gone, inventory=control, limit="sco_control")
+    assert r.rc == 0, output(r)
+    assert not (root / "control" / "ca.crt").exists() and not (root / "control" / "fleet-state.env").exists()
+    assert left() == (True, True)  # kept
+    r = play(tmp, {**gone, "fleet_state_purge_data": True}, inventory=control, limit="sco_control")
+    assert r.rc == 0, output(r)
+    assert left() == (False, False), output(r)
+    assert list((root / "opt").iterdir()) == []  # the driver's scratch (venv, wheels, CA) removed
+    r = play(tmp, {**gone, "fleet_state_purge_data": True}, inventory=control, limit="sco_control")
+    assert r.rc == 0 and changed(r) == 0, output(r)
+    # the CA the driver checked against was the hall's: with another, the same purge fails on the certificate
+    # (a driver that did not verify would have dropped the database all the same)
+    r = play(tmp, client, inventory=control, limit="sco_control")
+    assert r.rc == 0 and left() == (True, True), output(r)
+    r = play(tmp, gone, inventory=control, limit="sco_control")
+    assert r.rc == 0, output(r)
+    other = root / "other-ca"
+    other.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-keyout", str(other / "ca.key"), "-out", str(other / "ca.crt"), "-days", "1",
+                    "-subj", "/CN=other"], check=True, capture_output=True)  # fmt: skip
+    wrong = {"fleet_state_tls_ca_cert": str(other / "ca.crt"), "fleet_state_tls_ca_key": str(other / "ca.key")}
+    r = play(tmp, {**gone, "fleet_state_purge_data": True, **wrong}, inventory=control, limit="sco_control")
+    assert r.rc != 0 and "certificate verify failed" in output(r), output(r)
+    assert left() == (True, True)
+    assert list((root / "opt").iterdir()) == []
+    r = play(tmp, {**gone, "fleet_state_purge_data": True}, inventory=control, limit="sco_control")
+    assert r.rc == 0 and left() == (False, False), output(r)
+
+
 def _alive(pidfile: Path) -> bool:
     try:
         os.kill(int(pidfile.read_text().strip()), 0)
@@ -544,7 +614,7 @@ def _alive(pidfile: Path) -> bool:
         return False
 
 
-def test_a_patroni_member_removed_keeps_its_data_unless_purged(names: dict[str, str]) -> None:
+def test_a_patroni_member_removed_keeps_its_data_unless_purged(names: dict[str, str], wheelhouse: Path) -> None:
     """State absent on a Patroni member: one member on 127.0.0.1, run by the role itself as a host without
     systemd asks (fleet_state_patroni_run_without_systemd: etcd and Patroni as daemons with pid files), TLS on as by
     default. Absent stops Patroni (and its PostgreSQL) and etcd and removes their units, Debian's units the role
@@ -616,6 +686,8 @@ def test_a_patroni_member_removed_keeps_its_data_unless_purged(names: dict[str, 
             assert resp.status == 200  # a working one-member cluster, its PostgreSQL the primary
         assert [p for p in configs if not p.exists()] == []
         assert (units / "sco-patroni.service").exists() and os.readlink(units / "etcd.service") == "/dev/null"
+
+        _purge_after_a_keep_run_over_verify_full(tmp, ev, inventory, root, names, wheelhouse)
 
         r = play(tmp, {**ev, "fleet_state_state": "absent"}, inventory=inventory, limit="sco_fleet_state")
         assert r.rc == 0, output(r)
