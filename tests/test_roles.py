@@ -574,6 +574,75 @@ def test_node_agent_role_holds_an_index_install_to_the_tested_versions(
         (host.root / "etc/pip.conf").unlink(missing_ok=True)
 
 
+def test_node_agent_role_waits_for_a_drain_before_pip_moves_anything(
+    tmp_path: Path, host: TestHost, wheelhouse: Path
+) -> None:
+    """The wait before pip ran only when the release pinned changed: dependencies moved to new pins under the same
+    release (a hall's first run with the constraints, its hosts having resolved open ranges), a local label or an
+    unpinned requirement's newer release were put under a draining agent (third review of issue 30). While a drain
+    is open pip is now asked what it would install, and anything waits. Here the venv got jeepney 99.0 from an index
+    without the pins; with the pins pip would move it back while the spool shows a drain open: the run waits and fails
+    past node_agent_drain_wait_s with the venv untouched, and installs once the drain has its outcome. A run with
+    nothing for pip to do does not wait for an open drain."""
+    import time
+
+    from sco.agent.spool import CRITICAL, Spool
+    from sco_devkit.constraints import read
+
+    pin = read()["jeepney"]
+    index = host.root / "srv/index"
+    index.mkdir(parents=True, exist_ok=True)
+    for w in wheelhouse.glob("*.whl"):
+        (index / w.name).write_bytes(w.read_bytes())
+    _wheel(index, "jeepney", "99.0")
+    (host.root / "etc/pip.conf").write_text("[global]\nno-index = true\nfind-links = /srv/index\n")
+    key = generate()
+    write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
+    ev = {
+        "node_agent_hall": "local",
+        "node_agent_venv": "/opt/sco-repin",
+        "node_agent_wheelhouse": "",
+        "node_agent_trusted_keys": [str(tmp_path / "hall.pub")],
+        "node_agent_kube_url": "http://127.0.0.1:6443",
+        "node_agent_metadata_url": "",
+        "node_agent_drain_wait_s": 4,
+        "node_agent_drain_poll_s": 2,
+    }
+
+    def jeepney() -> list[str]:
+        site = host.root / "opt/sco-repin/lib"
+        return [p.name for p in site.glob("python3*/site-packages/jeepney-*.dist-info")]
+
+    spool: Spool | None = None
+    try:
+        r = play(tmp_path, host, {**ev, "sco_pip_constraints": False})
+        assert r.rc == 0, r.stdout.read()
+        assert jeepney() == ["jeepney-99.0.dist-info"]
+        spool = Spool(host.root / "var/lib/sco/spool")
+        now = time.time()
+        notice = {"terminate_at": now + 600, "issued_at": now, "source": "test", "received_at": now}
+        spool.append("notice.accepted", CRITICAL, notice="n-repin", **notice)
+        r = play(tmp_path, host, ev)  # the same release, the pins on: pip would move jeepney to the pin
+        out = r.stdout.read()
+        assert r.rc != 0, out[-4000:]
+        assert "the drain of notice n-repin" in out and "is still open" in out, out[-4000:]
+        assert jeepney() == ["jeepney-99.0.dist-info"]  # pip did not run
+        spool.append("drain.drained", CRITICAL, notice="n-repin")
+        r = play(tmp_path, host, ev)
+        assert r.rc == 0, r.stdout.read()
+        assert jeepney() == [f"jeepney-{pin}.dist-info"]
+        # nothing for pip to do: an open drain is not waited for (pip's dry run installs nothing)
+        spool.append("notice.accepted", CRITICAL, notice="n-idle", **notice)
+        r = play(tmp_path, host, ev)
+        out = r.stdout.read()
+        assert r.rc == 0, out[-4000:]
+        assert "Wait for the agent's drain to end" not in out, out[-4000:]
+    finally:
+        if spool is not None:  # no drain left open for the module's later tests
+            spool.append("drain.drained", CRITICAL, notice="n-idle")
+        (host.root / "etc/pip.conf").unlink(missing_ok=True)
+
+
 def test_node_agent_role_purge_leaves_no_owed_restart(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
     """node_agent_state absent with node_agent_purge_data after a run whose drain wait failed the host: the marker that
     run left in the state directory (restart-pending: the restart owed to the next run) goes with the rest, and the

@@ -552,7 +552,7 @@ def test_upgrade_while_a_reclaim_is_under_way(hall: None, cloud: Any) -> None:
 
         def install_waited() -> bool:
             text = log_path.read_text(errors="replace").split("PLAY [Node agents, in batches]", 1)[1]
-            wait = text.split("Wait for a drain under way here before the release in the venv is replaced", 1)
+            wait = text.split("Wait for the drain before pip replaces files under its agent", 1)
             return (len(wait) == 2 and "FAILED - RETRYING: [sco-local]: Wait for the agent's drain to end" in wait[1]) \
                 or play.poll() is not None  # fmt: skip
 
