@@ -118,3 +118,9 @@ def test_a_roles_own_switch_that_says_otherwise_is_refused(tmp_path: Path) -> No
     assert "says otherwise" not in r.stdout and "PLAY [Node agents" in r.stdout, r.stdout[-3000:]
     r = with_inventory(tmp_path, group.replace("data: true", "data: false"), "-e", "sco_purge_data=true")
     assert r.returncode == 2 and "says otherwise than sco_purge_data (true)" in r.stdout, r.stdout[-3000:]
+    # switches this playbook does not map from sco_purge_data are the operator's own (checkpoint_store is run apart,
+    # the monitoring play sets its own); one that follows sco_purge_data by a template is taken
+    for own in ('checkpoint_store_purge_data: false', 'monitoring_purge_data: false',
+                'fleet_state_purge_data: "{{ sco_purge_data }}"'):  # fmt: skip
+        r = with_inventory(tmp_path, group.replace("fleet_state_purge_data: true", own), "-e", "sco_purge_data=true")
+        assert "says otherwise" not in r.stdout and "PLAY [Node agents" in r.stdout, (own, r.stdout[-3000:])
