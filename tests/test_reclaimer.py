@@ -423,7 +423,8 @@ def test_a_refused_delete_is_retried_with_backoff_exits_9_and_a_later_run_finish
             third = subprocess.run([*sco, inst.name], env=env, capture_output=True, text=True, timeout=120)
             assert third.returncode == 0, third.stdout + third.stderr
             assert st.instance(inst.id).state == "deleted"
-            assert cloud.compute.find_server(inst.server_id, ignore_missing=True) is None
+            srv = cloud.compute.find_server(inst.server_id, ignore_missing=True)
+            assert srv is None or srv.status == "DELETED", srv
             k = kinds(st, inst.id)
             assert k.count("reclaim.scheduled") == 1 and k[-2:] == ["instance.delete_requested", "instance.deleted"]
         finally:
@@ -564,7 +565,9 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
                 assert finished[i.name]["deleted_at"] >= st.instance(i.id).terminate_at
             for i in [late, *on_time]:
                 assert st.instance(i.id).state == "deleted"
-                assert cloud.compute.find_server(i.server_id, ignore_missing=True) is None
+                srv = cloud.compute.find_server(i.server_id, ignore_missing=True)
+                # gone, or Nova's DELETED record of it (the reclaimer's own rule: CI at d8697a8 saw the record)
+                assert srv is None or srv.status == "DELETED", srv
                 k = kinds(st, i.id)
                 assert k.count("reclaim.scheduled") == 1 and k.count("notice.published") == 1, k  # no 2nd notice
             lines = summary_lines({**_EMPTY_SUMMARY, "finished_reclaims": [
@@ -589,7 +592,8 @@ def test_a_reclaim_whose_control_host_dies_before_t_is_finished_by_the_other(  #
             told = next(e for e in st.events(instance_id=untold.id) if e["kind"] == "notice.published")
             sent = next(e for e in st.events(instance_id=untold.id) if e["kind"] == "instance.delete_requested")
             assert sent["at"] >= told["detail"]["terminate_at"] >= told["at"] + 3.9  # its whole window
-            assert cloud.compute.find_server(untold.server_id, ignore_missing=True) is None
+            srv = cloud.compute.find_server(untold.server_id, ignore_missing=True)
+            assert srv is None or srv.status == "DELETED", srv
         finally:
             for p in procs:
                 if p.poll() is None:
