@@ -534,6 +534,16 @@ def _wheel(directory: Path, name: str, version: str) -> Path:
     return path
 
 
+def _index_with_a_newer_jeepney(host: TestHost, wheelhouse: Path) -> None:
+    """The host's "index": pip's global configuration pointing at the wheelhouse and a jeepney newer than the pin."""
+    index = host.root / "srv/index"
+    index.mkdir(parents=True, exist_ok=True)
+    for w in wheelhouse.glob("*.whl"):
+        (index / w.name).write_bytes(w.read_bytes())
+    _wheel(index, "jeepney", "99.0")
+    (host.root / "etc/pip.conf").write_text("[global]\nno-index = true\nfind-links = /srv/index\n")
+
+
 def test_node_agent_role_holds_an_index_install_to_the_tested_versions(
     tmp_path: Path, host: TestHost, wheelhouse: Path
 ) -> None:
@@ -544,12 +554,7 @@ def test_node_agent_role_holds_an_index_install_to_the_tested_versions(
     from sco_devkit.constraints import read
 
     pin = read()["jeepney"]
-    index = host.root / "srv/index"
-    index.mkdir(parents=True, exist_ok=True)
-    for w in wheelhouse.glob("*.whl"):
-        (index / w.name).write_bytes(w.read_bytes())
-    _wheel(index, "jeepney", "99.0")
-    (host.root / "etc/pip.conf").write_text("[global]\nno-index = true\nfind-links = /srv/index\n")
+    _index_with_a_newer_jeepney(host, wheelhouse)
     key = generate()
     write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
     ev = {
@@ -590,12 +595,7 @@ def test_node_agent_role_waits_for_a_drain_before_pip_moves_anything(
     from sco_devkit.constraints import read
 
     pin = read()["jeepney"]
-    index = host.root / "srv/index"
-    index.mkdir(parents=True, exist_ok=True)
-    for w in wheelhouse.glob("*.whl"):
-        (index / w.name).write_bytes(w.read_bytes())
-    _wheel(index, "jeepney", "99.0")
-    (host.root / "etc/pip.conf").write_text("[global]\nno-index = true\nfind-links = /srv/index\n")
+    _index_with_a_newer_jeepney(host, wheelhouse)
     key = generate()
     write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
     ev = {

@@ -21,14 +21,7 @@ INVENTORY = """all:
 
 
 def uninstall(tmp: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    inv = tmp / "inventory.yml"
-    inv.write_text(INVENTORY)
-    return subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(inv), "sco.orchestrator.uninstall", "--check", "--tags", "sco_none",
-         "-e", f"ansible_python_interpreter={sys.executable}", *extra],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "ANSIBLE_NOCOLOR": "1"},
-    )  # fmt: skip
+    return with_inventory(tmp, "", *extra)
 
 
 def test_a_purge_switch_the_playbook_does_not_know_stops_it_before_anything(tmp_path: Path) -> None:
@@ -56,15 +49,8 @@ def test_a_run_that_keeps_the_data_says_so_and_a_purge_does_not(tmp_path: Path) 
 
 def test_a_purge_value_set_for_a_group_is_checked_too(tmp_path: Path) -> None:
     """The switch may come from the inventory (group_vars of one group): checked on every host, the host named."""
-    inv = tmp_path / "inventory.yml"
     group = "  children:\n    sco_nodes:\n      hosts:\n        n1:\n          sco_purge_data: ture\n"
-    inv.write_text(INVENTORY + group)
-    r = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(inv), "sco.orchestrator.uninstall", "--check", "--tags", "sco_none",
-         "-e", f"ansible_python_interpreter={sys.executable}"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "ANSIBLE_NOCOLOR": "1"},
-    )  # fmt: skip
+    r = with_inventory(tmp_path, group)
     assert r.returncode == 2, (r.stdout[-3000:], r.stderr[-2000:])
     assert 'sco_purge_data=\\"ture\\" on n1: write true or false' in r.stdout, r.stdout[-3000:]
     assert "[n1]" not in r.stdout  # refused before any play reached it
