@@ -1,4 +1,4 @@
-"""Who may register on the checkpoint socket, and as what (issue 29, defect 8).
+"""Who may register on the checkpoint socket, and as what.
 
 A registration is bound to the caller's pod: the agent reads the process's cgroup (real cgroups, named as kubelet
 names a pod's; the pods are the Kubernetes API stand-in's) and the pod's contract from the bundle, and refuses a

@@ -1,4 +1,4 @@
-"""TLS on the distributor's link and on the agent's /metrics (issue 29, defect 3: "no TLS on any link").
+"""TLS on the distributor's link and on the agent's /metrics (no link in the clear).
 
 A real agent (``sco-agent run``) fetches its bundle from a real distributor that serves TLS only, checking the
 distributor's certificate against the hall's CA (agent.toml ``bundle_ca_file``); a distributor showing another

@@ -1,4 +1,4 @@
-"""Separate keys (issue 29, defect 5): the hall's root key (nodes trust its .pub, it stays on the controller) signs a
+"""Separate keys: the hall's root key (nodes trust its .pub, it stays on the controller) signs a
 delegation for an online launch key, the only key the control host holds; the launch key signs the subsets in new
 instances' user-data. A node takes a bundle signed by the launch key only as its first bundle, only with a root's
 delegation in force for its hall and for launch subsets; every other reader (distributor, Slurm admission, control

@@ -139,7 +139,7 @@ def test_a_port_in_use_is_recorded_and_the_agent_still_drains(
 
 
 def test_idle_connections_cannot_starve_a_scrape(agent: AgentEnv) -> None:
-    """Issue 29: 16 idle connections took every slot of /metrics (before: each scrape below was closed unanswered).
+    """16 idle connections took every slot of /metrics (before: each scrape below was closed unanswered).
     A sleeper keeps 100 connections open that never send a request, opening a new one whenever one is closed;
     every scrape meanwhile answers within 2 s (well inside Prometheus' 10 s scrape timeout)."""
     import socket

@@ -1,4 +1,4 @@
-"""node_exporter's /metrics over TLS in a hall (issue 29, defect 3: TLS on "every /metrics").
+"""node_exporter's /metrics over TLS in a hall (TLS on every /metrics).
 
 Role monitoring deploys Debian's node_exporter on the control hosts (job sco-control: the control loop's textfiles and
 the hall's certificates' expiry). In a hall (sco_metrics_tls, the default) it serves TLS only through its web

@@ -1,4 +1,4 @@
-"""The notice relay's TLS (issue 29, defect 3): real nats-servers configured as role notice_relay configures them.
+"""The notice relay's TLS: real nats-servers configured as role notice_relay configures them.
 
 Clients: a relay serves TLS only, so a plaintext client is refused, a client that trusts another CA refuses the relay,
 and a client with the hall's CA (sco._nats) connects. Routes: a cluster's relays route to each other over TLS, each

@@ -441,7 +441,7 @@ def test_node_agent_role_restarts_an_agent_older_than_its_files(
     """A run that changed the agent's files and then stopped before its handlers, with no failure of its own (a
     batch-mate's failure ends the batch under max_fail_percentage, and Ansible drops the handlers of every host in
     it), left the agent running the old release or settings and no restart-pending marker: the next run found nothing
-    to change and restarted nothing (review of issue 30). The role now compares the running agent's start with the
+    to change and restarted nothing. The role now compares the running agent's start with the
     files it reads at start. Here agent.toml is touched (same bytes, newer time) after the agent started, as that run
     left it; the next run restarts the agent, and the run after it changes nothing."""
     key = generate()
@@ -483,7 +483,7 @@ def test_node_agent_role_restarts_an_agent_older_than_its_files(
 
 def test_node_agent_role_refuses_a_downgrade(tmp_path: Path, host: TestHost, wheelhouse: Path) -> None:
     """pip installs `==version` whatever the venv holds, an older release included: the role refused nothing, and a
-    hall could run an older agent on a newer one's spool (review of issue 30). Refused, naming both releases, the
+    hall could run an older agent on a newer one's spool. Refused, naming both releases, the
     venv left as it was; sco_allow_downgrade lets it go on to pip (which then finds no such release here)."""
     key = generate()
     write_keypair(key, tmp_path / "hall.key", tmp_path / "hall.pub")
@@ -548,7 +548,7 @@ def test_node_agent_role_holds_an_index_install_to_the_tested_versions(
     tmp_path: Path, host: TestHost, wheelhouse: Path
 ) -> None:
     """Without a wheelhouse the role installs from the index, where the product's dependencies have open ranges
-    (jeepney>=0.8): a host got whatever was newest that day, not what was tested (review of issue 30). The role now
+    (jeepney>=0.8): a host got whatever was newest that day, not what was tested. The role now
     gives pip the collection's constraints (constraints/control.txt's pins). The host's "index" here is pip's global
     configuration pointing at a directory with the wheelhouse and a jeepney newer than the pin."""
     from sco_devkit.constraints import read
@@ -584,7 +584,7 @@ def test_node_agent_role_waits_for_a_drain_before_pip_moves_anything(
 ) -> None:
     """The wait before pip ran only when the release pinned changed: dependencies moved to new pins under the same
     release (a hall's first run with the constraints, its hosts having resolved open ranges), a local label or an
-    unpinned requirement's newer release were put under a draining agent (third review of issue 30). While a drain
+    unpinned requirement's newer release were put under a draining agent. While a drain
     is open pip is now asked what it would install, and anything waits. Here the venv got jeepney 99.0 from an index
     without the pins; with the pins pip would move it back while the spool shows a drain open: the run waits and fails
     past node_agent_drain_wait_s with the venv untouched, and installs once the drain has its outcome. A run with

@@ -1,6 +1,6 @@
 """uninstall.yml checks what it is asked before it removes anything: Ansible does not check extra variables, so a
 misspelt purge switch (`-e sco_purge=true`, `-e sco_purge_data=ture`) uninstalled the hall and kept its data without a
-word (review of issue 30). And a run that keeps the data says so at its end. Real ansible-playbook on the collection's
+word. And a run that keeps the data says so at its end. Real ansible-playbook on the collection's
 playbook against an inventory of the controller alone (no hall host is touched: --check, always-tagged tasks only)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """upgrade.yml's node play stops the roll at a node it cannot reach. Ansible counts failed hosts against
 max_fail_percentage, not unreachable ones: a node that could not be reached was left out and the next batch was
-upgraded (review of issue 30). Real ansible-playbook on the collection's playbook, in check mode and with only the
+upgraded. Real ansible-playbook on the collection's playbook, in check mode and with only the
 always-tagged tasks (the reach check; role node_agent's checks, harmless on this machine in check mode)."""
 
 from __future__ import annotations
